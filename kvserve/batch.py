@@ -1,0 +1,80 @@
+"""`kvserve generate`: one prompt, or an offline JSONL batch through the engine."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from kvserve.sampling_params import SamplingParams
+
+_PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _read_jsonl(path, llm, defaults: dict) -> tuple[list, list[SamplingParams], list[dict]]:
+    prompts, params, records = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("each line must be a JSON object")
+                if "messages" in rec:
+                    prompt = llm.encode_chat(rec["messages"])
+                elif isinstance(rec.get("prompt"), str):
+                    prompt = rec["prompt"]
+                else:
+                    raise ValueError('each line needs "prompt" (a string) or "messages"')
+                unknown = set(rec) - _PARAM_FIELDS - {"prompt", "messages", "id"}
+                if unknown:
+                    raise ValueError(f"unknown fields {sorted(unknown)}")
+                sp = SamplingParams(**{**defaults, **{k: v for k, v in rec.items() if k in _PARAM_FIELDS}})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            prompts.append(prompt)
+            params.append(sp)
+            records.append(rec)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts, params, records
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from kvserve.llm import LLM
+
+    if (args.prompt is None) == (args.input is None):
+        raise ValueError("give either a prompt or --input prompts.jsonl")
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype)
+    if args.prompt is not None:
+        prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        params = SamplingParams(**defaults)
+        if args.output is None:  # stream to the terminal through the seed's loop
+            from kvserve.chat import stream_local
+
+            if args.chat:
+                for piece in stream_local(llm, [{"role": "user", "content": args.prompt}], params):
+                    print(piece, end="", flush=True)
+            else:
+                out = llm.generate(prompt, params)[0]
+                print(out.text, end="")
+            print()
+            return 0
+        prompts, plist, records = [prompt], [params], [{"prompt": args.prompt}]
+    else:
+        prompts, plist, records = _read_jsonl(args.input, llm, defaults)
+    outs = llm.generate(prompts, plist)
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    try:
+        for rec, out in zip(records, outs):
+            row = {"id": rec.get("id"), "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                   "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)}
+            if len(out.outputs) > 1:
+                row["choices"] = [{"text": c.text, "finish_reason": c.finish_reason} for c in out.outputs]
+            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0

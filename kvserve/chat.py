@@ -1,0 +1,90 @@
+"""`kvserve chat`: a conversation in the terminal, streamed token by token.
+
+In-process it drives the seed's loop itself (prefill, then decode until end-of-sequence);
+with --url it streams the same conversation from a running kvserve server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+
+from kvserve.sampling_params import SamplingParams
+
+
+def _read_user() -> str | None:
+    try:
+        line = input("\n>>> ") if sys.stdin.isatty() else sys.stdin.readline()
+    except EOFError:
+        return None
+    if not line:
+        return None
+    line = line.strip()
+    return None if line in ("/exit", "/quit") else line
+
+
+def stream_local(llm, messages: list[dict], params: SamplingParams) -> Iterator[str]:
+    """The seed's loop: prefill the conversation, decode until an end token or max_tokens."""
+    from kvserve.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(llm.tokenizer, skip_special_tokens=True)
+    cache, token = llm.prefill(llm.encode_chat(messages), params)
+    try:
+        for _ in range(params.max_tokens or llm.max_model_len):
+            if token in llm.eos_token_ids or cache.num_tokens + 1 >= llm.max_model_len:
+                break
+            yield detok.add([token])
+            cache, token = llm.decode(cache, token, params)
+    finally:
+        cache.close()
+
+
+def stream_remote(url: str, api_key: str | None, messages: list[dict], args: argparse.Namespace) -> Iterator[str]:
+    """Server-Sent Events from POST /v1/chat/completions."""
+    import httpx
+
+    body = {"model": args.model, "messages": messages, "stream": True, "max_tokens": args.max_tokens,
+            "temperature": args.temperature, "top_p": args.top_p}
+    if args.seed is not None:
+        body["seed"] = args.seed
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=None) as r:
+        if r.status_code != 200:
+            r.read()
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = r.text
+            raise ValueError(f"the server answered {r.status_code}: {msg}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                yield choice.get("delta", {}).get("content") or ""
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    llm = None
+    if args.url is None:
+        from kvserve.llm import LLM
+
+        llm = LLM(args.model, dtype=args.dtype)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvserve chat: type a message, /exit to leave.", file=sys.stderr)
+    while (user := _read_user()) is not None:
+        if not user:
+            continue
+        messages.append({"role": "user", "content": user})
+        if llm is not None:
+            pieces = stream_local(llm, messages, params)
+        else:
+            pieces = stream_remote(args.url, args.api_key, messages, args)
+        reply = []
+        for piece in pieces:
+            print(piece, end="", flush=True)
+            reply.append(piece)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0

@@ -1,0 +1,73 @@
+"""Frozen configuration dataclasses: one per layer of the pipeline.
+
+ModelConfig describes a Llama-family architecture (read from GGUF metadata or config.json);
+CacheConfig sizes the paged KV pool; SchedulerConfig bounds each engine step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. kind: "none", "linear" or "llama3" (Llama 3.1's piecewise rule)."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    # llama3 only: the band between these wavelengths is interpolated smoothly.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2). Names follow Hugging Face."""
+
+    architecture: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # < num_attention_heads means grouped-query attention
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """K and V elements stored per token across all layers (multiply by the dtype size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    def describe(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: fixed-size blocks, as many as the memory budget holds."""
+
+    block_size: int = 16  # tokens per block
+    # Bytes for K and V of all layers; None means "enough for max_model_len x max_num_seqs tokens,
+    # capped at a quarter of free RAM" (see kv/pool sizing in llm.py).
+    memory_bytes: int | None = None
+    num_blocks: int | None = None  # overrides memory_bytes when set (tests use tiny pools)
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per engine step (vLLM v1 style: no separate prefill/decode phases)."""
+
+    max_num_batched_tokens: int = 512  # prefill chunks + decode tokens per step
+    max_num_seqs: int = 64  # sequences in one step
+    policy: str = "fcfs"  # "fcfs" or "priority" (lower priority value runs first)

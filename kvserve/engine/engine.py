@@ -1,0 +1,219 @@
+"""LLMEngine: add requests, step (schedule -> run -> update), read outputs.
+
+Everything about a request is checked in add_request() before any block is allocated; a step
+then never fails on a request's account. Not thread-safe: AsyncEngine owns it from one thread.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.output import append_token, make_output
+from kvserve.engine.request import Request, Sequence, SeqStatus
+from kvserve.engine.runner import ModelRunner, SeqChunk
+from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+from kvserve.outputs import RequestMetrics, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    prompt_tokens: int  # computed prompt tokens (prefix hits excluded)
+    generation_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        runner: ModelRunner,
+        manager: KVCacheManager,
+        scheduler_config: SchedulerConfig,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        seed: int | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.manager = manager
+        self.scheduler = Scheduler(scheduler_config, manager)
+        self.sampler = Sampler(vocab_size, seed=seed)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        # Said in context-length errors when the pool, not the model, sets the limit.
+        self.context_note = ""
+        if max_model_len == manager.pool.num_blocks * manager.block_size:
+            self.context_note = " (all the KV pool can hold)"
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._preemptions = 0
+
+    # -- admission ------------------------------------------------------------------------
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of prompt, or a ValueError naming what is wrong. Allocates nothing."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
+                "shorten the prompt"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens is {params.max_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
+                f"and the prompt takes {n}: max_tokens must be at most {self.max_model_len - n}"
+            )
+        total = n + (params.max_tokens or self.max_model_len - n)
+        blocks = self.manager.blocks_needed(total)
+        if blocks > self.manager.pool.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
+                f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt"
+            )
+        return ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+        req = Request(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=ids,
+            params=params,
+            metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
+            max_output_tokens=params.max_tokens or self.max_model_len - len(ids),
+        )
+        for i in range(params.n):
+            seq = Sequence(
+                seq_id=f"{request_id}#{i}",
+                index=i,
+                request=req,
+                token_ids=list(ids),
+                num_prompt_tokens=len(ids),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids=ids),
+                generator=Sampler.make_generator(params.seed + i) if params.seed is not None else None,
+            )
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; harmless for an unknown or finished one."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+        req.metrics.finished_time = time.monotonic()
+        return make_output(req, {})
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._preemptions += len(sched.preempted)
+        now = time.monotonic()
+        chunks, sampling = [], []
+        for seq, n in sched.scheduled:
+            start = seq.num_computed_tokens
+            need_logits = start + n == len(seq.token_ids)
+            chunks.append(SeqChunk(seq.token_ids[start : start + n], start, self.manager.block_ids(seq.seq_id), need_logits))
+            if need_logits:
+                sampling.append(seq)
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        if not chunks:
+            return []
+        logits = self.runner.run(chunks)
+        for seq, n in sched.scheduled:
+            if not seq.prompt_done:
+                self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if not sampling:
+            return []
+        rows = [
+            SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator, self.eos_token_ids)
+            for s in sampling
+        ]
+        sampled = self.sampler(logits, rows)
+        now = time.monotonic()
+        touched: dict[str, dict[Sequence, int]] = {}
+        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
+            append_token(seq, token, lp, self.eos_token_ids, self.max_model_len)
+            self._generation_tokens += 1
+            m = seq.request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if seq.finish_reason:
+                self._finish(seq)
+            touched.setdefault(seq.request.request_id, {})[seq] = 1
+        outputs = []
+        for rid, new in touched.items():
+            req = self.requests[rid]
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[rid]
+            outputs.append(make_output(req, new))
+        return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.FINISHED
+        self.scheduler.remove(seq)
+
+    def stats(self) -> EngineStats:
+        pool = self.manager.pool
+        ps = self.manager.prefix_stats
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used_blocks,
+            prefix_cache_queries=ps.queries,
+            prefix_cache_hits=ps.hits,
+            num_preemptions=self._preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )

@@ -1,0 +1,126 @@
+"""One token budget per step: running sequences first, then waiting ones.
+
+There are no prefill and decode phases. Each sequence has num_computed_tokens catching up with
+its tokens; a step gives it min(what it lacks, what the budget has left), so a long prompt is
+prefilled in chunks while the others keep decoding, and a new request joins the next step.
+When the pool runs dry the most recently admitted running sequence is preempted: its blocks
+are freed and it returns to the head of the queue, to be recomputed (mostly from the prefix
+cache). The head of the queue is never overtaken, so nothing starves.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.request import Sequence, SeqStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager) -> None:
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduler policy must be 'fcfs' or 'priority', got {config.policy!r}")
+        self.config = config
+        self.manager = manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._admissions = 0  # admission counter: the latest admitted is preempted first
+
+    def add(self, seq: Sequence) -> None:
+        if self.config.policy == "priority":
+            key = self._order_key(seq)
+            pos = next((i for i, s in enumerate(self.waiting) if self._order_key(s) > key), len(self.waiting))
+            self.waiting.insert(pos, seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and give its blocks back (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.manager.free(seq.seq_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _order_key(self, seq: Sequence) -> tuple:
+        return (seq.params.priority, seq.request.metrics.arrival_time, seq.index)
+
+    def _victim(self) -> Sequence:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda s: (s.params.priority, s.admitted_at))
+        return max(self.running, key=lambda s: s.admitted_at)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bs = self.manager.block_size
+
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if n == 0:
+                continue
+            while not self.manager.allocate(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self._victim()
+                self._preempt(victim, out)
+                for j, (s, k) in enumerate(out.scheduled):  # priority order may pick one already in
+                    if s is victim:
+                        del out.scheduled[j]
+                        budget += k
+                        break
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                out.scheduled.append((seq, n))
+                budget -= n
+
+        if out.preempted:  # the pool is tight: admit nobody this step
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.index > 0 and not seq.request.seqs[0].prompt_done and self.manager.pool.enable_caching:
+                break  # siblings wait for the first completion's prompt blocks, then share them
+            prefix = self.manager.find_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            computed = seq.num_computed_tokens or len(prefix) * bs
+            n = min(len(seq.token_ids) - computed, budget)
+            if not self.manager.allocate(seq.seq_id, computed + n, prefix):
+                break
+            self.manager.record_prefix_query(len(seq.token_ids), len(prefix) * bs)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = len(prefix) * bs
+            seq.num_computed_tokens = computed
+            seq.status = SeqStatus.RUNNING
+            self._admissions += 1
+            seq.admitted_at = self._admissions
+            self.waiting.popleft()
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out

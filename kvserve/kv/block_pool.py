@@ -1,0 +1,128 @@
+"""The pool of KV blocks: reference counts, a free queue in eviction order, a prefix-hash map.
+
+A block is in exactly one of three states:
+  in use        ref_cnt > 0 (some sequence's block table holds it)
+  cached, free  ref_cnt == 0, holds a hash: its K/V can be reused until it is evicted
+  free          ref_cnt == 0, no hash
+Every block with ref_cnt == 0 sits in the free queue; allocation takes from its head, and a
+cached block taken that way is evicted (its hash forgotten). Freed blocks with a hash go to the
+tail (least recently used is evicted first); freed blocks without one go to the head, so
+uncached blocks are reused before any cached K/V is lost.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvserve.errors import OutOfBlocksError
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Chained SHA-256: a block's key covers every token before it, not just its own."""
+    h = hashlib.sha256(parent or b"kvserve-root")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None  # kept with the hash so a hit is verified, not trusted
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, KVBlock] = {}
+
+    # -- counts ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take now (free ones and evictable cached ones)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def check_invariant(self) -> None:
+        """free + cached-unreferenced + in use == total, and the queue holds exactly ref 0."""
+        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
+        cached_free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+        free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is None)
+        assert free + cached_free + in_use == self.num_blocks
+        assert all(b.ref_cnt >= 0 for b in self.blocks)
+        assert set(self._free) == {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert all(self._cached[b.block_hash] is b for b in self.blocks if b.block_hash is not None)
+        assert len(self._cached) == sum(1 for b in self.blocks if b.block_hash is not None)
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block = self.blocks[self._free.popitem(last=False)[0]]
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take another reference (a prefix hit or a shared block); revives cached free blocks."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each. Pass a table tail-first: its tail is evicted first."""
+        for b in blocks:
+            assert b.ref_cnt > 0, f"block {b.block_id} freed twice"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = None
+                if b.block_hash is None:
+                    self._free.move_to_end(b.block_id, last=False)
+
+    # -- prefix cache ---------------------------------------------------------------------
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:
+        b = self._cached.get(block_hash)
+        if b is None or b.token_ids != tuple(token_ids):
+            return None
+        return b
+
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Publish a full, computed block under its hash (a duplicate stays unpublished)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self._cached[block_hash] = block
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = block.token_ids = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds."""
+        for i in self._free:
+            self._evict(self.blocks[i])

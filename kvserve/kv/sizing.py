@@ -1,0 +1,78 @@
+"""How big the KV pool is: bytes per token, blocks for a memory budget, the startup log line."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig
+
+DEFAULT_BUDGET_FRACTION = 0.2  # of available RAM, when no budget is given
+DEFAULT_BUDGET_CAP = 4 << 30  # the pool's pages are touched lazily, but stay modest by default
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
+            f"{self.bytes_per_token / 1024:.1f} KiB/token (2 x {self.num_layers} layers x "
+            f"{self.num_kv_heads} kv-heads x {self.head_dim} dims x {elem} bytes)"
+        )
+
+
+def size_kv_pool(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KVSizing:
+    probe = KVSizing(1, cache.block_size, model.num_hidden_layers, model.num_key_value_heads, model.head_dim, dtype)
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    else:
+        budget = cache.memory_bytes
+        if budget is None:
+            budget = min(int(available_memory() * DEFAULT_BUDGET_FRACTION), DEFAULT_BUDGET_CAP)
+        num_blocks = budget // probe.block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget holds no block of {probe.block_bytes} bytes: "
+            "raise CacheConfig.memory_bytes or num_blocks"
+        )
+    return KVSizing(num_blocks, cache.block_size, model.num_hidden_layers, model.num_key_value_heads, model.head_dim, dtype)
+
+
+def allocate_kv_pool(s: KVSizing) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, Hkv, D] tensor per layer. torch.empty leaves pages
+    untouched until written, so a large budget costs RAM only as it fills."""
+    shape = (2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+    return [torch.empty(shape, dtype=s.dtype) for _ in range(s.num_layers)]

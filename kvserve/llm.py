@@ -1,0 +1,244 @@
+"""LLM: the public face. prefill() and decode() by hand, or generate() through the engine.
+
+    from kvserve import LLM
+    llm = LLM()                                  # the embedded default model
+    cache, token = llm.prefill("Explain quantum computing like I'm ten.")
+    while token not in llm.eos_token_ids:
+        print(llm.tokenizer.decode([token]), end="")
+        cache, token = llm.decode(cache, token)
+
+The cache is a sequence's block table in the paged KV pool; watch it grow through num_tokens,
+num_blocks and nbytes. Its blocks return to the pool on close() or when it is dropped.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.runner import ModelRunner, SeqChunk
+from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.errors import CacheClosedError, OutOfBlocksError
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.sizing import allocate_kv_pool, size_kv_pool
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+def default_dtype() -> torch.dtype:
+    """bfloat16 where the hardware computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX):
+    decode reads every weight once per token, and half the bytes is nearly twice the speed
+    (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+    return names[dtype] or default_dtype()
+
+
+class KVCache:
+    """One sequence's KV cache: its block table in the pool and the tokens computed into it."""
+
+    def __init__(self, llm: LLM, seq_id: str, num_prompt_tokens: int) -> None:
+        self._manager = llm.manager
+        self._block_bytes = llm.kv_sizing.block_bytes
+        self.seq_id = seq_id
+        self.token_ids: list[int] = []  # tokens whose K/V are in the cache
+        self.num_prompt_tokens = num_prompt_tokens
+        self.generator: torch.Generator | None = None
+        self._finalizer = weakref.finalize(self, self._manager.free, seq_id)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self._manager.block_ids(self.seq_id)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._manager.tables.get(self.seq_id, ()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool this cache holds (whole blocks, K and V, all layers)."""
+        return self.num_blocks * self._block_bytes
+
+    def close(self) -> None:
+        """Return the blocks to the pool (shared prefix blocks stay cached for reuse)."""
+        self._finalizer()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.num_tokens} tokens in {self.num_blocks} blocks, {self.nbytes} bytes"
+        return f"KVCache({state})"
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str | torch.dtype = "auto",
+        *,
+        cache: CacheConfig = CacheConfig(),
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        max_model_len: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.dtype = parse_dtype(dtype)
+        ckpt = load_checkpoint(model, self.dtype)
+        self.config: ModelConfig = ckpt.config
+        self.model_path = ckpt.path
+        self.model_name = model
+        self.tokenizer = Tokenizer.load(ckpt.path)
+        self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
+        self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
+        self.kv_sizing = size_kv_pool(self.config, cache, self.dtype)
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
+        self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
+        self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size)
+        self.scheduler_config = scheduler
+        self.engine = LLMEngine(
+            self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
+            self.max_model_len, self.eos_token_ids, seed=seed,
+        )
+        self._sampler = self.engine.sampler
+        self._ids = itertools.count()
+        self.load_seconds = time.perf_counter() - t0
+        log.info("model: %s (%s, %s), %.1f M parameters, loaded in %.1f s", model, ckpt.path.name,
+                 str(self.dtype).removeprefix("torch."), self.model.nbytes / self.model.embed.element_size() / 1e6,
+                 self.load_seconds)
+        log.info(self.kv_sizing.describe())
+
+    # -- prompts --------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's own chat template."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    # -- the seed's API -------------------------------------------------------------------
+    def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[KVCache, int]:
+        """Read the whole prompt once into a new KV cache; return it and the first token."""
+        params = params or GREEDY
+        ids = self.engine.validate(prompt, params)
+        cache = KVCache(self, f"prefill-{next(self._ids)}", len(ids))
+        if params.seed is not None:
+            cache.generator = Sampler.make_generator(params.seed)
+        try:
+            prefix = self.manager.find_prefix(ids)
+            done = len(prefix) * self.manager.block_size
+            self.manager.record_prefix_query(len(ids), done)
+            if not self.manager.allocate(cache.seq_id, len(ids), prefix):
+                raise OutOfBlocksError(
+                    f"the KV pool has {self.manager.pool.num_free_blocks} free blocks, the prompt needs "
+                    f"{self.manager.blocks_needed(len(ids)) - len(prefix)}: close other caches first"
+                )
+            cache.token_ids = ids[:done]
+            step = self.scheduler_config.max_num_batched_tokens  # bounds attention memory
+            while done < len(ids):
+                chunk = ids[done : done + step]
+                logits = self.runner.run([SeqChunk(chunk, done, cache.block_ids, done + len(chunk) == len(ids))])
+                done += len(chunk)
+                cache.token_ids = ids[:done]
+                self.manager.cache_computed(cache.seq_id, cache.token_ids, done)
+            return cache, self._sample(logits, cache, params)
+        except BaseException:
+            cache.close()
+            raise
+
+    def decode(self, cache: KVCache, token: int, params: SamplingParams | None = None) -> tuple[KVCache, int]:
+        """Append token to the cache (computing its K/V) and return the cache and the next token."""
+        if cache.closed:
+            raise CacheClosedError("this KV cache is closed and its blocks are back in the pool: prefill again")
+        if not isinstance(token, int) or not 0 <= token < self.config.vocab_size:
+            raise ValueError(f"token must be an id in [0, {self.config.vocab_size}), got {token!r}")
+        n = cache.num_tokens
+        if n + 1 > self.max_model_len:
+            raise ValueError(f"the context is full ({self.max_model_len} tokens): start a new cache")
+        if not self.manager.allocate(cache.seq_id, n + 1):
+            raise OutOfBlocksError("the KV pool has no free block for this cache: close other caches first")
+        logits = self.runner.run([SeqChunk([token], n, cache.block_ids, True)])
+        cache.token_ids.append(token)
+        self.manager.cache_computed(cache.seq_id, cache.token_ids, n + 1)
+        return cache, self._sample(logits, cache, params or GREEDY)
+
+    def _sample(self, logits: torch.Tensor, cache: KVCache, params: SamplingParams) -> int:
+        ids = cache.token_ids
+        row = SamplingRow(params, ids[: cache.num_prompt_tokens], ids[cache.num_prompt_tokens :], cache.generator, self.eos_token_ids)
+        return self._sampler(logits, [row]).token_ids[0]
+
+    # -- the offline batch API ------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt through the engine, batched continuously; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
+        base = next(self._ids)
+        rids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        for rid, p, sp, tok in zip(rids, prompts, plist, ids):
+            self.engine.add_request(rid, p, sp, prompt_token_ids=tok)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(prompts) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        try:
+            while len(results) < len(rids):
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[r] for r in rids]

@@ -1,0 +1,236 @@
+"""GGUF checkpoints → ModelConfig and Hugging Face-named float tensors.
+
+Files are read with gguf's GGUFReader (memory-mapped, so tensor bytes are paged in only while
+they are decoded). Two quirks of llama.cpp's converter are undone here:
+- `llama` files store q_proj/k_proj rows interleaved per head (pairs (0, d/2), (1, d/2+1), …
+  become neighbours) for llama.cpp's interleaved RoPE; kvserve uses rotate-half RoPE, so the
+  rows are put back in Hugging Face order. `qwen2` files are stored unpermuted.
+- Llama 3.1-style RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors,
+  not as metadata; it is recognised and turned back into RopeScaling("llama3").
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, Keys
+from gguf.gguf_reader import ReaderTensor
+
+from kvserve.config import ModelConfig, RopeScaling
+from kvserve.errors import ModelFormatError
+from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ROPE_FREQS = "rope_freqs.weight"
+
+
+class _Reader(GGUFReader):
+    """GGUFReader whose field parsing slices a plain ndarray view of the map, not np.memmap.
+
+    Parsing builds one small array per token and merge (~250k for a 49k-token vocabulary);
+    np.memmap's per-slice bookkeeping made that 2-3 s, the plain view 0.7 s. The arrays still
+    point into the same mapping; tests check the result against the stock reader.
+    """
+
+    _plain: np.ndarray | None = None
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        if self._plain is None:
+            self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = self._plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Open and parse a GGUF file; any damage becomes one ModelFormatError line."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(
+            f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+            "pass a .gguf file or a Hugging Face model directory"
+        )
+    try:
+        # "c" (copy-on-write) maps the file writable in-process, so torch can wrap it warning-free.
+        return _Reader(path, "c")
+    except Exception as e:  # gguf/numpy raise ValueError, IndexError, KeyError... on damage
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(
+            f"{path}: truncated or corrupt GGUF file ({detail}); download or convert it again"
+        ) from None
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _required(reader: GGUFReader, path: Path, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise ModelFormatError(f"{path}: GGUF metadata lacks {key!r}, which kvserve needs")
+    return value
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 → 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _torch_shape(t: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims innermost first
+
+
+def _llama3_divisors(
+    head_dim: int, theta: float, factor: float, low: float, high: float, orig_ctx: int
+) -> torch.Tensor:
+    """llama.cpp's rope_freqs for Llama 3.1 scaling: how much each frequency is divided by."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (orig_ctx / wavelen - low) / (high - low)
+    middle = 1.0 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < orig_ctx / high, 1.0, middle)
+    return torch.where(wavelen > orig_ctx / low, factor, out)
+
+
+def _rope_scaling(
+    reader: GGUFReader, path: Path, arch: str, head_dim: int, theta: float
+) -> RopeScaling:
+    kind = _field(reader, Keys.Rope.SCALING_TYPE.format(arch=arch), "none")
+    factor = _f32(_field(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch), 1.0))
+    if kind == "linear" and factor != 1.0:
+        return RopeScaling("linear", factor)
+    if kind not in ("none", "linear"):
+        raise ModelFormatError(
+            f"{path}: RoPE scaling {kind!r} is not supported "
+            "(kvserve supports none, linear, llama3)"
+        )
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if freqs is None:
+        return RopeScaling()
+    divisors = dequantize(freqs.data, freqs.tensor_type, _torch_shape(freqs)).double().flatten()
+    # Every published Llama 3.x uses low 1, high 4, original context 8192; only factor varies.
+    # Recompute the table from those and accept the file only if it matches.
+    scaling = RopeScaling("llama3", float(divisors.max()), 1.0, 4.0, 8192)
+    expected = _llama3_divisors(head_dim, theta, scaling.factor, 1.0, 4.0, 8192)
+    if divisors.shape != expected.shape or not torch.allclose(divisors, expected, rtol=1e-4):
+        raise ModelFormatError(
+            f"{path}: its rope_freqs tensor is not Llama 3 RoPE scaling, "
+            "the only per-frequency scaling kvserve supports"
+        )
+    return scaling
+
+
+def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata; checks architecture and tensor types before any decoding."""
+    arch = _required(reader, path, Keys.General.ARCHITECTURE)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFormatError(
+            f"{path}: architecture {arch!r} is not supported "
+            f"(kvserve runs {', '.join(SUPPORTED_ARCHS)} GGUFs)"
+        )
+    if _field(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch), 0):
+        raise ModelFormatError(f"{path}: mixture-of-experts {arch} models are not supported")
+    for t in reader.tensors:
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+            raise ModelFormatError(
+                f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvserve cannot decode "
+                f"(supported: {names}); use a file quantized to one of these"
+            )
+
+    def key(template: str, default: Any = None) -> Any:
+        k = template.format(arch=arch)
+        return _required(reader, path, k) if default is None else _field(reader, k, default)
+
+    hidden = int(key(Keys.LLM.EMBEDDING_LENGTH))
+    heads = int(key(Keys.Attention.HEAD_COUNT))
+    head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // heads))
+    if int(key(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
+        raise ModelFormatError(f"{path}: partial-rotary RoPE is not supported")
+    theta = _f32(key(Keys.Rope.FREQ_BASE, 10000.0))
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelFormatError(f"{path}: no token_embd.weight tensor; not a complete {arch} model")
+    vocab = key(Keys.LLM.VOCAB_SIZE, -1)
+    eos_keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
+    eos = [_field(reader, k) for k in eos_keys]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab) if vocab >= 0 else _torch_shape(names["token_embd.weight"])[0],
+        hidden_size=hidden,
+        intermediate_size=int(key(Keys.LLM.FEED_FORWARD_LENGTH)),
+        num_hidden_layers=int(key(Keys.LLM.BLOCK_COUNT)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(key(Keys.Attention.HEAD_COUNT_KV, heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(key(Keys.LLM.CONTEXT_LENGTH)),
+        rms_norm_eps=_f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(reader, path, arch, head_dim, theta),
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        name=path.stem,
+    )
+
+
+def hf_name(path: Path, gguf_name: str) -> str:
+    """blk.3.attn_q.weight → model.layers.3.self_attn.q_proj.weight."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # ["blk", i, key, "weight"|"bias"]
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ModelFormatError(
+        f"{path}: unexpected tensor {gguf_name!r}; not a plain llama/qwen2 model"
+    )
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave of q_proj/k_proj (weights or biases)."""
+    rest = w.shape[1:]
+    w = w.reshape(n_head, -1, 2, *rest)  # [heads, head_dim/2, 2, (in)]: row pairs (j, j + d/2)
+    return w.transpose(1, 2).reshape(-1, *rest)  # [heads * head_dim, (in)]
+
+
+def read_tensors(
+    reader: GGUFReader, path: Path, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    with single_threaded():
+        for t in reader.tensors:
+            if t.name == _ROPE_FREQS:
+                continue  # folded into config.rope_scaling
+            name = hf_name(path, t.name)
+            w = dequantize(t.data, t.tensor_type, _torch_shape(t))
+            if config.architecture == "llama" and ".attn_q." in t.name:
+                w = _unpermute(w, config.num_attention_heads)
+            elif config.architecture == "llama" and ".attn_k." in t.name:
+                w = _unpermute(w, config.num_key_value_heads)
+            tensors[name] = w.to(dtype)
+    return tensors

@@ -1,0 +1,159 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2.
+
+Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
+embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
+bias) and a SwiGLU MLP; the LM head is tied to the embedding or separate. References: "LLaMA"
+(Touvron et al. 2023), "GQA" (Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants
+Improve Transformer" (Shazeer 2020).
+
+The forward works on one packed step: a flat [T] list of tokens from many sequences, with K/V
+kept in the paged pool (see attention.py). Weights arrive under Hugging Face names and are fused
+at load time (q/k/v into wqkv, gate/up into w13) so each layer runs three matmuls plus wo.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.config import ModelConfig
+from kvserve.errors import ModelFormatError
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] (float32), with llama3 or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs.kind == "linear":
+        inv_freq = inv_freq / rs.factor
+    elif rs.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        old = rs.original_max_position_embeddings
+        low_wavelen, high_wavelen = old / rs.low_freq_factor, old / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    elif rs.kind != "none":
+        raise ModelFormatError(f"unsupported RoPE scaling {rs.kind!r}: kvserve supports none, linear, llama3")
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the compute dtype, as the reference does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    bqkv: torch.Tensor | None  # [(H + 2 Hkv) * D] (Qwen2)
+    wo: torch.Tensor  # [hidden, H * D]
+    post_norm: torch.Tensor  # [hidden]
+    w13: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows
+    w2: torch.Tensor  # [hidden, ffn]
+
+
+class LlamaModel:
+    """Weights and the packed forward. Call under torch.inference_mode()."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        attention: AttentionBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.attention = attention or TorchAttention()
+        self.scale = config.head_dim**-0.5
+        self.inv_freq = rope_inv_freq(config)
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return tensors.pop(name).to(dtype).contiguous()
+            except KeyError:
+                raise ModelFormatError(f"model weights lack tensor {name!r}") from None
+
+        def take_opt(name: str) -> torch.Tensor | None:
+            return take(name) if name in tensors else None
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            biases = [take_opt(a + f"{n}_proj.bias") for n in "qkv"]
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    wqkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                    bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
+                    wo=take(a + "o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    w13=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                    w2=take(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = take("model.norm.weight")
+        lm_head = take_opt("lm_head.weight")
+        self.lm_head = self.embed if (config.tie_word_embeddings or lm_head is None) else lm_head
+
+    @property
+    def nbytes(self) -> int:
+        ts = [self.embed, self.norm, self.lm_head if self.lm_head is not self.embed else self.norm]
+        for lw in self.layers:
+            ts += [lw.input_norm, lw.wqkv, lw.wo, lw.post_norm, lw.w13, lw.w2]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)  # [T, 1, D]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        c = self.config
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        T = input_ids.shape[0]
+        cos, sin = self.rope(positions)
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for lw, kv_cache in zip(self.layers, kv_caches):
+            h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
+            qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 Hkv) * D]
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(T, H, D)
+            k = k.view(T, Hkv, D)
+            v = v.view(T, Hkv, D)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+            x = x + F.linear(o.reshape(T, H * D), lw.wo)
+            h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, lw.w13).chunk(2, dim=-1)  # [T, ffn] each
+            x = x + F.linear(F.silu(gate) * up, lw.w2)
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on the given positions only: [N, hidden] -> [N, V] float32."""
+        return F.linear(hidden, self.lm_head).float()

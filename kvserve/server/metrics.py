@@ -1,0 +1,87 @@
+"""Prometheus metrics, on a registry of the app's own (two apps in one process never mix).
+
+Latency histograms are observed by the server as requests progress; the engine's gauges and
+counters (running, waiting, KV usage, prefix cache, tokens) are read from its last step's stats
+at scrape time. All times are from the request's arrival at the server.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.engine.engine import EngineStats
+from kvserve.outputs import RequestMetrics
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int]) -> None:
+        self._stats = stats
+        self._admitted = admitted
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("kvserve_requests_admitted", "Requests admitted and not yet answered.",
+                                value=self._admitted())
+        s = self._stats()
+        if s is None:  # still loading
+            return
+        gauges = {
+            "kvserve_num_requests_running": ("Sequences in the engine's running batch.", s.num_running),
+            "kvserve_num_requests_waiting": ("Sequences waiting to be scheduled.", s.num_waiting),
+            "kvserve_kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0 to 1).", s.kv_usage),
+            "kvserve_kv_cache_blocks_used": ("KV cache blocks held by requests.", s.kv_blocks_used),
+            "kvserve_kv_cache_blocks_total": ("KV cache blocks in the pool.", s.kv_blocks_total),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "kvserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "kvserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "kvserve_prompt_tokens": ("Prompt tokens computed (prefix cache hits excluded).", s.prompt_tokens),
+            "kvserve_generation_tokens": ("Tokens generated.", s.generation_tokens),
+            "kvserve_num_preemptions": ("Sequences preempted for lack of KV blocks.", s.num_preemptions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "kvserve_time_to_first_token_seconds", "From the request's arrival to its first generated token.",
+            buckets=_LATENCY, registry=r)
+        self.inter_token_latency = Histogram(
+            "kvserve_inter_token_latency_seconds", "Between successive engine outputs of a request.",
+            buckets=_TOKEN_GAP, registry=r)
+        self.e2e_latency = Histogram(
+            "kvserve_e2e_request_latency_seconds", "From the request's arrival to its last token.",
+            buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram(
+            "kvserve_request_queue_time_seconds", "From the request's arrival to its first scheduling.",
+            buckets=_LATENCY, registry=r)
+        self.finished = Counter(
+            "kvserve_request_finished", "Completions ended, by finish reason (stop, length, abort, error).",
+            ["finish_reason"], registry=r)
+        r.register(_EngineCollector(stats, admitted))
+
+    def observe_finished(self, m: RequestMetrics | None, reasons: list[str], end: float) -> None:
+        """A request ended (finished, aborted or failed); `end` is time.monotonic() then."""
+        for reason in reasons:
+            self.finished.labels(finish_reason=reason).inc()
+        if m is None:
+            return
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        self.e2e_latency.observe((m.finished_time or end) - m.arrival_time)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

