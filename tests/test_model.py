@@ -19,6 +19,7 @@ CASES = {
     "llama-gqa2-untied": ("llama", 4, 2, False, None),
     "llama-mqa-llama3": ("llama", 4, 1, True, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "llama-gqa3-linear": ("llama", 6, 2, False, {"rope_type": "linear", "factor": 2.0}),
+    "llama-gqa2-bias": ("llama", 4, 2, True, None),  # attention_bias: q/k/v and o_proj biases
     "qwen2-gqa2-tied": ("qwen2", 4, 2, True, None),
     "qwen2-gqa4-untied": ("qwen2", 8, 2, False, None),
 }
@@ -38,13 +39,13 @@ def build(case: str):
     if rope_scaling:
         common["rope_scaling"] = dict(rope_scaling, rope_theta=10000.0)
     if arch == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(**common))
+        hf = LlamaForCausalLM(LlamaConfig(**common, attention_bias="bias" in case))
     else:
         hf = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():  # random init leaves biases at zero; make them matter
-            for layer in hf.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.5)
+    with torch.no_grad():  # random init leaves biases at zero; make them matter
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
     hf.eval()
     rs = RopeScaling()
     if rope_scaling:
@@ -56,7 +57,7 @@ def build(case: str):
         architecture=arch, vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=96 // heads,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=rs,
-        attention_bias=arch == "qwen2", tie_word_embeddings=tied,
+        attention_bias=arch == "qwen2" or "bias" in case, tie_word_embeddings=tied,
     )
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     model = LlamaModel(cfg, tensors, torch.float32)

@@ -23,17 +23,18 @@ def append_token(
     n_out = seq.num_output_tokens
     if not p.ignore_eos and token in eos_ids and n_out >= p.min_tokens:
         seq.finish_reason = "stop"
-        return
-    if token in p.stop_token_ids and n_out >= p.min_tokens:
+    elif token in p.stop_token_ids and n_out >= p.min_tokens:
         seq.finish_reason, seq.stop_reason = "stop", token
-        return
-    seq.text += seq.detokenizer.add([token])
-    if p.stop and n_out >= p.min_tokens:
-        _check_stop_strings(seq)
-        if seq.finish_reason:
-            return
-    if n_out >= seq.request.max_output_tokens or len(seq.token_ids) >= max_model_len:
-        seq.finish_reason = "length"
+    else:
+        seq.text += seq.detokenizer.add([token])
+        if p.stop and n_out >= p.min_tokens:
+            _check_stop_strings(seq)
+            if seq.finish_reason:
+                return  # the text ends at the stop string; nothing after it is wanted
+        if n_out >= seq.request.max_output_tokens or len(seq.token_ids) >= max_model_len:
+            seq.finish_reason = "length"
+    if seq.finish_reason:
+        seq.text += seq.detokenizer.flush()  # an incomplete character held back at the end
 
 
 def _check_stop_strings(seq: Sequence) -> None:

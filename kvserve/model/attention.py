@@ -64,6 +64,8 @@ class TorchAttention(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        if all(n == 1 for n in meta.query_lens):  # a pure decode step: one batched call
+            return self._decode(q, kv_cache, meta, list(range(meta.num_seqs)), scale)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -110,12 +112,14 @@ class TorchAttention(AttentionBackend):
             blocks = meta.block_tables[i][: max_blocks]
             rows.append(blocks + [blocks[0]] * (max_blocks - len(blocks)))
         table = torch.tensor(rows, dtype=torch.long)
-        kv = kv_cache[:, table].reshape(2, B, max_blocks * bs, hkv, d)  # [2, B, Lmax, Hkv, D]
-        k = kv[0].transpose(1, 2).to(q.dtype)  # [B, Hkv, Lmax, D]
-        v = kv[1].transpose(1, 2).to(q.dtype)
-        mask = torch.arange(max_blocks * bs).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-        mask = mask[:, None, None, :]  # [B, 1, 1, Lmax]: padding past each seq_len is masked
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )  # [B, H, 1, D]
-        return o.squeeze(2)
+        L = max_blocks * bs
+        kv = kv_cache[:, table].reshape(2, B, L, hkv, d)  # [2, B, L, Hkv, D]
+        k = kv[0].permute(0, 2, 3, 1).float()  # [B, Hkv, D, L]
+        v = kv[1].transpose(1, 2).float()  # [B, Hkv, L, D]
+        # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
+        qg = q.float().view(B, hkv, -1, d)  # [B, Hkv, G, D]
+        scores = torch.matmul(qg, k) * scale  # [B, Hkv, G, L]
+        pad = torch.arange(L).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)  # [B, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G, D]
+        return o.reshape(B, -1, d).to(q.dtype)  # [B, H, D]

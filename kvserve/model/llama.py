@@ -63,6 +63,7 @@ class LayerWeights:
     wqkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
     bqkv: torch.Tensor | None  # [(H + 2 Hkv) * D] (Qwen2)
     wo: torch.Tensor  # [hidden, H * D]
+    bo: torch.Tensor | None  # [hidden] (Llama with attention_bias)
     post_norm: torch.Tensor  # [hidden]
     w13: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows
     w2: torch.Tensor  # [hidden, ffn]
@@ -105,6 +106,7 @@ class LlamaModel:
                     wqkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
                     bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
                     wo=take(a + "o_proj.weight"),
+                    bo=take_opt(a + "o_proj.bias"),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     w13=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
                     w2=take(p + "mlp.down_proj.weight"),
@@ -148,7 +150,7 @@ class LlamaModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            x = x + F.linear(o.reshape(T, H * D), lw.wo)
+            x = x + F.linear(o.reshape(T, H * D), lw.wo, lw.bo)
             h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
             gate, up = F.linear(h, lw.w13).chunk(2, dim=-1)  # [T, ffn] each
             x = x + F.linear(F.silu(gate) * up, lw.w2)

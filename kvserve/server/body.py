@@ -42,7 +42,9 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
-    except (ValueError, RecursionError) as e:
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
+    except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")

@@ -83,17 +83,16 @@ def from_value_error(e: ValueError, renames: Mapping[str, str] | None = None) ->
         param = "max_tokens"
     if message.startswith("the chat template"):
         param = "messages"
-    renames = renames or {}
-    param = renames.get(param, param) if param else None
-    if param and renames.get(message.split()[0]):  # say the name the client used
-        message = renames[message.split()[0]] + message[len(message.split()[0]):]
+    if renames and param in renames:  # say the name the client used
+        message = re.sub(rf"\b{param}\b", renames[param], message)
+        param = renames[param]
     return APIError(400, message, param=param)
 
 
 def from_validation_error(e: ValidationError) -> APIError:
     """A 400 naming the first offending field, e.g. messages[0].role."""
     err = e.errors(include_url=False)[0]
-    loc, msg = err["loc"], err["msg"].removeprefix("Value error, ")
+    loc, msg = err["loc"], re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
     path, union = "", None
     for i, part in enumerate(loc):
         if isinstance(part, int):

@@ -1,8 +1,10 @@
-"""Responses that stop their work when the client goes away.
+"""Responses that stop their work when the client goes away, or when the server cuts it off.
 
 Both kinds watch the connection for http.disconnect while the engine works. When the client
 leaves, the work is cancelled; the engine iterator's cleanup then aborts the request, and the
-engine frees its KV blocks before its next step. An `on_close` callback runs in every case,
+engine frees its KV blocks before its next step. The work is also registered in `tracked`, so
+that a drain past its timeout can cancel it; the client then gets a 503 (or, mid-stream, a
+final error event) instead of a dropped connection. An `on_close` callback runs in every case,
 even if the client left before the first byte (it releases the admission).
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from kvserve.server.errors import APIError
+
 log = logging.getLogger("kvserve.server")
 T = TypeVar("T")
 
@@ -25,28 +29,36 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+def cut_off() -> APIError:
+    return APIError(503, "the server shut down before this request finished (drain timeout)", code="shutdown")
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def _first_of(work: asyncio.Future, receive: Receive) -> None:
-    """Wait for work or a disconnect; on leaving (either way, or cancelled) nothing is left running."""
+async def _first_of(work: asyncio.Future, receive: Receive, tracked: set[asyncio.Future]) -> bool:
+    """Wait for work or a disconnect; True if the client left. Nothing is left running after."""
     watch = asyncio.ensure_future(_wait_disconnect(receive))
+    tracked.add(work)
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return watch.done() and not work.done()
     finally:
+        tracked.discard(work)
         for task in (work, watch):
             task.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
 
 
-async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """The result of work, or ClientDisconnected if the client left first (work is then cancelled)."""
+async def run_until_disconnect(request: Request, work: Awaitable[T], tracked: set[asyncio.Future]) -> T:
+    """The result of work; ClientDisconnected if the client left first, a 503 if it was cut off."""
     task = asyncio.ensure_future(work)
-    await _first_of(task, request.receive)
-    if task.cancelled():
+    if await _first_of(task, request.receive, tracked):
         raise ClientDisconnected
+    if task.cancelled():
+        raise cut_off()
     return task.result()
 
 
@@ -61,21 +73,34 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None], tracked: set[asyncio.Future]) -> None:
         self.events = events
         self.on_close = on_close
+        self.tracked = tracked
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
         try:
-            await _first_of(asyncio.ensure_future(self._pump(send)), receive)
+            if await _first_of(pump, receive, self.tracked):
+                return  # the client left; nobody to tell
+            if pump.cancelled():  # cut off by the server
+                if self._started:
+                    await send({"type": "http.response.body", "body": sse(cut_off().body()) + sse("[DONE]"),
+                                "more_body": False})
+                else:
+                    await cut_off().response()(scope, receive, send)
+            elif pump.exception() is not None:
+                log.error("a stream failed", exc_info=pump.exception())
         finally:
             self.on_close()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._started = True
         try:
             async for event in self.events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})

@@ -1,0 +1,106 @@
+"""POST /v1/chat/completions: a conversation rendered by the model's (sandboxed) chat template."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.outputs import RequestOutput
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import APIError, from_value_error
+from kvserve.server.generation import Job, usage
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.streaming import ClientDisconnected, EventStream, run_until_disconnect, sse
+from kvserve.server.validation import check_limits, parse, reject, sampling_params
+
+# The engine speaks of "prompt"; here the prompt is the conversation.
+_RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
+
+
+async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
+    arrival = time.monotonic()
+    ctx.state.require_ready()
+    req = await parse(request, ChatCompletionRequest, ctx.settings)
+    reject(not req.messages, "messages", "must not be empty")
+    reject(bool(req.tools), "tools", "are not supported (no tool calling)")
+    reject(bool(req.logit_bias), "logit_bias", "is not supported")
+    reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
+    check_limits(ctx.settings, req.n, req.top_logprobs, "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(lambda: req.sampling_params(max_tokens, logprobs), renames)
+    messages = [m.for_template() for m in req.messages]
+    llm = ctx.state.llm
+    try:
+        ids = await asyncio.to_thread(llm.encode_chat, messages, req.add_generation_prompt)
+        ids = (await ctx.client.tokenize([ids], params))[0]
+    except ValueError as e:  # the template refused the messages, or the prompt does not fit
+        raise from_value_error(e, renames) from None
+    job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
+    admission = ctx.state.admit(job.num_seqs)
+    if req.stream:
+        return EventStream(_stream(ctx, job, req), admission.release)
+    try:
+        final = await run_until_disconnect(request, _collect(ctx, job))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening
+    finally:
+        admission.release()
+    return JSONResponse(_response(ctx, job, final))
+
+
+async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
+    final = None
+    async for _, out in ctx.client.outputs(job):
+        final = out
+    return final
+
+
+def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
+    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name}
+
+
+def _response(ctx: ServerContext, job: Job, final: RequestOutput) -> dict:
+    choices = [
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
+         "finish_reason": c.finish_reason}
+        for c in final.outputs
+    ]
+    return {**_head(job, ctx, "chat.completion"), "choices": choices, "usage": usage([final])}
+
+
+async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    head = _head(job, ctx, "chat.completion.chunk")
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]})
+
+    final = None
+    done: set[int] = set()
+    try:
+        for i in range(job.params.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        async for _, out in ctx.client.outputs(job):
+            final = out
+            for c in out.outputs:
+                if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                    continue
+                lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
+                if c.delta_text or lp:
+                    yield chunk(c.index, {"content": c.delta_text}, lp)
+                if c.finished:
+                    done.add(c.index)
+                    yield chunk(c.index, {}, None, c.finish_reason)
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage([final])})
+    except APIError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")

@@ -1,0 +1,96 @@
+"""`kvserve serve`: the arguments, then the app on uvicorn (imported only when serving)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+log = logging.getLogger("kvserve.server")
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: --model)")
+    p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require Authorization: Bearer <key> (default: $KVSERVE_API_KEY; /health and /metrics stay open)")
+    p.add_argument("--allowed-origins", default="", help="comma-separated origins for CORS (default: CORS off)")
+    g = p.add_argument_group("limits")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="sequences that may wait beyond --max-num-seqs running ones; more get 429 (default: 256)")
+    g.add_argument("--max-n", type=int, default=8, help="most completions per request (default: 8)")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per token (default: 20)")
+    g.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body in MiB (default: 4)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
+    e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
+
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.server.app import build_app
+    from kvserve.server.drain import DrainingServer
+    from kvserve.server.settings import ServerSettings
+
+    resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
+    for name in ("max_queued_requests", "max_n", "max_logprobs", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < (0 if name == "max_queued_requests" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    settings = ServerSettings(
+        model_name=args.served_model_name or args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        drain_timeout=args.drain_timeout,
+    )
+    failure: list[BaseException] = []
+    server = None
+
+    def on_load_failure(e: BaseException) -> None:
+        failure.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(settings, load=lambda: _load(args), on_load_failure=on_load_failure)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=2, server_header=False)
+    server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
+    log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
+             settings.model_name, settings.url)
+    server.run()
+    if failure:
+        raise ValueError(f"the model failed to load: {failure[0]}")
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.llm import LLM
+
+    cache = CacheConfig(
+        memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    return LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)

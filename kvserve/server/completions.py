@@ -1,0 +1,107 @@
+"""POST /v1/completions: one or more prompts, streamed or whole."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.outputs import RequestOutput
+from kvserve.server.context import ServerContext
+from kvserve.server.errors import APIError, from_value_error
+from kvserve.server.generation import Job, usage
+from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.protocol import CompletionRequest
+from kvserve.server.streaming import ClientDisconnected, EventStream, run_until_disconnect, sse
+from kvserve.server.validation import check_limits, parse, reject, sampling_params
+
+
+async def create_completion(request: Request, ctx: ServerContext) -> Response:
+    arrival = time.monotonic()
+    ctx.state.require_ready()
+    req = await parse(request, CompletionRequest, ctx.settings)
+    reject(req.echo, "echo", "is not supported")
+    reject(req.suffix is not None, "suffix", "is not supported")
+    reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
+    reject(bool(req.logit_bias), "logit_bias", "is not supported")
+    check_limits(ctx.settings, req.n, req.logprobs, "logprobs")
+    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+    prompts = _prompts(req.prompt)
+    try:
+        ids = await ctx.client.tokenize(prompts, params)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
+    admission = ctx.state.admit(job.num_seqs)
+    if req.stream:
+        return EventStream(_stream(ctx, job, req), admission.release)
+    try:
+        finals = await run_until_disconnect(request, _collect(ctx, job))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening
+    finally:
+        admission.release()
+    return JSONResponse(_response(ctx, job, req, finals))
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """A string, token ids, or a batch of either → a list of prompts."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+async def _collect(ctx: ServerContext, job: Job) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(job.prompts)
+    async for i, out in ctx.client.outputs(job):
+        finals[i] = out
+    return finals  # type: ignore[return-value]
+
+
+def _head(job: Job, ctx: ServerContext) -> dict:
+    return {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
+            "model": ctx.settings.model_name}
+
+
+def _logprobs(ctx: ServerContext, lps, offset: int, skip: bool) -> tuple[dict, int]:
+    return completion_logprobs(lps, ctx.texts, offset, ctx.special_token_ids if skip else frozenset())
+
+
+def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list[RequestOutput]) -> dict:
+    choices = []
+    for i, out in enumerate(finals):
+        for c in out.outputs:
+            lp = _logprobs(ctx, c.logprobs, 0, req.skip_special_tokens)[0] if c.logprobs is not None else None
+            choices.append({"index": i * job.params.n + c.index, "text": c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason})
+    return {**_head(job, ctx), "choices": choices, "usage": usage(finals)}
+
+
+async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest) -> AsyncIterator[bytes]:
+    head = _head(job, ctx)
+    finals: list[RequestOutput | None] = [None] * len(job.prompts)
+    offsets: dict[int, int] = {}
+    done: set[int] = set()
+    try:
+        async for i, out in ctx.client.outputs(job):
+            finals[i] = out
+            for c in out.outputs:
+                index = i * job.params.n + c.index
+                if index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                    continue
+                lp = None
+                if c.delta_logprobs is not None:
+                    lp, offsets[index] = _logprobs(ctx, c.delta_logprobs, offsets.get(index, 0), req.skip_special_tokens)
+                if c.finished:
+                    done.add(index)
+                choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+                yield sse({**head, "choices": [choice]})
+        if req.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(finals)})
+    except APIError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")

@@ -1,0 +1,118 @@
+"""The server's side of the engine: tokenize off the event loop, run a request's prompts,
+observe latencies, and clean up on every way out.
+
+A completion request may hold several prompts; each is one engine request, all of them share
+the engine's batch with everyone else's, and their outputs are merged as they come.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.state import ServerState
+
+
+
+def engine_dead() -> APIError:
+    return APIError(500, "the engine stopped after an internal error; the server must be restarted",
+                    code="engine_dead")
+
+
+@dataclass
+class Job:
+    """One HTTP request's work: its prompts (token ids), sampling, id and arrival time."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    request_id: str
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prompts) * self.params.n
+
+
+class EngineClient:
+    def __init__(self, state: ServerState, metrics: ServerMetrics) -> None:
+        self.state = state
+        self.metrics = metrics
+
+    async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> list[list[int]]:
+        """Token ids of each prompt, checked against the context and the KV pool (ValueError if
+        not). On a thread: a long prompt must not hold up the event loop."""
+        validate = self.state.llm.engine.validate  # reads only the tokenizer and the pool's size
+        return await asyncio.to_thread(lambda: [validate(p, params) for p in prompts])
+
+    async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, snapshot) after every engine step that changed one of the job's requests."""
+        if len(job.prompts) == 1:
+            async with aclosing(self._one(job, 0)) as it:
+                async for out in it:
+                    yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with aclosing(self._one(job, i)) as it:
+                    async for out in it:
+                        queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((i, e))
+            else:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(job.prompts))]
+        try:
+            running = len(tasks)
+            while running:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    running -= 1
+                    continue
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, job: Job, i: int) -> AsyncIterator[RequestOutput]:
+        engine = self.state.engine
+        out: RequestOutput | None = None
+        reasons = ["abort"] * job.params.n  # unless it finishes
+        last = None
+        try:
+            stream = engine.generate(job.prompts[i], job.params, f"{job.request_id}-{i}", job.arrival)
+            async with aclosing(stream) as it:
+                async for out in it:
+                    now = time.monotonic()
+                    if any(c.delta_token_ids for c in out.outputs):
+                        if last is not None:
+                            self.metrics.inter_token_latency.observe(now - last)
+                        last = now
+                    yield out
+            reasons = [c.finish_reason or "abort" for c in out.outputs]
+        except EngineDeadError:
+            reasons = ["error"] * job.params.n
+            raise engine_dead() from None
+        finally:
+            self.metrics.observe_finished(out.metrics if out else None, reasons, time.monotonic())
+
+
+def usage(outs: Sequence[RequestOutput | None]) -> dict:
+    """OpenAI's usage block over a job's final outputs (one per prompt)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs if o)
+    completion = sum(len(c.token_ids) for o in outs if o for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outs if o)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,104 @@
+"""A real `kvserve serve` process on loopback, serving a tiny random model, for the server tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tiny_models import make_tiny_hf_model
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "tiny"
+API_KEY = "test-key"
+
+
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """One tiny model per test session (building it takes a few seconds)."""
+    directory = tmp_path_factory.getbasetemp() / "kvserve-tiny-model"
+    if not (directory / "config.json").is_file():
+        make_tiny_hf_model(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *args: str, api_key: str | None = API_KEY) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "kvserve", "serve", "--model", str(model_dir), "--dtype", "float32",
+               "--served-model-name", MODEL_NAME, "--port", str(self.port), "--no-access-log",
+               "--kv-cache-gib", "0.05", *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        # Output to a file, not a pipe: a full pipe would block the server.
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+    def wait_ready(self, timeout: float = 60) -> list[int]:
+        """Poll /health until 200; returns every status seen (a refused connection is 0)."""
+        seen: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                status = httpx.get(self.url + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                status = 0
+            seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.02)
+        raise TimeoutError(f"the server was not ready in {timeout} s:\n{self.log()}")
+
+    def metric(self, name: str) -> float:
+        """One series' value from /metrics (0 if absent), e.g. 'kvserve_kv_cache_blocks_used' or
+        'kvserve_request_finished_total{finish_reason="abort"}'."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        for line in text.splitlines():
+            key, _, value = line.rpartition(" ")
+            if key == name:
+                return float(value)
+        return 0.0
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_server(tmp_path_factory, *args: str, api_key: str | None = API_KEY) -> ServerProcess:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(tiny_model_dir(tmp_path_factory), log, *args, api_key=api_key)
+    server.wait_ready()
+    return server

@@ -1,0 +1,206 @@
+"""The OpenAI-compatible API against a real server process, through the official `openai` client."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from server_harness import API_KEY, MODEL_NAME, REPO, start_server, tiny_model_dir
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--max-n", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ready"}
+
+
+def test_completion_stream_equals_whole(client):
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    assert whole.object == "text_completion" and whole.model == MODEL_NAME
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    assert whole.usage.completion_tokens == 12 and whole.usage.prompt_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_stream_equals_whole(client):
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and msg.role == "assistant" and msg.content
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_max_completion_tokens_and_content_parts(client):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    a = client.chat.completions.create(model=MODEL_NAME, messages=parts, temperature=0, max_completion_tokens=5)
+    b = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour."}],
+                                       temperature=0, max_tokens=5)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens <= 5
+
+
+def test_n2_completions_and_chat(client):
+    params = dict(temperature=1.0, seed=7, max_tokens=8, n=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **params)
+    assert sorted(c.index for c in whole.choices) == [0, 1]
+    assert whole.usage.completion_tokens == 16
+    texts: dict[int, str] = {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPT, stream=True, **params):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {c.index: c.text for c in whole.choices}  # seeded: the same two samples
+
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **params)
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    streamed: dict[int, str] = {0: "", 1: ""}
+    finished = []
+    for chunk in client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, stream=True, **params):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.append(c.index)
+    assert streamed == {c.index: c.message.content for c in chat.choices}
+    assert sorted(finished) == [0, 1]
+
+
+def test_seed_reproduces(client):
+    a, b = (client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=1.0, top_p=0.9, seed=123,
+                                      max_tokens=10, extra_body={"top_k": 50, "min_p": 0.01}) for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(logprob)  # greedy picks the top token
+        assert top[token] == pytest.approx(logprob)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, logprobs=3, stream=True, **GREEDY))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY)
+    content = out.choices[0].logprobs.content
+    assert len(content) == 12
+    assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace") == out.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.logprob <= 0
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+    no_top = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, logprobs=True, **GREEDY)
+    assert all(t.top_logprobs == [] for t in no_top.choices[0].logprobs.content)
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_string(client):
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip() and full.index(stop) > 0
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=stop, **GREEDY).choices[0]
+    assert out.finish_reason == "stop" and out.text == full[: full.index(stop)]
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, stop=[stop], stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == out.text
+
+
+def test_batch_and_token_prompts(server, client):
+    single = [client.completions.create(model=MODEL_NAME, prompt=p, **GREEDY).choices[0].text for p in (PROMPT, "Once")]
+    batch = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Once"], **GREEDY)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == single
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=server.headers).json()["tokens"]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == single[0]
+
+
+def test_tokenize_detokenize(server, tmp_path_factory):
+    reference = Tokenizer.from_file(str(tiny_model_dir(tmp_path_factory) / "tokenizer.json"))
+    text = "Héllo, wörld ✓ 123"
+    with server.client() as c:
+        tok = c.post("/tokenize", json={"model": MODEL_NAME, "prompt": text}).json()
+        assert tok["tokens"] == reference.encode(text).ids and tok["count"] == len(tok["tokens"])
+        assert tok["max_model_len"] > 0
+        assert c.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": text}
+        chat = c.post("/tokenize", json={"messages": MESSAGES}).json()
+        assert chat["count"] > len(reference.encode("Be brief. Name a colour.").ids)
+
+
+def test_api_key(server):
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1}
+    assert httpx.post(server.url + "/v1/completions", json=body).status_code == 401
+    bad = httpx.post(server.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json=body, headers=server.headers).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200  # open
+    assert httpx.get(server.url + "/metrics").status_code == 200  # open
+
+
+def test_cors_is_off_by_default(server):
+    r = httpx.options(server.url + "/v1/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, **GREEDY)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("kvserve_time_to_first_token_seconds_bucket", "kvserve_inter_token_latency_seconds_bucket",
+                 "kvserve_e2e_request_latency_seconds_bucket", "kvserve_request_queue_time_seconds_bucket",
+                 "kvserve_num_requests_running", "kvserve_num_requests_waiting", "kvserve_kv_cache_usage_perc",
+                 "kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hits_total",
+                 "kvserve_prompt_tokens_total", "kvserve_generation_tokens_total",
+                 'kvserve_request_finished_total{finish_reason="length"}'):
+        assert name in text, name
+    assert server.metric("kvserve_generation_tokens_total") >= 12
+    assert server.metric("kvserve_time_to_first_token_seconds_count") >= 1
+    assert server.metric("kvserve_prefix_cache_hits_total") > 0  # the same prompt came many times
+
+
+def test_chat_cli_streams_from_the_server(server):
+    cmd = [sys.executable, "-m", "kvserve", "chat", "--url", server.url, "--model", MODEL_NAME,
+           "--api-key", API_KEY, "--max-tokens", "6"]
+    run = subprocess.run(cmd, input="Hello!\n", capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 0, run.stderr
+    want = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=6)
+    assert run.stdout.strip() == want.choices[0].message.content.strip()

@@ -1,0 +1,129 @@
+"""Admission control (429), loading (503), and the drain on SIGTERM, against real server processes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from server_harness import MODEL_NAME, ServerProcess, start_server, tiny_model_dir
+
+
+def body(max_tokens: int, stream: bool, **kw) -> dict:
+    return {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream, **kw}
+
+
+async def read_stream(client: httpx.AsyncClient, started: asyncio.Event, **kw) -> tuple[int, str | None, bool]:
+    """(tokens received, last finish_reason, saw [DONE]) of one streamed completion."""
+    tokens, finish, done = 0, None, False
+    async with client.stream("POST", "/v1/completions", json=body(stream=True, **kw)) as r:
+        assert r.status_code == 200
+        try:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += 1 if choice["text"] else 0
+                    finish = choice["finish_reason"] or finish
+                    started.set()
+        except httpx.RemoteProtocolError:  # the server cut the stream
+            pass
+    return tokens, finish, done
+
+
+def test_over_the_queue_limit_is_429_and_admitted_requests_finish(tmp_path_factory):
+    server = start_server(tmp_path_factory, "--max-num-seqs", "2", "--max-queued-requests", "2")
+    try:
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as client:
+                events = [asyncio.Event() for _ in range(4)]
+                admitted = [asyncio.create_task(read_stream(client, e, max_tokens=150)) for e in events]
+                while server.metric("kvserve_requests_admitted") < 4:  # 2 running + 2 queued
+                    await asyncio.sleep(0.01)
+                for extra in (body(5, False), body(5, True), body(1, False, n=2)):
+                    r = await client.post("/v1/completions", json=extra)
+                    assert r.status_code == 429, r.text
+                    assert r.headers["retry-after"] == "1"
+                    assert r.json()["error"]["type"] == "rate_limit_error"
+                chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                assert (await client.post("/v1/chat/completions", json=chat)).status_code == 429
+                assert (await client.get("/health")).status_code == 200  # busy is not unhealthy
+                results = await asyncio.gather(*admitted)
+                assert results == [(150, "length", True)] * 4
+                r = await client.post("/v1/completions", json=body(5, False))
+                assert r.status_code == 200  # room again
+
+        asyncio.run(scenario())
+        assert server.metric("kvserve_requests_admitted") == 0
+    finally:
+        server.stop()
+
+
+def test_loading_then_sigterm_drains_and_exits(tmp_path_factory):
+    log = tmp_path_factory.mktemp("drain") / "server.log"
+    server = ServerProcess(tiny_model_dir(tmp_path_factory), log)
+    try:
+        seen = server.wait_ready()
+        assert 503 in seen and seen.index(503) < seen.index(200), seen  # 503 while loading
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as client:
+                events = [asyncio.Event() for _ in range(3)]
+                streams = [asyncio.create_task(read_stream(client, e, max_tokens=300)) for e in events]
+                await asyncio.gather(*(e.wait() for e in events))  # all three are generating
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.1)
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json() == {"status": "draining"}
+                r = await client.post("/v1/completions", json=body(5, False))
+                assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+                assert server.proc.poll() is None  # still serving the admitted ones
+                assert await asyncio.gather(*streams) == [(300, "length", True)] * 3
+
+        asyncio.run(scenario())
+        assert server.proc.wait(15) == 0
+        assert "draining, 3 request(s) in flight" in server.log()
+    finally:
+        server.stop()
+
+
+def test_drain_timeout_cuts_off_what_does_not_finish(tmp_path_factory):
+    server = start_server(tmp_path_factory, "--drain-timeout", "0.5")
+    try:
+        async def scenario() -> tuple[int, str | None, bool]:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as client:
+                started = asyncio.Event()
+                stream = asyncio.create_task(read_stream(client, started, max_tokens=2000))
+                await started.wait()
+                server.proc.send_signal(signal.SIGTERM)
+                return await stream
+
+        t0 = time.monotonic()
+        tokens, finish, done = asyncio.run(scenario())
+        assert server.proc.wait(15) == 0
+        assert time.monotonic() - t0 < 8
+        assert tokens < 2000 and finish is None and not done
+        assert "drain timeout: 1 request(s) still in flight" in server.log()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model.gguf"], "kvserve: error:"),
+    (["--max-n", "0"], "--max-n must be positive"),
+])
+def test_bad_command_line_fails_in_one_line(tmp_path_factory, args, message):
+    import subprocess
+    import sys
+
+    from server_harness import REPO
+
+    model = ["--model", str(tiny_model_dir(tmp_path_factory))] if args[0] != "--model" else []
+    run = subprocess.run([sys.executable, "-m", "kvserve", "serve", *model, *args, "--port", "1"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
