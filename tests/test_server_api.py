@@ -204,3 +204,13 @@ def test_chat_cli_streams_from_the_server(server):
     want = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY).chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=6)
     assert run.stdout.strip() == want.choices[0].message.content.strip()
+
+
+def test_chat_cli_in_process_gives_the_same_answer(server, tmp_path_factory):
+    model = str(tiny_model_dir(tmp_path_factory))
+    cmd = [sys.executable, "-m", "kvserve", "chat", "--model", model, "--dtype", "float32", "--max-tokens", "6"]
+    run = subprocess.run(cmd, input="Hello!\n", capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0, run.stderr
+    want = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=6)
+    assert run.stdout.strip() == want.choices[0].message.content.strip()

@@ -55,17 +55,20 @@ def test_32_concurrent_streams_match_their_solo_runs(server):
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120,
                                      limits=httpx.Limits(max_connections=40)) as client:
             streams = asyncio.gather(*(stream_text(client, p, 10) for p in prompts))
-            # Meanwhile: how long does /health take while the engine is busy?
-            latencies = []
+            # Meanwhile: how long does /health take while the engine is busy, and how big are its batches?
+            latencies, running = [], []
             while not streams.done():
                 t0 = time.perf_counter()
                 assert (await client.get("/health")).status_code == 200
                 latencies.append(time.perf_counter() - t0)
+                metrics = (await client.get("/metrics")).text
+                running.append(float(metrics.split("\nkvserve_num_requests_running ")[1].split()[0]))
                 await asyncio.sleep(0.01)
-            return await streams, latencies
+            return await streams, latencies, running
 
-    texts, latencies = asyncio.run(together())
+    texts, latencies, running = asyncio.run(together())
     assert texts == alone
+    assert max(running) >= 16  # the clients' requests share the engine's batches
     latencies.sort()
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]
     print(f"\n/health under 32 streams: n={len(latencies)} p50={p50 * 1e3:.1f} ms p99={p99 * 1e3:.1f} ms "
@@ -95,9 +98,10 @@ def test_disconnect_mid_stream_frees_the_kv_blocks(server):
     sock.close()
     seconds = wait_for(lambda: server.metric("kvserve_kv_cache_blocks_used") == 0)
     assert server.metric(ABORTED) == aborted + 1
-    assert server.metric("kvserve_generation_tokens_total") - generated < 500  # it stopped, long before 1500
+    after = server.metric("kvserve_generation_tokens_total") - generated
+    assert after < 50  # it stopped within a few engine steps (one token each), long before 1500
     assert server.metric("kvserve_requests_admitted") == 0
-    print(f"\nblocks back to zero {seconds * 1e3:.0f} ms after the client left")
+    print(f"\nblocks back to zero {seconds * 1e3:.0f} ms after the client left; {after:.0f} tokens made meanwhile")
     with server.client() as c:  # and the next request is served
         r = c.post("/v1/completions", json=body("Hello", 5, False))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--write", type=Path, default=None, help="markdown file to (over)write")
+    ap.add_argument("--no-float32", action="store_true", help="skip kvserve's float32 comparison run")
     args = ap.parse_args(argv)
 
     rng = random.Random(0)
@@ -106,12 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype_name = str(llm.dtype).removeprefix("torch.")
     print(f"model {args.model} ({dtype_name}); {args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens", flush=True)
 
+    sched = llm.scheduler_config
     rows = [run_kvserve(llm, prompts, args.output_len)]
     print(f"  {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)
-    single = single_stream(llm, prompts[0], args.output_len)
-    print(f"  kvserve single-stream decode: {single:.1f} tok/s", flush=True)
+    singles = {dtype_name: single_stream(llm, prompts[0], args.output_len)}
+    print(f"  kvserve single-stream decode: {singles[dtype_name]:.1f} tok/s", flush=True)
     path = llm.model_path
     del llm
+    if dtype_name != "float32" and not args.no_float32:  # what the dtype choice is worth
+        f32 = LLM(args.model, dtype="float32", scheduler=sched)
+        row = run_kvserve(f32, prompts, args.output_len)
+        row.system = "kvserve (continuous batching), float32"
+        rows.append(row)
+        singles["float32"] = single_stream(f32, prompts[0], args.output_len)
+        print(f"  {row.system}: {row.tps:.1f} tok/s; single stream {singles['float32']:.1f} tok/s", flush=True)
+        del f32
     if path.suffix == ".gguf":
         for n, batch in ((args.hf_single, 1), (args.hf_batch * args.hf_batches, args.hf_batch)):
             if n > 0:
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "—" if r is rows[0] else f"{base / r.tps:.1f}x"
         lines.append(f"| {r.system} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tps:.1f} | {ratio} |")
     lines += ["", f"Single-stream decode (kvserve `prefill` then {args.output_len} x `decode`, one sequence): "
-              f"**{single:.1f} tokens/s**.", ""]
+              + ", ".join(f"**{v:.1f} tokens/s** in {k}" for k, v in singles.items()) + ".", ""]
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,14 +26,17 @@ from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.validation import parse
 
+if TYPE_CHECKING:
+    from kvserve.llm import LLM
+
 log = logging.getLogger("kvserve.server")
 
 
 def build_app(
     settings: ServerSettings,
     *,
-    llm=None,
-    load: Callable[[], object] | None = None,
+    llm: LLM | None = None,
+    load: Callable[[], LLM] | None = None,
     on_load_failure: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     if (llm is None) == (load is None):

@@ -5,6 +5,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -45,9 +46,9 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
     admission = ctx.state.admit(job.num_seqs)
     if req.stream:
-        return EventStream(_stream(ctx, job, req), admission.release)
+        return EventStream(_stream(ctx, job, req), admission.release, ctx.state.work)
     try:
-        final = await run_until_disconnect(request, _collect(ctx, job))
+        final = await run_until_disconnect(request, _collect(ctx, job), ctx.state.work)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening
     finally:
@@ -57,8 +58,9 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
 
 async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
     final = None
-    async for _, out in ctx.client.outputs(job):
-        final = out
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for _, out in outputs:
+            final = out
     return final
 
 
@@ -88,17 +90,18 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     try:
         for i in range(job.params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        async for _, out in ctx.client.outputs(job):
-            final = out
-            for c in out.outputs:
-                if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
-                    continue
-                lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
-                if c.delta_text or lp:
-                    yield chunk(c.index, {"content": c.delta_text}, lp)
-                if c.finished:
-                    done.add(c.index)
-                    yield chunk(c.index, {}, None, c.finish_reason)
+        async with aclosing(ctx.client.outputs(job)) as outputs:
+            async for _, out in outputs:
+                final = out
+                for c in out.outputs:
+                    if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                        continue
+                    lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
+                    if c.delta_text or lp:
+                        yield chunk(c.index, {"content": c.delta_text}, lp)
+                    if c.finished:
+                        done.add(c.index)
+                        yield chunk(c.index, {}, None, c.finish_reason)
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage([final])})
     except APIError as e:

@@ -4,6 +4,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.llm import LLM
 
 log = logging.getLogger("kvserve.server")
 
@@ -38,6 +42,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    _check_limits(args)
     try:
         import uvicorn
     except ImportError:
@@ -49,9 +54,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.settings import ServerSettings
 
     resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
-    for name in ("max_queued_requests", "max_n", "max_logprobs", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < (0 if name == "max_queued_requests" else 1):
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
         host=args.host,
@@ -84,7 +86,20 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
+def _check_limits(args: argparse.Namespace) -> None:
+    from kvserve.sampling_params import MAX_LOGPROBS
+
+    ranges = {"max_queued_requests": (0, None), "max_n": (1, None), "max_logprobs": (0, MAX_LOGPROBS),
+              "max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "max_body_mib": (0.001, None),
+              "drain_timeout": (0, None)}
+    for name, (low, high) in ranges.items():
+        value = getattr(args, name)
+        if value < low or (high is not None and value > high):
+            allowed = f"at least {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+
+
+def _load(args: argparse.Namespace) -> LLM:
     from kvserve.config import CacheConfig, SchedulerConfig
     from kvserve.llm import LLM
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -36,9 +37,9 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
     admission = ctx.state.admit(job.num_seqs)
     if req.stream:
-        return EventStream(_stream(ctx, job, req), admission.release)
+        return EventStream(_stream(ctx, job, req), admission.release, ctx.state.work)
     try:
-        finals = await run_until_disconnect(request, _collect(ctx, job))
+        finals = await run_until_disconnect(request, _collect(ctx, job), ctx.state.work)
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening
     finally:
@@ -57,8 +58,9 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 
 async def _collect(ctx: ServerContext, job: Job) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(job.prompts)
-    async for i, out in ctx.client.outputs(job):
-        finals[i] = out
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for i, out in outputs:
+            finals[i] = out
     return finals  # type: ignore[return-value]
 
 
@@ -87,19 +89,21 @@ async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest) -> Async
     offsets: dict[int, int] = {}
     done: set[int] = set()
     try:
-        async for i, out in ctx.client.outputs(job):
-            finals[i] = out
-            for c in out.outputs:
-                index = i * job.params.n + c.index
-                if index in done or not (c.delta_text or c.delta_logprobs or c.finished):
-                    continue
-                lp = None
-                if c.delta_logprobs is not None:
-                    lp, offsets[index] = _logprobs(ctx, c.delta_logprobs, offsets.get(index, 0), req.skip_special_tokens)
-                if c.finished:
-                    done.add(index)
-                choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
-                yield sse({**head, "choices": [choice]})
+        async with aclosing(ctx.client.outputs(job)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+                for c in out.outputs:
+                    index = i * job.params.n + c.index
+                    if index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                        continue
+                    lp = None
+                    if c.delta_logprobs is not None:
+                        lp, offsets[index] = _logprobs(ctx, c.delta_logprobs, offsets.get(index, 0),
+                                                       req.skip_special_tokens)
+                    if c.finished:
+                        done.add(index)
+                    choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+                    yield sse({**head, "choices": [choice]})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage(finals)})
     except APIError as e:

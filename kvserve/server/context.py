@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 
+from kvserve.engine.engine import EngineStats
 from kvserve.server.generation import EngineClient
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
@@ -17,7 +18,7 @@ class ServerContext:
         self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests)
         self.client = EngineClient(self.state, self.metrics)
 
-    def _stats(self):
+    def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None
 
     @functools.cached_property

@@ -50,7 +50,9 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self, name: str) -> None:
         self.state.begin_draining()
         n = self.state.num_admitted_requests
-        log.info("%s: draining, %d request(s) in flight, up to %.0f s; new requests get 503", name, n, self.drain_timeout)
+        log.info("%s: draining, %d request(s) in flight, up to %g s; new requests get 503", name, n, self.drain_timeout)
         if not await self.state.wait_idle(self.drain_timeout):
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.state.num_admitted_requests)
+            self.state.cancel_work()
+            await self.state.wait_idle(2.0)
         self.should_exit = True

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import re
 from collections.abc import Mapping
 
@@ -18,10 +17,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from kvserve.server.protocol import MODELS, UNION_FIELDS
 from kvserve.sampling_params import SamplingParams
-
-log = logging.getLogger("kvserve.server")
+from kvserve.server.protocol import MODELS, UNION_FIELDS
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -133,5 +130,5 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        # Starlette re-raises after answering, so the server logs the traceback (once).
         return APIError(500, "internal server error (see the server log)").response()

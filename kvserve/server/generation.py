@@ -20,7 +20,6 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.state import ServerState
 
 
-
 def engine_dead() -> APIError:
     return APIError(500, "the engine stopped after an internal error; the server must be restarted",
                     code="engine_dead")

@@ -15,10 +15,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.errors import APIError
 from kvserve.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from kvserve.llm import LLM
 
 log = logging.getLogger("kvserve.server")
 
@@ -48,21 +52,23 @@ class ServerState:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.phase = Phase.LOADING
-        self.llm = None  # kvserve.LLM once loaded
+        self.llm: LLM | None = None  # once loaded
         self.engine: AsyncEngine | None = None
         self.started = int(time.time())
         self.num_admitted_seqs = 0
         self.num_admitted_requests = 0
         self._idle = asyncio.Event()  # set while no request is admitted (drain waits on it)
         self._idle.set()
+        self.work: set[asyncio.Future] = set()  # responses being generated (see streaming.py)
 
     # -- lifecycle ------------------------------------------------------------------------
-    def set_ready(self, llm) -> None:
+    def set_ready(self, llm: LLM) -> None:
+        """Start serving llm; its engine gets a loop of its own (one app per LLM)."""
         self.llm = llm
         self.engine = AsyncEngine(llm.engine)
         self.phase = Phase.READY
 
-    def load_in_background(self, load: Callable[[], object], on_failure: Callable[[BaseException], None]) -> None:
+    def load_in_background(self, load: Callable[[], LLM], on_failure: Callable[[BaseException], None]) -> None:
         """Load the model on a thread so /health can answer 503 meanwhile."""
         loop = asyncio.get_running_loop()
 
@@ -77,7 +83,7 @@ class ServerState:
 
         threading.Thread(target=run, name="kvserve-load", daemon=True).start()
 
-    def _loaded(self, llm) -> None:
+    def _loaded(self, llm: LLM) -> None:
         if self.phase is Phase.LOADING:
             self.set_ready(llm)
             log.info("ready: %s, up to %d tokens per request", self.settings.model_name, llm.max_model_len)
@@ -115,6 +121,11 @@ class ServerState:
         except TimeoutError:
             return False
         return True
+
+    def cancel_work(self) -> None:
+        """Cut off every response still being generated (their clients get a 503)."""
+        for task in list(self.work):
+            task.cancel()
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -95,6 +95,10 @@ class EventStream(Response):
                     await cut_off().response()(scope, receive, send)
             elif pump.exception() is not None:
                 log.error("a stream failed", exc_info=pump.exception())
+                if self._started:
+                    error = APIError(500, "internal server error (see the server log)")
+                    await send({"type": "http.response.body", "body": sse(error.body()) + sse("[DONE]"),
+                                "more_body": False})
         finally:
             self.on_close()
 
