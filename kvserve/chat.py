@@ -44,8 +44,10 @@ def stream_remote(url: str, api_key: str | None, messages: list[dict], args: arg
     """Server-Sent Events from POST /v1/chat/completions."""
     import httpx
 
-    body = {"model": args.model, "messages": messages, "stream": True, "max_tokens": args.max_tokens,
+    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens,
             "temperature": args.temperature, "top_p": args.top_p}
+    if args.model is not None:  # else whatever model the server serves
+        body["model"] = args.model
     if args.seed is not None:
         body["seed"] = args.seed
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -69,8 +71,9 @@ def run_chat(args: argparse.Namespace) -> int:
     llm = None
     if args.url is None:
         from kvserve.llm import LLM
+        from kvserve.model.loader import DEFAULT_MODEL
 
-        llm = LLM(args.model, dtype=args.dtype)
+        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, /exit to leave.", file=sys.stderr)
     while (user := _read_user()) is not None:

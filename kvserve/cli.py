@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="chat in the terminal, streaming tokens as they are decoded")
     _add_model_args(chat)
+    chat.set_defaults(model=None)  # with --url: the server's model unless one is named
     _add_sampling_args(chat, max_tokens=512)
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--url", default=None, help="chat with a running kvserve server instead of loading the model")
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not args.verbose:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         if args.command == "chat":
             from kvserve.chat import run_chat

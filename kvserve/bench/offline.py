@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kvserve import LLM, SamplingParams, SchedulerConfig
+from kvserve.llm import default_dtype, parse_dtype
 
 
 @dataclass
@@ -84,10 +85,28 @@ def run_transformers(path: Path, dtype: torch.dtype, prompts: list[list[int]], o
     return Row(label, len(prompts), n_tokens, dt)
 
 
+def run_dtype(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> tuple[list[Row], float]:
+    """kvserve, then transformers one at a time and in static batches, all in one dtype."""
+    llm = LLM(args.model, dtype=dtype,
+              scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
+    rows = [run_kvserve(llm, prompts, args.output_len)]
+    print(f"  [{dtype}] {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)
+    single = single_stream(llm, prompts[0], args.output_len)
+    print(f"  [{dtype}] kvserve single-stream decode: {single:.1f} tok/s", flush=True)
+    path = llm.model_path
+    del llm
+    if path.suffix == ".gguf":  # transformers loads GGUF files directly
+        for n, batch in ((args.hf_single, 1), (args.hf_batch * args.hf_batches, args.hf_batch)):
+            if n > 0:
+                rows.append(run_transformers(path, getattr(torch, dtype), prompts[:n], args.output_len, batch))
+                print(f"  [{dtype}] {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)
+    return rows, single
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvserve.bench.offline")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtypes", default="auto,float32", help="comma-separated; auto is kvserve's default")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -97,38 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--write", type=Path, default=None, help="markdown file to (over)write")
-    ap.add_argument("--no-float32", action="store_true", help="skip kvserve's float32 comparison run")
     args = ap.parse_args(argv)
 
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    llm = LLM(args.model, dtype=args.dtype,
-              scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
-    dtype_name = str(llm.dtype).removeprefix("torch.")
-    print(f"model {args.model} ({dtype_name}); {args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens", flush=True)
+    dtypes = []
+    for d in args.dtypes.split(","):
+        name = str(parse_dtype(d.strip())).removeprefix("torch.")
+        if name not in dtypes:
+            dtypes.append(name)
+    print(f"model {args.model}; {args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens; "
+          f"dtypes {', '.join(dtypes)} (kvserve's default here: {str(default_dtype()).removeprefix('torch.')})", flush=True)
+    results = {d: run_dtype(args, d, prompts) for d in dtypes}
 
-    sched = llm.scheduler_config
-    rows = [run_kvserve(llm, prompts, args.output_len)]
-    print(f"  {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)
-    singles = {dtype_name: single_stream(llm, prompts[0], args.output_len)}
-    print(f"  kvserve single-stream decode: {singles[dtype_name]:.1f} tok/s", flush=True)
-    path = llm.model_path
-    del llm
-    if dtype_name != "float32" and not args.no_float32:  # what the dtype choice is worth
-        f32 = LLM(args.model, dtype="float32", scheduler=sched)
-        row = run_kvserve(f32, prompts, args.output_len)
-        row.system = "kvserve (continuous batching), float32"
-        rows.append(row)
-        singles["float32"] = single_stream(f32, prompts[0], args.output_len)
-        print(f"  {row.system}: {row.tps:.1f} tok/s; single stream {singles['float32']:.1f} tok/s", flush=True)
-        del f32
-    if path.suffix == ".gguf":
-        for n, batch in ((args.hf_single, 1), (args.hf_batch * args.hf_batches, args.hf_batch)):
-            if n > 0:
-                rows.append(run_transformers(path, getattr(torch, dtype_name), prompts[:n], args.output_len, batch))
-                print(f"  {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)
-
-    base = rows[0].tps
     lines = [
         "# Benchmarks",
         "",
@@ -140,17 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         f"- command: `make bench` (`python -m kvserve.bench.offline {' '.join(argv if argv is not None else sys.argv[1:])}`)",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {machine()}",
-        f"- model: {args.model}, dtype {dtype_name}; {args.requests} requests x {args.prompt_len} prompt tokens x "
-        f"{args.output_len} output tokens",
+        f"- model: {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "
+        f"output tokens; kvserve's default dtype here is {str(default_dtype()).removeprefix('torch.')}",
         "",
-        "| system | requests | output tokens | seconds | output tokens/s | kvserve is |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| dtype | system | requests | output tokens | seconds | output tokens/s | kvserve is |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        ratio = "—" if r is rows[0] else f"{base / r.tps:.1f}x"
-        lines.append(f"| {r.system} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tps:.1f} | {ratio} |")
+    for d, (rows, _) in results.items():
+        for r in rows:
+            ratio = "—" if r is rows[0] else f"{rows[0].tps / r.tps:.1f}x"
+            lines.append(f"| {d} | {r.system} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tps:.1f} | {ratio} |")
     lines += ["", f"Single-stream decode (kvserve `prefill` then {args.output_len} x `decode`, one sequence): "
-              + ", ".join(f"**{v:.1f} tokens/s** in {k}" for k, v in singles.items()) + ".", ""]
+              + ", ".join(f"**{single:.1f} tokens/s** in {d}" for d, (_, single) in results.items()) + ".", ""]
     text = "\n".join(lines)
     print(text)
     if args.write:

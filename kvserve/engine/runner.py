@@ -30,7 +30,7 @@ class ModelRunner:
         # The pool comes from torch.empty: a block's memory may hold NaN until first written,
         # and masked attention over padding still multiplies it (0 * NaN = NaN). Zero each
         # block the first time it is written; later its stale contents are finite, and masked.
-        self._never_written = bytearray(b"\x01") * kv_caches[0].shape[1]
+        self._never_written = bytearray(b"\x01") * kv_caches[0].shape[2]
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -52,7 +52,7 @@ class ModelRunner:
                 if self._never_written[b]:
                     self._never_written[b] = 0
                     for kv in self.kv_caches:
-                        kv[:, b].zero_()
+                        kv[:, :, b].zero_()
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             query_lens=[len(c.token_ids) for c in chunks],

@@ -72,7 +72,7 @@ def size_kv_pool(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> 
 
 
 def allocate_kv_pool(s: KVSizing) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, Hkv, D] tensor per layer. torch.empty leaves pages
+    """One [2, Hkv, num_blocks, block_size, D] tensor per layer. torch.empty leaves pages
     untouched until written, so a large budget costs RAM only as it fills."""
-    shape = (2, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+    shape = (2, s.num_kv_heads, s.num_blocks, s.block_size, s.head_dim)
     return [torch.empty(shape, dtype=s.dtype) for _ in range(s.num_layers)]

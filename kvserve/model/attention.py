@@ -1,9 +1,11 @@
 """Paged attention: store each new token's K/V into its block slot, attend through block tables.
 
-The KV pool of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; a
+The KV pool of one layer is a tensor [2, num_kv_heads, num_blocks, block_size, head_dim]; a
 sequence owns a list of block ids (its block table) and token i of it lives in block
-table[i // block_size] at offset i % block_size. A step's tokens from many sequences are packed
-into one flat batch; AttentionMetadata says which tokens belong to which sequence.
+table[i // block_size] at offset i % block_size. Heads come first so that gathering a
+sequence's blocks yields [Hkv, L, D] rows ready for batched matmuls, with no transposing copy.
+A step's tokens from many sequences are packed into one flat batch; AttentionMetadata says
+which tokens belong to which sequence.
 
 AttentionBackend is the swap point: TorchAttention is the reference path (any device, used on
 the CPU); a GPU kernel backend only has to implement the same forward().
@@ -39,7 +41,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
@@ -47,19 +49,19 @@ class AttentionBackend(ABC):
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write the new tokens' K/V into their slots of the pool."""
-    _, nb, bs, hkv, d = kv_cache.shape
-    flat = kv_cache.view(2, nb * bs, hkv, d)
-    flat[0].index_copy_(0, slots, k.to(flat.dtype))
-    flat[1].index_copy_(0, slots, v.to(flat.dtype))
+    """Write the new tokens' K/V ([T, Hkv, D]) into their slots of the pool."""
+    _, hkv, nb, bs, d = kv_cache.shape
+    flat = kv_cache.view(2, hkv, nb * bs, d)
+    flat[0].index_copy_(1, slots, k.transpose(0, 1).to(flat.dtype))
+    flat[1].index_copy_(1, slots, v.transpose(0, 1).to(flat.dtype))
 
 
 class TorchAttention(AttentionBackend):
-    """Reference backend on torch's scaled_dot_product_attention.
+    """Reference backend in plain torch ops.
 
-    Single-token (decode) sequences are gathered into one padded batch and attended in one call;
-    each multi-token (prefill chunk) sequence gets its own causal call. The gather copies the
-    context out of the pool, which a fused paged kernel would avoid.
+    Decode sequences (one new token) are gathered into one padded batch and attended with two
+    batched matmuls; each prefill chunk gets its own causal scaled_dot_product_attention call.
+    The gather copies the context out of the pool, which a fused paged kernel would avoid.
     """
 
     def forward(self, q, k, v, kv_cache, meta, scale):
@@ -77,49 +79,51 @@ class TorchAttention(AttentionBackend):
         for i, n in enumerate(meta.query_lens):
             if n > 1:
                 s = starts[i]
-                out[s : s + n] = self._prefill(q[s : s + n], kv_cache, meta, i, scale)
+                out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale)
         return out
 
-    @staticmethod
-    def _gather(kv_cache: torch.Tensor, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        _, _, bs, hkv, d = kv_cache.shape
-        idx = torch.tensor(blocks, dtype=torch.long)
-        kv = kv_cache[:, idx].reshape(2, len(blocks) * bs, hkv, d)[:, :length]  # [2, L, Hkv, D]
-        return kv[0], kv[1]
-
-    def _prefill(self, q, kv_cache, meta, i, scale):
+    def _prefill(self, q, k, v, kv_cache, meta, i, scale):
         n, L = meta.query_lens[i], meta.seq_lens[i]
-        k, v = self._gather(kv_cache, meta.block_tables[i], L)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        k = k.transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
-        v = v.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        if n == L:
+        if n == L:  # the chunk is the whole context: attend to its own K/V, no gather
+            k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+            v = v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
+            _, hkv, _, bs, d = kv_cache.shape
+            blocks = meta.block_tables[i][: -(-L // bs)]
+            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, :L]  # [2, Hkv, L, D]
             # Query j sits at position L - n + j and sees keys 0 .. L - n + j.
             qpos = torch.arange(L - n, L).unsqueeze(1)
             mask = torch.arange(L).unsqueeze(0) <= qpos  # [n, L]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
-    def _decode(self, q, kv_cache, meta, seqs, scale):
-        _, _, bs, hkv, d = kv_cache.shape
-        B = len(seqs)
-        lens = [meta.seq_lens[i] for i in seqs]
-        max_blocks = (max(lens) + bs - 1) // bs
+    def _gather(self, kv_cache, meta, seqs) -> torch.Tensor:
+        """The sequences' contexts out of the pool, padded: [2, Hkv, B, max_blocks * bs, D]."""
+        _, hkv, _, bs, d = kv_cache.shape
+        max_blocks = -(-max(meta.seq_lens[i] for i in seqs) // bs)
         rows = []
         for i in seqs:  # pad each table with its own first block: written, so finite
-            blocks = meta.block_tables[i][: max_blocks]
+            blocks = meta.block_tables[i][:max_blocks]
             rows.append(blocks + [blocks[0]] * (max_blocks - len(blocks)))
-        table = torch.tensor(rows, dtype=torch.long)
-        L = max_blocks * bs
-        kv = kv_cache[:, table].reshape(2, B, L, hkv, d)  # [2, B, L, Hkv, D]
-        k = kv[0].permute(0, 2, 3, 1).float()  # [B, Hkv, D, L]
-        v = kv[1].transpose(1, 2).float()  # [B, Hkv, L, D]
+        table = torch.tensor(rows, dtype=torch.long).flatten()
+        pool = kv_cache.view(2 * hkv, -1, bs * d)  # [2 Hkv, num_blocks, bs * D]
+        return pool.index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs, d)
+
+    def _decode(self, q, kv_cache, meta, seqs, scale):
+        B = len(seqs)
+        lens = [meta.seq_lens[i] for i in seqs]
+        kv = self._gather(kv_cache, meta, seqs)  # [2, Hkv, B, L, D]
+        hkv, L, d = kv.shape[1], kv.shape[3], kv.shape[4]
         # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
-        qg = q.float().view(B, hkv, -1, d)  # [B, Hkv, G, D]
-        scores = torch.matmul(qg, k) * scale  # [B, Hkv, G, L]
-        pad = torch.arange(L).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G, D]
-        return o.reshape(B, -1, d).to(q.dtype)  # [B, H, D]
+        qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
+        # K @ q^T keeps the large operand untransposed (several times faster than q @ K^T).
+        scores = torch.matmul(kv[0], qg.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [Hkv, B, G, L]
+        if min(lens) < L:
+            pad = torch.arange(L).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)  # [B, L]
+            scores.masked_fill_(pad[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, kv[1])  # [Hkv, B, G, D]
+        return o.transpose(0, 1).reshape(B, -1, d)  # [B, H, D]
