@@ -40,6 +40,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         last_rows: list[int] = []
+        fresh: list[int] = []  # blocks written for the first time this step
         for c in chunks:
             n = len(c.token_ids)
             ids.extend(c.token_ids)
@@ -51,8 +52,11 @@ class ModelRunner:
             for b in c.block_ids[c.start_pos // bs : (c.start_pos + n - 1) // bs + 1]:
                 if self._never_written[b]:
                     self._never_written[b] = 0
-                    for kv in self.kv_caches:
-                        kv[:, :, b].zero_()
+                    fresh.append(b)
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.long)
+            for kv in self.kv_caches:
+                kv.index_fill_(2, idx, 0)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             query_lens=[len(c.token_ids) for c in chunks],

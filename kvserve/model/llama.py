@@ -46,7 +46,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 whatever the compute dtype, as the reference does.
+    # Normalise in float32 whatever the compute dtype, as the reference does (on this CPU it
+    # is also faster than torch's fused kernel for bfloat16).
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
