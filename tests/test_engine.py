@@ -77,6 +77,18 @@ def test_preemption_gives_identical_outputs_and_returns_blocks(make_llm) -> None
     assert small.engine.stats().num_preemptions >= 3
 
 
+def test_preempted_siblings_of_n_completions_finish(make_llm) -> None:
+    """n > 1 under a tight pool: preempted completions come back, identical to an unconstrained run."""
+    big = make_llm(caching=False)
+    small = make_llm(num_blocks=10, max_num_batched_tokens=64)
+    prompts = prompts_of(small, [20, 20, 20], seed=3)
+    sp = SamplingParams(n=2, max_tokens=44, **GREEDY)
+    ref = big.generate(prompts, sp, use_tqdm=False)
+    got = small.generate(prompts, sp, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in ref]
+    assert small.engine.stats().num_preemptions >= 2
+
+
 def test_request_that_can_never_fit_is_refused_before_allocation(make_llm) -> None:
     llm = make_llm(num_blocks=4)
     msg = "max_tokens is 60 but the context holds 64 tokens \\(all the KV pool can hold\\) and the prompt takes 20"

@@ -171,6 +171,8 @@ class LLMEngine:
                 self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.prompt_done:
+                seq.request.prompt_cached = True
         if not sampling:
             return []
         rows = [

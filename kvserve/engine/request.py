@@ -73,6 +73,9 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     max_output_tokens: int  # params.max_tokens, or what the context leaves
+    # n > 1: the first completion's prompt blocks are computed and cached, so the others may
+    # start (and take them from the prefix cache). Never reset, so preemption cannot deadlock.
+    prompt_cached: bool = False
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

@@ -105,7 +105,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.index > 0 and not seq.request.seqs[0].prompt_done and self.manager.pool.enable_caching:
+            if seq.index > 0 and not seq.request.prompt_cached and self.manager.pool.enable_caching:
                 break  # siblings wait for the first completion's prompt blocks, then share them
             prefix = self.manager.find_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
             computed = seq.num_computed_tokens or len(prefix) * bs
