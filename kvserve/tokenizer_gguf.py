@@ -10,13 +10,10 @@ A GGUF has no tokenizer.json: it stores tokens, token types, merges or scores an
 from __future__ import annotations
 
 import logging
-import mmap
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
@@ -62,53 +59,14 @@ class GgufVocab:
 
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value section of a GGUF file (arrays as lists).
+    """The key/value section of a GGUF file (arrays as lists), read with the gguf package."""
+    from kvserve.model.gguf_file import open_gguf
 
-    The `gguf` package's reader also indexes every tensor and builds a numpy view per string, which
-    takes seconds on a 50k-token vocabulary; this stops at the end of the metadata.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelFormatError(f"{path} is not a GGUF file (bad magic); pass a .gguf model file.")
-        version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise ModelFormatError(f"{path}: GGUF version {version} is not supported (2 or 3 are).")
-        pos, meta = 24, {}
-        try:
-            for _ in range(n_kv):
-                key, pos = _read_str(buf, pos)
-                (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
-                meta[key], pos = _read_value(buf, pos, vtype)
-        except (struct.error, UnicodeDecodeError, KeyError) as e:
-            raise ModelFormatError(f"{path}: corrupt GGUF metadata ({e}); re-download the file.") from e
-        return meta
-
-
-_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
-
-
-def _read_value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
-    if vtype == 8:
-        return _read_str(buf, pos)
-    if vtype != 9:
-        fmt = "<" + _SCALAR[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    etype, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if etype in _SCALAR:  # numbers: one read, no Python loop
-        dtype = np.dtype("<" + _SCALAR[etype])
-        arr = np.frombuffer(buf, dtype=dtype, count=count, offset=pos)
-        return arr.tolist(), pos + count * dtype.itemsize
-    items = []
-    for _ in range(count):
-        item, pos = _read_value(buf, pos, etype)
-        items.append(item)
-    return items, pos
+    reader = open_gguf(Path(path))
+    try:
+        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except (ValueError, IndexError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{path}: corrupt GGUF metadata ({e}); download or convert it again") from None
 
 
 def build_gguf_vocab(meta: dict[str, Any], *, exact_pre_tokenizer: bool = False) -> GgufVocab:
