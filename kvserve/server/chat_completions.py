@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.server.context import ServerContext
@@ -16,7 +16,7 @@ from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.generation import Job, usage
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.streaming import ClientDisconnected, EventStream, run_until_disconnect, sse
+from kvserve.server.streaming import respond, sse
 from kvserve.server.validation import check_limits, parse, reject, sampling_params
 
 # The engine speaks of "prompt"; here the prompt is the conversation.
@@ -44,16 +44,8 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     except ValueError as e:  # the template refused the messages, or the prompt does not fit
         raise from_value_error(e, renames) from None
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
-    admission = ctx.state.admit(job.num_seqs)
-    if req.stream:
-        return EventStream(_stream(ctx, job, req), admission.release, ctx.state.work)
-    try:
-        final = await run_until_disconnect(request, _collect(ctx, job), ctx.state.work)
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening
-    finally:
-        admission.release()
-    return JSONResponse(_response(ctx, job, final))
+    return await respond(request, ctx.state, job.num_seqs, req.stream, lambda: _stream(ctx, job, req),
+                         lambda: _collect(ctx, job), lambda final: _response(ctx, job, final))
 
 
 async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:

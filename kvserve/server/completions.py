@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.server.context import ServerContext
@@ -15,7 +15,7 @@ from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.generation import Job, usage
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.streaming import ClientDisconnected, EventStream, run_until_disconnect, sse
+from kvserve.server.streaming import respond, sse
 from kvserve.server.validation import check_limits, parse, reject, sampling_params
 
 
@@ -35,16 +35,8 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     except ValueError as e:
         raise from_value_error(e) from None
     job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
-    admission = ctx.state.admit(job.num_seqs)
-    if req.stream:
-        return EventStream(_stream(ctx, job, req), admission.release, ctx.state.work)
-    try:
-        finals = await run_until_disconnect(request, _collect(ctx, job), ctx.state.work)
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening
-    finally:
-        admission.release()
-    return JSONResponse(_response(ctx, job, req, finals))
+    return await respond(request, ctx.state, job.num_seqs, req.stream, lambda: _stream(ctx, job, req),
+                         lambda: _collect(ctx, job), lambda finals: _response(ctx, job, req, finals))
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:

@@ -13,13 +13,16 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvserve.server.state import ServerState
 
 log = logging.getLogger("kvserve.server")
 T = TypeVar("T")
@@ -113,3 +116,28 @@ class EventStream(Response):
             if aclose is not None:
                 await aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def respond(
+    request: Request,
+    state: ServerState,
+    num_seqs: int,
+    stream: bool,
+    events: Callable[[], AsyncIterator[bytes]],
+    collect: Callable[[], Awaitable[T]],
+    render: Callable[[T], dict],
+) -> Response:
+    """Admit the work (or 429), then stream its events, or collect it and render the body.
+
+    A client that leaves before a whole answer is ready gets nothing, and its work is dropped.
+    """
+    admission = state.admit(num_seqs)
+    if stream:
+        return EventStream(events(), admission.release, state.work)
+    try:
+        result = await run_until_disconnect(request, collect(), state.work)
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening
+    finally:
+        admission.release()
+    return JSONResponse(render(result))
