@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Stop conditions are checked on every token: bounded so no request can make that expensive.
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 
 
 @dataclass
@@ -77,10 +79,12 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "a list of non-negative token ids")
+        stops_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
+        if not stops_ok or len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")
+        ids_ok = all(is_int(t) and t >= 0 for t in self.stop_token_ids)
+        if not ids_ok or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if not is_int(self.priority):
             raise bad("priority", "an integer")
 

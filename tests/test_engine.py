@@ -190,6 +190,9 @@ def test_n_completions_share_the_prompt_blocks(make_llm) -> None:
         (dict(logprobs=21), "logprobs must be an integer in \\[0, 20\\]"),
         (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens"),
+        (dict(stop=["a"] * 17), "stop must be at most 16 non-empty strings of at most 256 characters"),
+        (dict(stop="x" * 257), "stop must be at most 16"),
+        (dict(stop_token_ids=list(range(257))), "stop_token_ids must be a list of at most 256"),
     ],
 )
 def test_bad_parameters_are_refused_by_name(kwargs, match) -> None:
