@@ -43,11 +43,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
 
-    @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """K and V elements stored per token across all layers (multiply by the dtype size)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
     def describe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 

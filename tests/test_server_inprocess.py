@@ -70,17 +70,23 @@ def test_load_failure_is_reported(model_dir):
         assert client.post("/v1/completions", json=REQUEST).status_code == 503
 
 
-def test_engine_death_ends_requests_with_an_error_and_health_503(model_dir):
+def dying_llm(model_dir, steps: int, message: str):
+    """A tiny LLM whose engine step raises after `steps` good steps."""
     llm = tiny_llm(model_dir)
     real_step, calls = llm.engine.step, []
 
     def failing_step():
         calls.append(1)
-        if len(calls) > 2:
-            raise RuntimeError("simulated kernel failure in /secret/path.py")
+        if len(calls) > steps:
+            raise RuntimeError(message)
         return real_step()
 
     llm.engine.step = failing_step
+    return llm
+
+
+def test_engine_death_ends_requests_with_an_error_and_health_503(model_dir):
+    llm = dying_llm(model_dir, 2, "simulated kernel failure in /secret/path.py")
     with TestClient(build_app(SETTINGS, llm=llm), raise_server_exceptions=False) as client:
         r = client.post("/v1/completions", json={**REQUEST, "max_tokens": 50, "ignore_eos": True})
         assert r.status_code == 500
@@ -94,16 +100,7 @@ def test_engine_death_ends_requests_with_an_error_and_health_503(model_dir):
 
 
 def test_engine_death_mid_stream_ends_the_stream_with_an_error(model_dir):
-    llm = tiny_llm(model_dir)
-    real_step, calls = llm.engine.step, []
-
-    def failing_step():
-        calls.append(1)
-        if len(calls) > 3:
-            raise RuntimeError("boom")
-        return real_step()
-
-    llm.engine.step = failing_step
+    llm = dying_llm(model_dir, 3, "boom")
     with TestClient(build_app(SETTINGS, llm=llm)) as client:
         body = {**REQUEST, "max_tokens": 50, "ignore_eos": True, "stream": True}
         r = client.post("/v1/completions", json=body)
