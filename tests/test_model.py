@@ -9,6 +9,7 @@ from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.sizing import KVSizing, allocate_kv_pool
+from kvserve.model.attention import CpuPagedAttention, TorchAttention
 from kvserve.model.llama import LlamaModel
 
 BLOCK = 16
@@ -25,7 +26,10 @@ CASES = {
 }
 
 
-def build(case: str):
+BACKENDS = {"torch": TorchAttention, "paged-kernel": CpuPagedAttention}
+
+
+def build(case: str, backend: str = "paged-kernel"):
     """A tiny transformers model and kvserve's copy of it, sharing weights."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -60,7 +64,7 @@ def build(case: str):
         attention_bias=arch == "qwen2" or "bias" in case, tie_word_embeddings=tied,
     )
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    model = LlamaModel(cfg, tensors, torch.float32)
+    model = LlamaModel(cfg, tensors, torch.float32, attention=BACKENDS[backend]())
     sizing = KVSizing(64, BLOCK, 2, kv_heads, 96 // heads, torch.float32)
     runner = ModelRunner(model, allocate_kv_pool(sizing), BLOCK)
     manager = KVCacheManager(BlockPool(64), BLOCK)
@@ -71,9 +75,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_and_greedy_match_transformers(case: str) -> None:
-    hf, runner, manager = build(case)
+def test_logits_and_greedy_match_transformers(case: str, backend: str) -> None:
+    hf, runner, manager = build(case, backend)
     prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]  # [T, V]
@@ -101,10 +106,11 @@ def test_logits_and_greedy_match_transformers(case: str) -> None:
     assert manager.pool.num_free_blocks == 64
 
 
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("n", [15, 16, 17, 33])
-def test_prefill_then_decode_equals_full_forward(n: int) -> None:
+def test_prefill_then_decode_equals_full_forward(n: int, backend: str) -> None:
     """Chunked / token-by-token computation through the cache equals one pass over all tokens."""
-    hf, runner, manager = build("llama-gqa2-untied")
+    hf, runner, manager = build("llama-gqa2-untied", backend)
     tokens = torch.randint(0, 512, (n + 3,), generator=torch.Generator().manual_seed(n)).tolist()
     manager.allocate("full", len(tokens))
     full = runner.run([SeqChunk(tokens, 0, manager.block_ids("full"), True)])

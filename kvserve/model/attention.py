@@ -7,16 +7,21 @@ sequence's blocks yields [Hkv, L, D] rows ready for batched matmuls, with no tra
 A step's tokens from many sequences are packed into one flat batch; AttentionMetadata says
 which tokens belong to which sequence.
 
-AttentionBackend is the swap point: TorchAttention is the reference path (any device, used on
-the CPU); a GPU kernel backend only has to implement the same forward().
+AttentionBackend is the swap point: TorchAttention is the reference path (any device);
+CpuPagedAttention replaces its decode with kvserve's fused C kernel, which reads each context
+straight out of its blocks; a GPU kernel backend only has to implement the same forward().
+`default_backend()` picks the fastest one that runs here.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.kernels import paged_attention
 
 
 @dataclass
@@ -28,6 +33,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # per sequence: context length after this step (cached + new)
     block_tables: list[list[int]]  # per sequence: block ids covering seq_len tokens
     block_size: int
+    # Values a backend derives once per step and reuses in every layer (e.g. table tensors).
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -127,3 +134,33 @@ class TorchAttention(AttentionBackend):
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(probs, kv[1])  # [Hkv, B, G, D]
         return o.transpose(0, 1).reshape(B, -1, d)  # [B, H, D]
+
+
+class CpuPagedAttention(TorchAttention):
+    """TorchAttention with decode done by kvserve's fused paged kernel (kernels/paged_attention.c).
+
+    The kernel walks each sequence's block table and attends in float32 straight from the pool:
+    no gathered copy, no padding to the longest context, and each sequence's result does not
+    depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch.
+    """
+
+    def _decode(self, q, kv_cache, meta, seqs, scale):
+        if not paged_attention.supports(q, kv_cache):
+            return super()._decode(q, kv_cache, meta, seqs, scale)
+        key = ("paged_decode", tuple(seqs))
+        if key not in meta.scratch:  # the same for every layer of this step
+            width = max(len(meta.block_tables[i]) for i in seqs)
+            rows = [meta.block_tables[i] + [0] * (width - len(meta.block_tables[i])) for i in seqs]
+            meta.scratch[key] = (
+                torch.tensor(rows, dtype=torch.int32),
+                torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.int32),
+            )
+        tables, lens = meta.scratch[key]
+        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale)
+
+
+def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:
+    """The fused CPU kernel where it compiled and loads, else the torch reference."""
+    if torch.device(device).type == "cpu" and paged_attention.available():
+        return CpuPagedAttention()
+    return TorchAttention()

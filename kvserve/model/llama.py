@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError
-from kvserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
+from kvserve.model.linear import Linear
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -61,13 +62,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    wqkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
-    bqkv: torch.Tensor | None  # [(H + 2 Hkv) * D] (Qwen2)
-    wo: torch.Tensor  # [hidden, H * D]
-    bo: torch.Tensor | None  # [hidden] (Llama with attention_bias)
+    qkv: Linear  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
+    o: Linear  # H * D -> hidden, with Llama's attention_bias
     post_norm: torch.Tensor  # [hidden]
-    w13: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows
-    w2: torch.Tensor  # [hidden, ffn]
+    gate_up: Linear  # hidden -> 2 * ffn: gate rows then up rows
+    down: Linear  # ffn -> hidden
 
 
 class LlamaModel:
@@ -82,7 +81,7 @@ class LlamaModel:
     ) -> None:
         self.config = config
         self.dtype = dtype
-        self.attention = attention or TorchAttention()
+        self.attention = attention or default_backend()
         self.scale = config.head_dim**-0.5
         self.inv_freq = rope_inv_freq(config)
 
@@ -104,25 +103,30 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    wqkv=torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
-                    bqkv=torch.cat(biases) if all(b is not None for b in biases) else None,
-                    wo=take(a + "o_proj.weight"),
-                    bo=take_opt(a + "o_proj.bias"),
+                    qkv=Linear(
+                        torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                        torch.cat(biases) if all(b is not None for b in biases) else None,
+                    ),
+                    o=Linear(take(a + "o_proj.weight"), take_opt(a + "o_proj.bias")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    w13=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    w2=take(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = take_opt("lm_head.weight")
-        self.lm_head = self.embed if (config.tie_word_embeddings or lm_head is None) else lm_head
+        self.tied = config.tie_word_embeddings or lm_head is None
+        self.lm_head = Linear(self.embed if self.tied else lm_head)
 
     @property
     def nbytes(self) -> int:
-        ts = [self.embed, self.norm, self.lm_head if self.lm_head is not self.embed else self.norm]
+        """Bytes of the parameters (a tied LM head counted once)."""
+        n = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
+        n += 0 if self.tied else self.lm_head.nbytes
         for lw in self.layers:
-            ts += [lw.input_norm, lw.wqkv, lw.wo, lw.post_norm, lw.w13, lw.w2]
-        return sum(t.numel() * t.element_size() for t in ts)
+            n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm))
+            n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+        return n
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
@@ -143,7 +147,7 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for lw, kv_cache in zip(self.layers, kv_caches):
             h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
-            qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 Hkv) * D]
+            qkv = lw.qkv(h)  # [T, (H + 2 Hkv) * D]
             q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
             q = q.view(T, H, D)
             k = k.view(T, Hkv, D)
@@ -151,12 +155,12 @@ class LlamaModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            x = x + F.linear(o.reshape(T, H * D), lw.wo, lw.bo)
+            x = x + lw.o(o.reshape(T, H * D))
             h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, lw.w13).chunk(2, dim=-1)  # [T, ffn] each
-            x = x + F.linear(F.silu(gate) * up, lw.w2)
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)  # [T, ffn] each
+            x = x + lw.down(F.silu(gate) * up)
         return rms_norm(x, self.norm, c.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the given positions only: [N, hidden] -> [N, V] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,86 @@
+"""Native CPU kernels, compiled on first use and called through ctypes.
+
+The C sources ship with the package. On first use each is compiled with the system C compiler
+(`$CC`, else `cc`) for this CPU (-O3 -march=native) into a cache directory keyed by the source,
+the compiler and the CPU, and loaded after torch so that it shares torch's OpenMP runtime.
+Where no compiler is found or the build fails, `load()` returns None once, logs why, and
+callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels link against)
+
+log = logging.getLogger("kvserve.kernels")
+
+SOURCES = Path(__file__).parent
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvserve"
+    )
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compile(name: str) -> Path:
+    src = SOURCES / f"{name}.c"
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([src.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
+    out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name, then rename: concurrent processes never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {src.name}: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernel library `name` (kvserve/kernels/<name>.c), or None where unavailable."""
+    if not enabled():
+        return None
+    try:
+        return ctypes.CDLL(str(_compile(name)))
+    except Exception as e:  # any failure means: use the torch path
+        log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
+        return None

@@ -1,0 +1,64 @@
+"""ctypes binding of paged_attention.c: decode attention straight out of the paged KV pool."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve import kernels
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_p = ctypes.c_void_p
+_i = ctypes.c_int
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = kernels.load("paged_attention")
+    if lib is not None and not getattr(lib, "_kvserve_typed", False):
+        fn = lib.kvserve_paged_decode
+        fn.argtypes = [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i]
+        fn.restype = _i
+        lib._kvserve_typed = True
+    return lib
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors (CPU, float32/bfloat16, contiguous, head_dim ≤ 256)."""
+    return (
+        q.device.type == "cpu"
+        and kv_cache.device.type == "cpu"
+        and q.dtype == kv_cache.dtype
+        and q.dtype in _DTYPES
+        and kv_cache.is_contiguous()
+        and q.shape[-1] <= 256
+        and available()
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, H, D]
+    kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    lib = _lib()
+    assert lib is not None and supports(q, kv_cache)
+    q = q.contiguous()
+    B, H, D = q.shape
+    _, hkv, nb, bs, _ = kv_cache.shape
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    assert block_tables.shape[0] == B and seq_lens.shape == (B,)
+    out = torch.empty_like(q)
+    rc = lib.kvserve_paged_decode(
+        q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, _DTYPES[q.dtype], torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged decode kernel failed (code {rc}) for q {tuple(q.shape)}, pool {tuple(kv_cache.shape)}")
+    return out

@@ -1,0 +1,169 @@
+"""kvserve's native CPU kernels and packed linear layers against plain torch."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import paged_attention
+from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, default_backend
+from kvserve.model.linear import Linear
+
+
+def test_the_kernel_builds_where_a_compiler_exists() -> None:
+    assert shutil.which("cc") or shutil.which("gcc"), "this suite expects a C compiler (CI installs gcc)"
+    assert paged_attention.available()
+    assert isinstance(default_backend(), CpuPagedAttention)
+
+
+def random_case(B, H, Hkv, D, bs, lens, dtype, seed=0):
+    """A pool with random contents and each sequence's blocks scattered through it."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-n // bs) for n in lens)
+    num_blocks = need + 5
+    kv = torch.randn(2, Hkv, num_blocks, bs, D, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, k = [], 0
+    for n in lens:
+        tables.append(perm[k : k + -(-n // bs)])
+        k += len(tables[-1])
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    return q, kv, tables
+
+
+def exact(q, kv, tables, lens, bs, scale):
+    """float64 attention of each query over its own context."""
+    B, H, D = q.shape
+    Hkv = kv.shape[1]
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        ctx = kv[:, :, tables[b]].reshape(2, Hkv, -1, D)[:, :, : lens[b]].double()  # [2, Hkv, L, D]
+        k = ctx[0].repeat_interleave(H // Hkv, 0)
+        v = ctx[1].repeat_interleave(H // Hkv, 0)
+        p = torch.softmax((k @ q[b].double().unsqueeze(-1)).squeeze(-1) * scale, -1)  # [H, L]
+        out[b] = (p.unsqueeze(1) @ v).squeeze(1)
+    return out
+
+
+def as_tensors(tables, lens):
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize(
+    "H,Hkv,D,bs",
+    [(9, 3, 64, 16), (4, 4, 32, 16), (8, 1, 128, 8), (6, 2, 24, 4), (16, 4, 256, 16)],
+)
+def test_paged_decode_matches_exact_attention(H, Hkv, D, bs, dtype, tol) -> None:
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 70]
+    q, kv, tables = random_case(len(lens), H, Hkv, D, bs, lens, dtype)
+    bt, sl = as_tensors(tables, lens)
+    out = paged_attention.paged_decode(q, kv, bt, sl, D**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.double() - exact(q, kv, tables, lens, bs, D**-0.5)).abs().max().item() < tol
+
+
+def test_paged_decode_never_reads_past_a_context() -> None:
+    """Slots after a sequence's last token (stale or never written) do not reach its output."""
+    lens = [5, 17, 33]
+    q, kv, tables = random_case(3, 9, 3, 64, 16, lens, torch.float32)
+    ref = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125)
+    poisoned = kv.clone()
+    used = torch.zeros(kv.shape[2] * 16, dtype=torch.bool)
+    for t, n in zip(tables, lens):
+        for i in range(n):
+            used[t[i // 16] * 16 + i % 16] = True
+    poisoned.view(2, 3, -1, 64)[:, :, ~used] = float("nan")
+    out = paged_attention.paged_decode(q, poisoned, *as_tensors(tables, lens), 0.125)
+    assert torch.equal(out, ref)
+
+
+def test_paged_decode_is_batch_invariant() -> None:
+    """A sequence's output is bit-identical alone and inside any batch."""
+    lens = [40, 7, 129, 16, 1]
+    q, kv, tables = random_case(5, 9, 3, 64, 16, lens, torch.bfloat16)
+    together = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125)
+    for b in range(5):
+        alone = paged_attention.paged_decode(q[b : b + 1], kv, *as_tensors([tables[b]], [lens[b]]), 0.125)
+        assert torch.equal(alone[0], together[b])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_agree_on_a_mixed_step(dtype) -> None:
+    """A step of prefill chunks and decode tokens: the kernel backend equals the torch reference."""
+    H, Hkv, D, bs = 9, 3, 64, 16
+    lens = [20, 1, 50, 33]
+    query_lens = [1, 1, 10, 1]  # sequence 2 prefills its last 10 tokens
+    _, kv, tables = random_case(4, H, Hkv, D, bs, lens, dtype)
+    g = torch.Generator().manual_seed(3)
+    T = sum(query_lens)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(T, Hkv, D, generator=g).to(dtype)
+    slots = []
+    for t, n, L in zip(tables, query_lens, lens):
+        slots += [t[p // bs] * bs + p % bs for p in range(L - n, L)]
+
+    def run(backend):
+        meta = AttentionMetadata(torch.tensor(slots), query_lens, lens, tables, bs)
+        pool = kv.clone()
+        return backend.forward(q, k, v, pool, meta, D**-0.5), pool
+
+    a, pool_a = run(TorchAttention())
+    b, pool_b = run(CpuPagedAttention())
+    assert torch.equal(pool_a, pool_b)
+    assert (a.float() - b.float()).abs().max().item() < (2e-6 if dtype == torch.float32 else 2e-2)
+
+
+def test_unsupported_inputs_fall_back_to_torch() -> None:
+    lens = [3, 20]
+    q, kv, tables = random_case(2, 4, 2, 16, 16, lens, torch.float16)
+    assert not paged_attention.supports(q, kv)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [1, 1], lens, tables, 16)
+    out = CpuPagedAttention()._decode(q, kv, meta, [0, 1], 0.25)
+    ref = TorchAttention()._decode(q, kv, meta, [0, 1], 0.25)
+    assert torch.equal(out, ref)
+
+
+def _backend_in_subprocess(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = "from kvserve.model.attention import default_backend; print(type(default_backend()).__name__)"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_native_kernels_can_be_turned_off() -> None:
+    r = _backend_in_subprocess({"KVSERVE_NATIVE": "0"})
+    assert r.returncode == 0 and r.stdout.strip() == "TorchAttention"
+
+
+def test_a_failing_compiler_means_the_torch_path_and_one_warning(tmp_path) -> None:
+    r = _backend_in_subprocess({"CC": "/bin/false", "KVSERVE_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0 and r.stdout.strip() == "TorchAttention"
+    assert "native kernel paged_attention unavailable, using the torch path" in r.stderr
+    assert list(tmp_path.rglob("*.so")) == [] and list(tmp_path.rglob("*")) in ([], [tmp_path / "kernels"])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_is_bit_identical_to_f_linear(rows, bias) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(320, 96, generator=g).bfloat16()
+    b = torch.randn(320, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    lin = Linear(w, b)
+    assert lin.packed is not None and lin.weight is None
+    assert torch.equal(lin(x), F.linear(x, w, b))
+
+
+def test_float32_linear_stays_on_f_linear() -> None:
+    w = torch.randn(32, 16)
+    lin = Linear(w)
+    assert lin.packed is None
+    x = torch.randn(3, 16)
+    assert torch.equal(lin(x), F.linear(x, w))
