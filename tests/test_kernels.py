@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels import paged_attention
-from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, default_backend
+from kvserve.kernels import layer_ops, paged_attention
+from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, default_backend, store_kv
 from kvserve.model.linear import Linear
+from kvserve.model.ops import LayerOps, rms_norm
 
 
 def test_the_kernel_builds_where_a_compiler_exists() -> None:
@@ -110,14 +111,14 @@ def test_backends_agree_on_a_mixed_step(dtype) -> None:
     for t, n, L in zip(tables, query_lens, lens):
         slots += [t[p // bs] * bs + p % bs for p in range(L - n, L)]
 
+    pool = kv.clone()
+    store_kv(k, v, pool, torch.tensor(slots))
+
     def run(backend):
         meta = AttentionMetadata(torch.tensor(slots), query_lens, lens, tables, bs)
-        pool = kv.clone()
-        return backend.forward(q, k, v, pool, meta, D**-0.5), pool
+        return backend.forward(q, k, v, pool, meta, D**-0.5)
 
-    a, pool_a = run(TorchAttention())
-    b, pool_b = run(CpuPagedAttention())
-    assert torch.equal(pool_a, pool_b)
+    a, b = run(TorchAttention()), run(CpuPagedAttention())
     assert (a.float() - b.float()).abs().max().item() < (2e-6 if dtype == torch.float32 else 2e-2)
 
 
@@ -167,3 +168,55 @@ def test_float32_linear_stays_on_f_linear() -> None:
     assert lin.packed is None
     x = torch.randn(3, 16)
     assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_layer_ops_build_here() -> None:
+    assert layer_ops.available()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Equal up to the summation order of RMSNorm / exp's last bit: 1e-6 relative in float32,
+    a rare one-unit rounding flip in bfloat16."""
+    if dtype == torch.float32:
+        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    differ = (a != b).float().mean().item()
+    return differ < 0.01 and torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64, 700])
+def test_fused_add_rms_norm_matches_torch(dtype, rows) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    d = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    x_ref, h_ref = LayerOps(native=False).add_rms_norm(x.clone(), d, w, 1e-5)
+    x_nat, h_nat = LayerOps(native=True).add_rms_norm(x.clone(), d, w, 1e-5)
+    assert torch.equal(x_nat, x_ref)  # the residual add rounds exactly as torch does
+    assert _close(h_nat, h_ref, dtype)
+    _, h0 = LayerOps(native=True).add_rms_norm(x.clone(), None, w, 1e-5)
+    assert _close(h0, rms_norm(x, w, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_store_is_bit_identical_to_torch(dtype) -> None:
+    H, Hkv, D, bs, T = 9, 3, 64, 16, 37
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    angles = torch.rand(T, D, generator=g) * 50
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(8 * bs, generator=g)[:T]
+    pools = [torch.zeros(2, Hkv, 8, bs, D, dtype=dtype) for _ in range(2)]
+    ref = LayerOps(native=False).rope_and_store(qkv, cos, sin, pools[0], slots, H)
+    nat = LayerOps(native=True).rope_and_store(qkv, cos, sin, pools[1], slots, H)
+    for a, b in zip(nat, ref):
+        assert torch.equal(a, b)
+    assert torch.equal(pools[1], pools[0]) and pools[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_mul_matches_torch(dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    gu = (torch.randn(50, 2 * 1536, generator=g) * 6).to(dtype)  # wide range: exp saturates at both ends
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    assert _close(LayerOps(native=True).silu_mul(gu), LayerOps(native=False).silu_mul(gu), dtype)

@@ -26,10 +26,11 @@ CASES = {
 }
 
 
-BACKENDS = {"torch": TorchAttention, "paged-kernel": CpuPagedAttention}
+# The plain-torch reference, and kvserve's native kernels (paged decode attention, fused layer ops).
+BACKENDS = {"torch": (TorchAttention, False), "native": (CpuPagedAttention, True)}
 
 
-def build(case: str, backend: str = "paged-kernel"):
+def build(case: str, backend: str = "native"):
     """A tiny transformers model and kvserve's copy of it, sharing weights."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -64,7 +65,8 @@ def build(case: str, backend: str = "paged-kernel"):
         attention_bias=arch == "qwen2" or "bias" in case, tie_word_embeddings=tied,
     )
     tensors = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    model = LlamaModel(cfg, tensors, torch.float32, attention=BACKENDS[backend]())
+    attention, native_ops = BACKENDS[backend]
+    model = LlamaModel(cfg, tensors, torch.float32, attention=attention(), native_ops=native_ops)
     sizing = KVSizing(64, BLOCK, 2, kv_heads, 96 // heads, torch.float32)
     runner = ModelRunner(model, allocate_kv_pool(sizing), BLOCK)
     manager = KVCacheManager(BlockPool(64), BLOCK)

@@ -1,4 +1,4 @@
-"""Paged attention: store each new token's K/V into its block slot, attend through block tables.
+"""Paged attention: K/V live in block slots of a pool; each token attends through its block table.
 
 The KV pool of one layer is a tensor [2, num_kv_heads, num_blocks, block_size, head_dim]; a
 sequence owns a list of block ids (its block table) and token i of it lives in block
@@ -48,11 +48,11 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D], the step's k and v already stored
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, D]
-        ...
+        """Each new token attends to its sequence's context (itself included) in the pool."""
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -72,7 +72,6 @@ class TorchAttention(AttentionBackend):
     """
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        store_kv(k, v, kv_cache, meta.slot_mapping)
         if all(n == 1 for n in meta.query_lens):  # a pure decode step: one batched call
             return self._decode(q, kv_cache, meta, list(range(meta.num_seqs)), scale)
         out = torch.empty_like(q)

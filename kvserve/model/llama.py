@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError
+from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
 from kvserve.model.linear import Linear
+from kvserve.model.ops import LayerOps
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -46,19 +48,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 whatever the compute dtype, as the reference does (on this CPU it
-    # is also faster than torch's fused kernel for bfloat16).
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
@@ -78,10 +67,13 @@ class LlamaModel:
         tensors: dict[str, torch.Tensor],
         dtype: torch.dtype,
         attention: AttentionBackend | None = None,
+        native_ops: bool | None = None,
     ) -> None:
         self.config = config
         self.dtype = dtype
         self.attention = attention or default_backend()
+        # Fused CPU kernels for the elementwise steps where they compiled (None: if available).
+        self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops)
         self.scale = config.head_dim**-0.5
         self.inv_freq = rope_inv_freq(config)
 
@@ -131,7 +123,7 @@ class LlamaModel:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(self.dtype).unsqueeze(1), emb.sin().to(self.dtype).unsqueeze(1)  # [T, 1, D]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, D] each
 
     def forward(
         self,
@@ -140,26 +132,18 @@ class LlamaModel:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        c = self.config
-        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        T = input_ids.shape[0]
+        c, ops = self.config, self.ops
+        T, H, D = input_ids.shape[0], c.num_attention_heads, c.head_dim
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        delta = None  # the previous layer's MLP output, added to x with the next norm
         for lw, kv_cache in zip(self.layers, kv_caches):
-            h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
-            qkv = lw.qkv(h)  # [T, (H + 2 Hkv) * D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = q.view(T, H, D)
-            k = k.view(T, Hkv, D)
-            v = v.view(T, Hkv, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            x, h = ops.add_rms_norm(x, delta, lw.input_norm, c.rms_norm_eps)
+            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H)
             o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            x = x + lw.o(o.reshape(T, H * D))
-            h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)  # [T, ffn] each
-            x = x + lw.down(F.silu(gate) * up)
-        return rms_norm(x, self.norm, c.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, c.rms_norm_eps)
+            delta = lw.down(ops.silu_mul(lw.gate_up(h)))
+        return ops.add_rms_norm(x, delta, self.norm, c.rms_norm_eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the given positions only: [N, hidden] -> [N, V] float32."""

@@ -1,0 +1,74 @@
+"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store, SiLU * up."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve import kernels
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_SIGNATURES = {
+    "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
+    "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i],
+    "kvserve_silu_mul": [_p, _p, _i, _i, _i, _i],
+}
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = kernels.load("layer_ops")
+    if lib is not None and not getattr(lib, "_kvserve_typed", False):
+        for name, args in _SIGNATURES.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = _i
+        lib._kvserve_typed = True
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype (float32 or bfloat16), contiguous, with the library loaded."""
+    t0 = tensors[0]
+    return (
+        t0.dtype in _DTYPES
+        and all(t.device.type == "cpu" and t.dtype == t0.dtype and t.is_contiguous() for t in tensors)
+        and available()
+    )
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (if given); returns weight * rms_norm(x). x, delta: [T, N]; weight: [N]."""
+    T, N = x.shape
+    h = torch.empty_like(x)
+    _lib().kvserve_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                h.data_ptr(), T, N, eps, _DTYPES[x.dtype], torch.get_num_threads())
+    return h
+
+
+def rope_store(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated q [T, H, D] and k [T, Hkv, D]; k and v written into their slots of the pool."""
+    T = qkv.shape[0]
+    _, hkv, nb, bs, d = kv_cache.shape
+    q = torch.empty(T, num_heads, d, dtype=qkv.dtype)
+    k = torch.empty(T, hkv, d, dtype=qkv.dtype)
+    slots = slots.to(torch.int64).contiguous()
+    _lib().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                              kv_cache.data_ptr(), slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
+                              _DTYPES[qkv.dtype], torch.get_num_threads())
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2F] (gate, then up) -> [T, F] = silu(gate) * up."""
+    T, F2 = gate_up.shape
+    out = torch.empty(T, F2 // 2, dtype=gate_up.dtype)
+    _lib().kvserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), T, F2 // 2, _DTYPES[gate_up.dtype],
+                            torch.get_num_threads())
+    return out

@@ -1,0 +1,75 @@
+"""The decoder layer's elementwise steps, each one call.
+
+`LayerOps(native=True)` runs kvserve's fused CPU kernels (kernels/layer_ops.c): one pass over
+memory per step instead of several torch ops. `LayerOps(native=False)` is the plain-torch
+reference, written as the Hugging Face implementation computes (RMSNorm statistics in float32,
+rotate-half RoPE). Tensors the kernels do not take fall back to the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.kernels import layer_ops
+from kvserve.model.attention import store_kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the compute dtype, as the reference does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LayerOps:
+    def __init__(self, native: bool) -> None:
+        self.native = native
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, weight * rms_norm(x + delta)); delta None means no residual add.
+
+        The sum may be written into x itself: use the returned tensor, not x, afterwards."""
+        if self.native and layer_ops.supports(x, weight, *([] if delta is None else [delta])):
+            return x, layer_ops.add_rms_norm(x, delta, weight, eps)
+        if delta is not None:
+            x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    def rope_and_store(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D]
+        cos: torch.Tensor,  # [T, D] in the model dtype
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
+        slots: torch.Tensor,  # [T]
+        num_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k rotated ([T, H, D], [T, Hkv, D]) and v; the new tokens' k and v stored in the pool."""
+        T = qkv.shape[0]
+        _, hkv, _, _, d = kv_cache.shape
+        v = qkv[:, (num_heads + hkv) * d :].view(T, hkv, d)
+        if self.native and layer_ops.supports(qkv, cos, sin, kv_cache):
+            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads)
+            return q, k, v
+        q, k, _ = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        q = q.view(T, num_heads, d)
+        k = k.view(T, hkv, d)
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        store_kv(k, v, kv_cache, slots)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2F] (gate, then up) -> [T, F]."""
+        if self.native and layer_ops.supports(gate_up):
+            return layer_ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
