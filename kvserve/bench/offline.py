@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for d, (rows, _) in results.items():
         for r in rows:
-            ratio = "—" if r is rows[0] else f"{rows[0].tps / r.tps:.1f}x"
+            ratio = "—" if r is rows[0] else f"{rows[0].tps / r.tps:.2f}x"
             lines.append(f"| {d} | {r.system} | {r.requests} | {r.output_tokens} | {r.seconds:.1f} | {r.tps:.1f} | {ratio} |")
     lines += ["", f"Single-stream decode (kvserve `prefill` then {args.output_len} x `decode`, one sequence): "
               + ", ".join(f"**{single:.1f} tokens/s** in {d}" for d, (_, single) in results.items()) + ".", ""]

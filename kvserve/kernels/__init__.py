@@ -80,7 +80,9 @@ def load(name: str) -> ctypes.CDLL | None:
     if not enabled():
         return None
     try:
-        return ctypes.CDLL(str(_compile(name)))
+        lib = ctypes.CDLL(str(_compile(name)))
+        log.info("native kernel %s loaded", name)
+        return lib
     except Exception as e:  # any failure means: use the torch path
         log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
