@@ -220,3 +220,15 @@ def test_fused_silu_mul_matches_torch(dtype) -> None:
     gu = (torch.randn(50, 2 * 1536, generator=g) * 6).to(dtype)  # wide range: exp saturates at both ends
     gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
     assert _close(LayerOps(native=True).silu_mul(gu), LayerOps(native=False).silu_mul(gu), dtype)
+
+
+def test_kernels_compile_into_an_empty_cache_once(tmp_path) -> None:
+    env = {"KVSERVE_CACHE_DIR": str(tmp_path)}
+    first = _backend_in_subprocess(env)
+    assert first.returncode == 0 and first.stdout.strip() == "CpuPagedAttention", first.stderr
+    built = sorted(tmp_path.rglob("*.so"))
+    assert [p.name.split("-")[0] for p in built] == ["paged_attention"]
+    stamp = built[0].stat().st_mtime_ns
+    again = _backend_in_subprocess(env)  # a second process loads the cached build
+    assert again.stdout.strip() == "CpuPagedAttention"
+    assert sorted(tmp_path.rglob("*.so")) == built and built[0].stat().st_mtime_ns == stamp
