@@ -175,7 +175,7 @@ def test_layer_ops_build_here() -> None:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Equal up to the summation order of RMSNorm / exp's last bit: 1e-6 relative in float32,
+    """Equal up to the summation order of RMSNorm: 1e-6 relative in float32,
     a rare one-unit rounding flip in bfloat16."""
     if dtype == torch.float32:
         return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -212,23 +212,3 @@ def test_fused_rope_and_store_is_bit_identical_to_torch(dtype) -> None:
     for a, b in zip(nat, ref):
         assert torch.equal(a, b)
     assert torch.equal(pools[1], pools[0]) and pools[0].abs().sum() > 0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_silu_mul_matches_torch(dtype) -> None:
-    g = torch.Generator().manual_seed(1)
-    gu = (torch.randn(50, 2 * 1536, generator=g) * 6).to(dtype)  # wide range: exp saturates at both ends
-    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
-    assert _close(LayerOps(native=True).silu_mul(gu), LayerOps(native=False).silu_mul(gu), dtype)
-
-
-def test_kernels_compile_into_an_empty_cache_once(tmp_path) -> None:
-    env = {"KVSERVE_CACHE_DIR": str(tmp_path)}
-    first = _backend_in_subprocess(env)
-    assert first.returncode == 0 and first.stdout.strip() == "CpuPagedAttention", first.stderr
-    built = sorted(tmp_path.rglob("*.so"))
-    assert [p.name.split("-")[0] for p in built] == ["paged_attention"]
-    stamp = built[0].stat().st_mtime_ns
-    again = _backend_in_subprocess(env)  # a second process loads the cached build
-    assert again.stdout.strip() == "CpuPagedAttention"
-    assert sorted(tmp_path.rglob("*.so")) == built and built[0].stat().st_mtime_ns == stamp

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--hf-single", type=int, default=4, help="requests transformers runs one at a time")
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--hf-batches", type=int, default=1, help="static batches transformers runs")
+    ap.add_argument("--hf-batches", type=int, default=2, help="static batches transformers runs")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--write", type=Path, default=None, help="markdown file to (over)write")

@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
-The C sources ship with the package. On first use each is compiled with the system C compiler
+The C sources (and numerics.h, which they share) ship with the package. On first use each is compiled with the system C compiler
 (`$CC`, else `cc`) for this CPU (-O3 -march=native) into a cache directory keyed by the source,
 the compiler and the CPU, and loaded after torch so that it shares torch's OpenMP runtime.
 Where no compiler is found or the build fails, `load()` returns None once, logs why, and
@@ -55,7 +55,8 @@ def _compile(name: str) -> Path:
     if not cc:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
+    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
     out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -1,4 +1,4 @@
-"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store, SiLU * up."""
+"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store."""
 from __future__ import annotations
 
 import ctypes
@@ -12,7 +12,6 @@ _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
     "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i],
-    "kvserve_silu_mul": [_p, _p, _i, _i, _i, _i],
 }
 
 
@@ -63,12 +62,3 @@ def rope_store(
                               kv_cache.data_ptr(), slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
                               _DTYPES[qkv.dtype], torch.get_num_threads())
     return q, k
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2F] (gate, then up) -> [T, F] = silu(gate) * up."""
-    T, F2 = gate_up.shape
-    out = torch.empty(T, F2 // 2, dtype=gate_up.dtype)
-    _lib().kvserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), T, F2 // 2, _DTYPES[gate_up.dtype],
-                            torch.get_num_threads())
-    return out

@@ -15,22 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "numerics.h"
+
 #define MAX_D 256
 #define MAX_G 16
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = (uint32_t)x << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN stays NaN */
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
 
 /* Row `index` (of D values) of a float32 or bfloat16 array, as float32: a pointer into the
  * array itself for float32, else into buf. */
@@ -40,24 +28,6 @@ static inline const float *row_f32(const void *base, size_t index, int D, int bf
 #pragma omp simd
     for (int i = 0; i < D; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the max) in a form the compiler vectorizes:
- * 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor polynomial (rel. error < 2e-7). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest: 1.5 * 2^23 */
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
-    float p = 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
 }
 
 /* Inlined per head size so that D is a constant the loops are unrolled for. */
@@ -86,7 +56,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         for (int t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < L; t++) {
-            s[t] = exp_nonpos(s[t] - m);
+            s[t] = exp_approx(s[t] - m);
             sum += s[t];
         }
         const float inv = 1.f / sum;
@@ -131,12 +101,15 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
             const int b = item / Hkv, h = item % Hkv;
             const int32_t *table = tables + (size_t)b * max_blocks;
             if (!scores) continue;
-            if (D == 64)
-                attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, 64, scale, bf16, scores);
-            else if (D == 128)
-                attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, 128, scale, bf16, scores);
-            else
-                attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, D, scale, bf16, scores);
+            /* Literal dtypes and head sizes: each inlined copy has them as constants (a dtype
+             * read at run time leaves gcc vectorizing both branches with slow masked loads). */
+#define ATTEND(DIM, BF16) attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, DIM, scale, BF16, scores)
+            if (bf16) {
+                if (D == 64) ATTEND(64, 1); else if (D == 128) ATTEND(128, 1); else ATTEND(D, 1);
+            } else {
+                if (D == 64) ATTEND(64, 0); else if (D == 128) ATTEND(128, 0); else ATTEND(D, 0);
+            }
+#undef ATTEND
         }
         free(scores);
     }

@@ -68,7 +68,7 @@ class TorchAttention(AttentionBackend):
 
     Decode sequences (one new token) are gathered into one padded batch and attended with two
     batched matmuls; each prefill chunk gets its own causal scaled_dot_product_attention call.
-    The gather copies the context out of the pool, which a fused paged kernel would avoid.
+    The gather copies the context out of the pool; CpuPagedAttention's kernel reads it in place.
     """
 
     def forward(self, q, k, v, kv_cache, meta, scale):

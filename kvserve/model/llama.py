@@ -8,7 +8,8 @@ Improve Transformer" (Shazeer 2020).
 
 The forward works on one packed step: a flat [T] list of tokens from many sequences, with K/V
 kept in the paged pool (see attention.py). Weights arrive under Hugging Face names and are fused
-at load time (q/k/v into wqkv, gate/up into w13) so each layer runs three matmuls plus wo.
+at load time (q/k/v into qkv, gate/up into gate_up) so each layer runs four matmuls; the
+elementwise steps between them are model/ops.py's (fused kernels where they compiled).
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        kv_caches: list[torch.Tensor],  # per layer [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         c, ops = self.config, self.ops
