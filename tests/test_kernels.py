@@ -212,3 +212,25 @@ def test_fused_rope_and_store_is_bit_identical_to_torch(dtype) -> None:
     for a, b in zip(nat, ref):
         assert torch.equal(a, b)
     assert torch.equal(pools[1], pools[0]) and pools[0].abs().sum() > 0
+
+
+def test_paged_decode_refuses_tables_that_point_outside_the_pool() -> None:
+    q, kv, tables = random_case(2, 9, 3, 64, 16, [20, 5], torch.float32)
+    bt, sl = as_tensors(tables, [20, 5])
+    for bad_tables, bad_lens in (
+        (bt, torch.tensor([20, 0])),  # an empty context
+        (bt, torch.tensor([20, 33])),  # longer than its table
+        (torch.where(bt == bt[0, 1], kv.shape[2], bt), sl),  # a block id past the pool
+        (torch.where(bt == bt[1, 0], -1, bt), sl),
+    ):
+        with pytest.raises(RuntimeError, match=r"paged decode kernel failed \(code -3\)"):
+            paged_attention.paged_decode(q, kv, bad_tables, bad_lens, 0.125)
+
+
+def test_rope_store_refuses_slots_outside_the_pool_and_writes_nothing() -> None:
+    qkv = torch.randn(2, 15 * 64)
+    cs = torch.ones(2, 64)
+    pool = torch.zeros(2, 3, 4, 16, 64)
+    with pytest.raises(RuntimeError, match="KV slots outside the pool of 64 slots: 3..64"):
+        layer_ops.rope_store(qkv, cs, cs, pool, torch.tensor([3, 64]), 9)
+    assert pool.abs().sum() == 0

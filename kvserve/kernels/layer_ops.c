@@ -109,9 +109,12 @@ __attribute__((always_inline)) static inline void rope_store_row(const void *qkv
 
 /* qkv [T, (H + 2 Hkv) * D] from the fused projection; cos, sin [T, D] in the model dtype.
  * Writes q_out [T, H, D] and k_out [T, Hkv, D] rotated, and each token's rotated k and its v into
- * slot slots[t] of the pool [2, Hkv, num_slots, D]. */
+ * slot slots[t] of the pool [2, Hkv, num_slots, D]. Returns 0, or -3 (and writes nothing) when a
+ * slot lies outside the pool. */
 int kvserve_rope_store(const void *qkv, const void *cs, const void *sn, void *q_out, void *k_out, void *kv,
                        const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16, int nthreads) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3; /* would write outside the pool: write nothing */
     const long work = (long)T * (H + 2 * Hkv) * D;
     if (bf16) {
         PARALLEL_ROWS

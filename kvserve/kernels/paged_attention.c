@@ -31,9 +31,10 @@ static inline const float *row_f32(const void *base, size_t index, int D, int bf
 }
 
 /* Inlined per head size so that D is a constant the loops are unrolled for. */
-static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv, void *out, const int32_t *table, int L, int b, int h,
-                       int H, int Hkv, size_t head_rows, int bs, int D, float scale, int bf16,
-                       float *restrict scores) {
+static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv, void *out,
+                                                             const int32_t *table, int L, int b, int h, int H, int Hkv,
+                                                             size_t head_rows, int bs, int D, float scale, int bf16,
+                                                             float *restrict scores) {
     const int G = H / Hkv;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
     for (int g = 0; g < G; g++) {
@@ -80,13 +81,20 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
 }
 
-/* Returns 0, or -1 for shapes this kernel does not take, -2 when out of memory. */
+/* Returns 0; -1 for shapes this kernel does not take; -3 when a context length or block id
+ * would read outside the tables or the pool (nothing is read then); -2 when out of memory. */
 int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
                          const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
                          float scale, int bf16, int nthreads) {
     if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G) return -1;
     int max_len = 1;
-    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (int b = 0; b < B; b++) {
+        const int L = seq_lens[b];
+        if (L < 1 || L > (long)max_blocks * bs) return -3;
+        for (int j = 0; j < (L + bs - 1) / bs; j++)
+            if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= num_blocks) return -3;
+        max_len = L > max_len ? L : max_len;
+    }
     const size_t head_rows = (size_t)num_blocks * bs;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
