@@ -1,9 +1,9 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
-The C sources (and numerics.h, which they share) ship with the package. On first use each is compiled with the system C compiler
-(`$CC`, else `cc`) for this CPU (-O3 -march=native) into a cache directory keyed by the source,
-the compiler and the CPU, and loaded after torch so that it shares torch's OpenMP runtime.
-Where no compiler is found or the build fails, `load()` returns None once, logs why, and
+The C sources (and numerics.h, which they share) ship with the package. On first use each is
+compiled with the system C compiler (`$CC`, else `cc`) for this CPU (-O3 -march=native) into a
+cache directory keyed by the sources, the compiler and the CPU, and loaded after torch so that
+it shares torch's OpenMP runtime. Where no compiler is found or the build fails, `load()` returns None once, logs why, and
 callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-import torch  # noqa: F401  (loaded first: its libgomp is the one the kernels link against)
+import torch  # loaded first: its libgomp is the one the kernels link against
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -75,6 +75,10 @@ def _compile(name: str) -> Path:
     return out
 
 
+# Tensor dtypes the kernels take, as the integer flag they are passed.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 @lru_cache(maxsize=None)
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (kvserve/kernels/<name>.c), or None where unavailable."""
@@ -87,3 +91,14 @@ def load(name: str) -> ctypes.CDLL | None:
     except Exception as e:  # any failure means: use the torch path
         log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
+
+
+def bind(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """load(name) with each exported function's argument types set (all return int)."""
+    lib = load(name)
+    if lib is not None and not getattr(lib, "_kvserve_typed", False):
+        for fn, args in signatures.items():
+            getattr(lib, fn).argtypes = args
+            getattr(lib, fn).restype = ctypes.c_int
+        lib._kvserve_typed = True
+    return lib

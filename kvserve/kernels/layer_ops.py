@@ -6,8 +6,8 @@ import ctypes
 import torch
 
 from kvserve import kernels
+from kvserve.kernels import DTYPES as _DTYPES
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
@@ -16,13 +16,7 @@ _SIGNATURES = {
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = kernels.load("layer_ops")
-    if lib is not None and not getattr(lib, "_kvserve_typed", False):
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = _i
-        lib._kvserve_typed = True
-    return lib
+    return kernels.bind("layer_ops", _SIGNATURES)
 
 
 def available() -> bool:

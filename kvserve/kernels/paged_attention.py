@@ -6,10 +6,10 @@ import ctypes
 import torch
 
 from kvserve import kernels
+from kvserve.kernels import DTYPES as _DTYPES
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_p = ctypes.c_void_p
-_i = ctypes.c_int
+_p, _i = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i]}
 
 
 def available() -> bool:
@@ -17,13 +17,7 @@ def available() -> bool:
 
 
 def _lib() -> ctypes.CDLL | None:
-    lib = kernels.load("paged_attention")
-    if lib is not None and not getattr(lib, "_kvserve_typed", False):
-        fn = lib.kvserve_paged_decode
-        fn.argtypes = [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i]
-        fn.restype = _i
-        lib._kvserve_typed = True
-    return lib
+    return kernels.bind("paged_attention", _SIGNATURES)
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -31,7 +31,6 @@ class Linear:
     """y = x W^T + b for x [T, in]; W [out, in] as loaded (Hugging Face layout)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = _pack(weight)
         # The plain weight is only kept where it is used.
