@@ -3,8 +3,8 @@
 The C sources (and numerics.h, which they share) ship with the package. On first use each is
 compiled with the system C compiler (`$CC`, else `cc`) for this CPU (-O3 -march=native) into a
 cache directory keyed by the sources, the compiler and the CPU, and loaded after torch so that
-it shares torch's OpenMP runtime. Where no compiler is found or the build fails, `load()` returns None once, logs why, and
-callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
+it shares torch's OpenMP runtime. Where no compiler is found or the build fails, `load()`
+returns None once, logs why, and callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
 """
 from __future__ import annotations
 
