@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve import cpu
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.runner import ModelRunner, SeqChunk
@@ -45,11 +46,7 @@ def default_dtype() -> torch.dtype:
     (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower."""
     if torch.cuda.is_available():
         return torch.bfloat16
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
 The C sources (and numerics.h, which they share) ship with the package. On first use each is
-compiled with the system C compiler (`$CC`, else `cc`) for this CPU (-O3 -march=native) into a
+compiled with the system C compiler (`$CC`, else `cc`) for this CPU's ISA level (`kvserve.cpu.isa()`) into a
 cache directory keyed by the sources, the compiler and the CPU, and loaded after torch so that
 it shares torch's OpenMP runtime. Where no compiler is found or the build fails, `load()`
 returns None once, logs why, and callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
@@ -21,10 +21,23 @@ from pathlib import Path
 
 import torch  # loaded first: its libgomp is the one the kernels link against
 
+from kvserve import cpu
+
 log = logging.getLogger("kvserve.kernels")
 
 SOURCES = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def arch_flags() -> list[str]:
+    """Code generation for the ISA level in use (kvserve.cpu.isa(), which KVSERVE_ISA can lower),
+    so a machine with AVX-512 can build and test what an AVX2-only or older CPU runs."""
+    level = cpu.isa()
+    if level in ("avx512", "neon"):
+        return ["-mcpu=native"] if level == "neon" else ["-march=native"]
+    if level == "avx2":
+        return ["-march=x86-64-v3"]  # AVX2, FMA, F16C, BMI2
+    return ["-march=armv8-a"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=x86-64"]
 
 
 def enabled() -> bool:
@@ -38,17 +51,6 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _compile(name: str) -> Path:
     src = SOURCES / f"{name}.c"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -56,7 +58,9 @@ def _compile(name: str) -> Path:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
-    key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, " ".join(FLAGS), _cpu_signature()]).encode())
+    flags = [*FLAGS, *arch_flags()]
+    cpu_signature = " ".join(sorted(cpu.cpu_flags())) or platform.machine()
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, " ".join(flags), cpu_signature]).encode())
     out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -65,7 +69,7 @@ def _compile(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed on {src.name}: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)

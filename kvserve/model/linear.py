@@ -5,18 +5,28 @@ blocked layout on every call. Reordering once at load time (`mkldnn._reorder_lin
 gives the same product bit for bit and is markedly faster at decode batch sizes (see
 docs/benchmarks.md). Other dtypes and devices, or a torch without the op, use F.linear:
 float32 stays on torch's default sgemm so that its results match the reference exactly.
+
+oneDNN packs bfloat16 only where the CPU computes it natively (AVX-512 BF16, AMX, or
+AVX-NE-CONVERT); elsewhere, or under `KVSERVE_ISA` below avx512, the weight stays plain.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kvserve import cpu
+
 # The batch size oneDNN is told to expect; it serves 1 to thousands of rows well.
 PACK_FOR_ROWS = 64
 
 
+def bf16_packing_available() -> bool:
+    """Whether this CPU (at the KVSERVE_ISA cap) gets oneDNN's packed bfloat16 linear."""
+    return cpu.has_native_bf16() and torch.backends.mkldnn.is_available()
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not bf16_packing_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
