@@ -5,6 +5,11 @@ event loop stays responsive. Requests and aborts cross into the thread through a
 applied between steps; each step's outputs cross back with call_soon_threadsafe onto the
 request's asyncio.Queue. If a step raises, the engine is dead: every waiting consumer gets
 EngineDeadError instead of hanging, and is_alive turns False.
+
+Two kinds of failure, never confused: a request refused when it is added (validation, before
+it holds anything) reaches its consumer as the ValueError (InvalidParam) it is, wrapped in
+_Rejected on the way; anything raised by a step, a ValueError included, is the engine's failure
+and reaches every consumer as EngineDeadError, wrapped in _Died.
 """
 from __future__ import annotations
 
@@ -41,6 +46,20 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Rejected:
+    """add_request refused this request: the consumer re-raises the error (bad input)."""
+
+    error: ValueError
+
+
+@dataclass
+class _Died:
+    """The engine loop failed: the consumer raises EngineDeadError."""
+
+    error: BaseException
 
 
 class AsyncEngine:
@@ -97,10 +116,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await q.get()
-                if isinstance(item, ValueError):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {item}") from item
+                if isinstance(item, _Rejected):
+                    raise item.error
+                if isinstance(item, _Died):
+                    raise EngineDeadError(f"the engine stopped: {item.error}") from item.error
                 finished = item.finished
                 yield item
                 if finished:
@@ -128,11 +147,11 @@ class AsyncEngine:
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied
-                self._deliver(e, cmd.request_id)
+                self._deliver(_Rejected(e), cmd.request_id)
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
 
-    def _deliver(self, out: RequestOutput | BaseException, rid: str) -> None:
+    def _deliver(self, out: RequestOutput | _Rejected | _Died, rid: str) -> None:
         with self._lock:
             target = self._streams.get(rid)
         if target is not None:
@@ -165,4 +184,4 @@ class AsyncEngine:
             with self._lock:
                 rids = list(self._streams)
             for rid in rids:
-                self._deliver(e, rid)
+                self._deliver(_Died(e), rid)
