@@ -31,13 +31,15 @@ class LayerOps:
         self.native = native
 
     def add_rms_norm(
-        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, weight * rms_norm(x + delta)); delta None means no residual add.
 
-        The sum may be written into x itself: use the returned tensor, not x, afterwards."""
+        The sum may be written into x itself, and the norm into out (a buffer the caller reuses):
+        use the returned tensors, not x, afterwards."""
         if self.native and layer_ops.supports(x, weight, *([] if delta is None else [delta])):
-            return x, layer_ops.add_rms_norm(x, delta, weight, eps)
+            return x, layer_ops.add_rms_norm(x, delta, weight, eps, out)
         if delta is not None:
             x = x + delta
         return x, rms_norm(x, weight, eps)
@@ -50,13 +52,15 @@ class LayerOps:
         kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
         slots: torch.Tensor,  # [T]
         num_heads: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k rotated ([T, H, D], [T, Hkv, D]) and v; the new tokens' k and v stored in the pool."""
+        """q, k rotated ([T, H, D], [T, Hkv, D], into out's buffers where the kernel runs) and v;
+        the new tokens' k and v stored in the pool."""
         T = qkv.shape[0]
         _, hkv, _, _, d = kv_cache.shape
         v = qkv[:, (num_heads + hkv) * d :].view(T, hkv, d)
         if self.native and layer_ops.supports(qkv, cos, sin, kv_cache):
-            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads)
+            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads, out)
             return q, k, v
         q, k, _ = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
@@ -68,6 +72,7 @@ class LayerOps:
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2F] (gate, then up) -> [T, F]. torch's own kernels: a fused C version was no faster."""
+        """[T, 2F] (gate, then up) -> [T, F]. torch's own kernels: a fused C version was no faster.
+        Computed in place in gate_up's first half (the caller's temporary): no new tensor."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate, inplace=True).mul_(up)
