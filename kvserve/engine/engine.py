@@ -15,7 +15,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, Sequence, SeqStatus
 from kvserve.engine.runner import ModelRunner, RunnerOutput
-from kvserve.engine.sampler import Sampler
+from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import EngineStalledError, InvalidParam
 from kvserve.kv.manager import KVCacheManager
@@ -165,7 +165,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self._check_progress()
+            if not sched.preempted:  # a step that only preempted may admit next time
+                self._check_progress()
             return []
         result = self.runner.execute(sched)
         self.scheduler.update(sched)
@@ -177,10 +178,11 @@ class LLMEngine:
         touched: dict[str, dict[Sequence, int]] = {}
         for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
             append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
-            self._generation_tokens += token >= 0
+            got = int(token != NO_TOKEN)  # none when the logits were not finite
+            self._generation_tokens += got
             if seq.finish_reason:
                 self._finish(seq)
-            touched.setdefault(seq.request.request_id, {})[seq] = int(token >= 0)
+            touched.setdefault(seq.request.request_id, {})[seq] = got
         outputs = []
         for rid, new in touched.items():
             req = self.requests[rid]

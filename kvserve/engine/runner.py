@@ -71,8 +71,9 @@ class ModelRunner:
         logits = self.run(chunks)
         if not sampling:
             return RunnerOutput([], [], [])
-        rows = [
-            SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator, self.eos_token_ids)
+        rows = [  # the prompt is copied out only for the repetition penalty, its one reader
+            SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [],
+                        s.output_token_ids, s.generator, self.eos_token_ids)
             for s in sampling
         ]
         out = self.sampler(logits, rows)

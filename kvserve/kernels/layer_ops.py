@@ -15,8 +15,13 @@ _SIGNATURES = {
 }
 
 
+_bound: list[ctypes.CDLL | None] = []  # the library once bound (or None): several calls per layer ask
+
+
 def _lib() -> ctypes.CDLL | None:
-    return kernels.bind("layer_ops", _SIGNATURES)
+    if not _bound:
+        _bound.append(kernels.bind("layer_ops", _SIGNATURES))
+    return _bound[0]
 
 
 def available() -> bool:

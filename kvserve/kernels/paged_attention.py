@@ -16,8 +16,13 @@ def available() -> bool:
     return _lib() is not None
 
 
+_bound: list[ctypes.CDLL | None] = []  # the library once bound (or None): every layer asks
+
+
 def _lib() -> ctypes.CDLL | None:
-    return kernels.bind("paged_attention", _SIGNATURES)
+    if not _bound:
+        _bound.append(kernels.bind("paged_attention", _SIGNATURES))
+    return _bound[0]
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -133,10 +133,11 @@ class LlamaModel:
         kv_caches: list[torch.Tensor],  # per layer [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        c, ops = self.config, self.ops
+        c = self.config
         T, H, D, eps = input_ids.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        ops = self.ops.for_step(x, kv_caches[0])  # kernel checks once per step, not per layer
         # Step buffers, written anew by every layer (each is read before the next write): the
         # normed activations [T, hidden] and the rotated q [T, H, D], k [T, Hkv, D].
         h_buf = torch.empty_like(x)
