@@ -220,7 +220,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt through the engine, batched continuously; outputs in input order."""
+        """Run every prompt through the engine, batched continuously; outputs in input order.
+
+        Raises EngineStalledError, naming the open prefill() caches, when the blocks they hold
+        leave no room for the next request (rather than waiting for a close that cannot come)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
