@@ -23,9 +23,20 @@ class OutOfBlocksError(KVServeError, RuntimeError):
 
 
 class InvalidParam(KVServeError, ValueError):
-    """A request parameter with a value kvserve cannot take; `param` names it as the API does
-    ("temperature", "prompt", "max_tokens"), so a server can say which without parsing the text."""
+    """A request parameter (or the prompt) out of its allowed range; `param` names it as the API
+    does ("temperature", "prompt", "max_tokens"), so a server can point the client at the field
+    without parsing the message."""
 
     def __init__(self, param: str | None, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class NonFiniteLogitsError(KVServeError, RuntimeError):
+    """The model produced NaN or +inf logits (or all -inf) for a sequence: no token can be chosen
+    from them. Broken weights or an overflow in a low-precision dtype are the usual causes."""
+
+
+class EngineStalledError(KVServeError, RuntimeError):
+    """The engine has unfinished requests but can schedule none of them, now or ever, because
+    blocks it cannot free (held outside the engine) keep the pool too full."""

@@ -24,8 +24,8 @@ from kvserve import cpu
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.runner import ModelRunner, SeqChunk
-from kvserve.engine.sampler import Sampler, SamplingRow
-from kvserve.errors import CacheClosedError, OutOfBlocksError
+from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
+from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.sizing import allocate_kv_pool, size_kv_pool
@@ -68,7 +68,7 @@ class KVCache:
         self.seq_id = seq_id
         self.token_ids: list[int] = []  # tokens whose K/V are in the cache
         self.num_prompt_tokens = num_prompt_tokens
-        self.generator: torch.Generator | None = None
+        self.generator: Generator | None = None  # from params.seed
         self._finalizer = weakref.finalize(self, self._manager.free, seq_id)
 
     @property
@@ -130,14 +130,16 @@ class LLM:
         self.kv_sizing = size_kv_pool(self.config, cache, self.dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
-        self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size)
+        self._sampler = Sampler(self.config.vocab_size, seed=seed)
+        self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,
+                                  self.eos_token_ids)
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
-            self.max_model_len, self.eos_token_ids, seed=seed,
+            self.max_model_len, self.eos_token_ids,
         )
-        self._sampler = self.engine.sampler
         self._ids = itertools.count()
+        self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches
         self.load_seconds = time.perf_counter() - t0
         log.info("model: %s (%s, %s), %.1f M parameters, loaded in %.1f s", model, ckpt.path.name,
                  str(self.dtype).removeprefix("torch."), self.model.nbytes / self.model.embed.element_size() / 1e6,
@@ -155,6 +157,7 @@ class LLM:
         params = params or GREEDY
         ids = self.engine.validate(prompt, params)
         cache = KVCache(self, f"prefill-{next(self._ids)}", len(ids))
+        self._live_caches.add(cache)
         if params.seed is not None:
             cache.generator = Sampler.make_generator(params.seed)
         try:
@@ -198,7 +201,17 @@ class LLM:
     def _sample(self, logits: torch.Tensor, cache: KVCache, params: SamplingParams) -> int:
         ids = cache.token_ids
         row = SamplingRow(params, ids[: cache.num_prompt_tokens], ids[cache.num_prompt_tokens :], cache.generator, self.eos_token_ids)
-        return self._sampler(logits, [row]).token_ids[0]
+        token = self._sampler(logits, [row]).token_ids[0]
+        if token == NO_TOKEN:
+            raise NonFiniteLogitsError(
+                f"the model produced NaN or infinite logits after {cache.num_tokens} tokens: no token can be "
+                "chosen (broken weights, or an overflow in a low-precision dtype: try dtype='float32')"
+            )
+        return token
+
+    def live_caches(self) -> list[KVCache]:
+        """The prefill() caches still open (holding blocks of the pool)."""
+        return [c for c in self._live_caches if not c.closed]
 
     # -- the offline batch API ------------------------------------------------------------
     def generate(
@@ -207,7 +220,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt through the engine, batched continuously; outputs in input order."""
+        """Run every prompt through the engine, batched continuously; outputs in input order.
+
+        Raises EngineStalledError, naming the open prefill() caches, when the blocks they hold
+        leave no room for the next request (rather than waiting for a close that cannot come)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
@@ -226,7 +242,18 @@ class LLM:
             bar = tqdm(total=len(prompts), desc="generate", unit="req")
         try:
             while len(results) < len(rids):
-                for out in self.engine.step():
+                try:
+                    outs = self.engine.step()
+                except EngineStalledError as e:
+                    live = self.live_caches()
+                    if not live:
+                        raise
+                    raise EngineStalledError(
+                        f"{e}; {len(live)} open prefill() caches hold {sum(c.num_tokens for c in live)} tokens in "
+                        f"{sum(c.num_blocks for c in live)} blocks: close() them (or use them as context "
+                        "managers) before generate()"
+                    ) from None
+                for out in outs:
                     if out.finished:
                         results[out.request_id] = out
                         if bar is not None:

@@ -1,7 +1,14 @@
 """SamplingParams: how one request's tokens are chosen and when it stops.
 
-Ranges follow OpenAI's documented ones (vLLM's names for the extras). validate() raises an
-InvalidParam (a ValueError) naming the parameter and its allowed range, before any KV block is allocated.
+Ranges follow OpenAI's documented ones (vLLM's names for the extras). validate() raises
+InvalidParam (a ValueError) naming the parameter, in its message and in `.param`, with its
+allowed range, before any KV block is allocated.
+
+Edge cases, decided here once:
+- A temperature below GREEDY_TEMPERATURE (1e-5) is greedy: dividing logits by a smaller one
+  overflows float32 (1e-46 is 0 there) and could only approximate argmax anyway.
+- A seed is any integer in [SEED_MIN, SEED_MAX] = [-2^63, 2^64 - 1]: all 64 bits count (seeds
+  that differ only above bit 32 draw differently); a negative seed is its two's complement.
 """
 from __future__ import annotations
 
@@ -11,6 +18,8 @@ from dataclasses import dataclass, field
 from kvserve.errors import InvalidParam
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (argmax)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Stop conditions are checked on every token: bounded so no request can make that expensive.
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 
@@ -66,17 +75,15 @@ class SamplingParams:
             v = getattr(self, name)
             if not is_num(v) or not -2.0 <= v <= 2.0:
                 raise bad(name, "a number in [-2, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an integer or null")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", "null or an integer in [-2**63, 2**64 - 1]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidParam(
-                "min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
-                f"and max_tokens={self.max_tokens}"
-            )
+            raise InvalidParam("min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -92,4 +99,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,9 +1,14 @@
 """The engine: continuous batching, chunked prefill, prefix caching, preemption, sampling."""
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from kvserve import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.errors import EngineStalledError, InvalidParam, NonFiniteLogitsError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -256,3 +261,91 @@ def test_logprobs_match_the_raw_distribution(make_llm) -> None:
     assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:]))
     assert lp.logprob == pytest.approx(lp.top[0][1])
     assert torch.tensor([v for _, v in lp.top]).exp().sum() <= 1.0 + 1e-6
+
+
+def test_errors_are_typed_with_the_parameter(make_llm) -> None:
+    llm = make_llm(num_blocks=200)
+    cases = [
+        (lambda: SamplingParams(temperature=3.0), "temperature", "temperature must be a finite number in"),
+        (lambda: SamplingParams(min_tokens=5, max_tokens=4), "min_tokens", "min_tokens must be <= max_tokens"),
+        (lambda: llm.engine.validate([5, 6], SamplingParams(max_tokens=2048)), "max_tokens", "max_tokens is 2048"),
+        (lambda: llm.engine.validate([], SamplingParams()), "prompt", "prompt must not be empty"),
+        (lambda: llm.engine.validate([5, 10**6], SamplingParams()), "prompt", "prompt token id 1000000"),
+        # min_tokens is bounded by the context like max_tokens (it was accepted unchecked).
+        (lambda: llm.engine.validate([5, 6], SamplingParams(max_tokens=None, min_tokens=10**12)), "min_tokens",
+         r"min_tokens is 1000000000000 but the context holds 2048 tokens and the prompt takes 2: "
+         r"min_tokens must be at most 2046"),
+    ]
+    for call, param, message in cases:
+        with pytest.raises(InvalidParam, match=message) as e:
+            call()
+        assert e.value.param == param and isinstance(e.value, ValueError)
+    assert llm.manager.pool.num_used_blocks == 0
+
+
+def test_non_finite_logits_finish_the_sequence_with_an_error(make_llm) -> None:
+    llm = make_llm()
+    llm.model.norm.fill_(float("nan"))  # every logit NaN from here on
+    out = llm.generate([5, 6, 7], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)[0]
+    assert out.finish_reason == "error" and out.token_ids == [] and "NaN" in out.outputs[0].stop_reason
+    with pytest.raises(NonFiniteLogitsError, match="NaN or infinite logits after 3 tokens"):
+        llm.prefill([5, 6, 7])
+
+
+def _run_with_deadline(fn, seconds: float):
+    """fn() on a thread; its exception or result, or a failure if it has not returned in time
+    (the thread is left behind: a daemon that spins is what this guards against)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"did not return within {seconds} s"
+    return box
+
+
+def test_generate_with_the_pool_held_by_prefill_caches_fails_clearly(make_llm) -> None:
+    llm = make_llm(num_blocks=10)
+    cache, _ = llm.prefill(list(range(10, 150)))  # 140 tokens: 9 of the 10 blocks
+    box = _run_with_deadline(lambda: llm.generate(list(range(20, 60)), SamplingParams(max_tokens=8, **GREEDY),
+                                                  use_tqdm=False), 120)
+    e = box.get("error")
+    assert isinstance(e, EngineStalledError), box
+    assert "1 open prefill() caches hold 140 tokens in 9 blocks" in str(e) and "close" in str(e)
+    assert not llm.engine.has_unfinished_requests()
+    cache.close()
+    out = llm.generate(list(range(20, 60)), SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    assert len(out.token_ids) == 8
+
+
+def test_async_engine_tells_bad_input_from_an_engine_failure(make_llm) -> None:
+    llm = make_llm()
+    engine = AsyncEngine(llm.engine)
+
+    async def first(prompt, params, rid=None):
+        async for out in engine.generate(prompt, params, rid):
+            return out
+
+    try:
+        with pytest.raises(InvalidParam) as e:  # validation: refused before it is added
+            asyncio.run(first([5, 6], SamplingParams(max_tokens=2048)))
+        assert e.value.param == "max_tokens" and engine.is_alive
+
+        def broken(sched):
+            raise ValueError("an internal bug, not the client's input")
+
+        llm.runner.execute = broken  # a failure inside step()
+        with pytest.raises(EngineDeadError, match="an internal bug") as e:
+            asyncio.run(first([5, 6], SamplingParams(max_tokens=4)))
+        assert not engine.is_alive
+        del llm.runner.execute
+    finally:
+        engine.shutdown()
+    for rid in list(llm.engine.requests):
+        llm.engine.abort_request(rid)

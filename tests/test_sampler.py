@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.sampler import TOP_P_CANDIDATES, Sampler, SamplingRow, apply_penalties
+from kvserve.engine.sampler import NO_TOKEN, TOP_P_CANDIDATES, Sampler, SamplingRow, apply_penalties, argmax
+from kvserve.errors import InvalidParam
 from kvserve.sampling_params import SamplingParams
 
 V = 1000
@@ -243,3 +244,54 @@ def test_caller_logits_are_not_modified():
     ]
     Sampler(V, seed=0)(logits, rows)
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-30, 9e-6])
+def test_temperature_below_the_greedy_threshold_is_greedy(temperature):
+    # 1e-46 is 0 in float32: dividing by it turned the best logit into NaN and sampled garbage.
+    logits = random_logits(8, seed=11)
+    rows = [row(temperature=temperature), row(temperature=temperature, logprobs=1)] * 4
+    out = Sampler(V, seed=0)(logits, rows)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_seeds_differing_above_bit_32_draw_differently():
+    logits = torch.zeros(1, V)  # uniform: every draw is the generator's
+    draws = []
+    for seed in (5, 5 + 2**32, 5 + 7 * 2**40, 5 + 2**63):
+        gen = Sampler.make_generator(seed)
+        draws.append(tuple(Sampler(V)(logits, [row(gen, temperature=1.0)]).token_ids[0] for _ in range(8)))
+    assert len(set(draws)) == len(draws)
+    again = Sampler.make_generator(5 + 7 * 2**40)
+    assert tuple(Sampler(V)(logits, [row(again, temperature=1.0)]).token_ids[0] for _ in range(8)) == draws[2]
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seeds_outside_64_bits_are_refused_by_name(seed):
+    with pytest.raises(InvalidParam, match=r"seed must be null or an integer in \[-2\*\*63, 2\*\*64 - 1\]") as e:
+        SamplingParams(seed=seed)
+    assert e.value.param == "seed" and isinstance(e.value, ValueError)
+    SamplingParams(seed=2**64 - 1)
+    SamplingParams(seed=-(2**63))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
+                                    dict(temperature=0.8, top_p=0.9), dict(temperature=1.0, presence_penalty=0.5)])
+def test_non_finite_logits_never_give_a_token(poison, params):
+    logits = random_logits(3, seed=12)
+    logits[1, 7] = poison
+    all_neg_inf = torch.full((1, V), float("-inf"))
+    logits = torch.cat([logits, all_neg_inf])
+    out = Sampler(V, seed=0)(logits, [row(**params) for _ in range(4)])
+    assert out.token_ids[1] == NO_TOKEN and out.token_ids[3] == NO_TOKEN
+    assert 0 <= out.token_ids[0] < V and 0 <= out.token_ids[2] < V
+    assert out.logprobs[1] is None and out.logprobs[3] is None
+    if "logprobs" in params:
+        assert out.logprobs[0].token_id == out.token_ids[0]
+
+
+def test_fast_argmax_equals_torch_with_ties():
+    x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3))
+    x[2, [10, 20, 30]] = 100.0  # a tie: the lowest id wins, as in torch
+    assert argmax(x).tolist() == x.argmax(dim=-1).tolist() and argmax(x)[2] == 10

@@ -1,7 +1,10 @@
 """LLMEngine: add requests, step (schedule -> run -> update), read outputs.
 
-Everything about a request is checked in add_request() before any block is allocated; a step
-then never fails on a request's account. Not thread-safe: AsyncEngine owns it from one thread.
+Everything about a request is checked in add_request() before any block is allocated (an
+InvalidParam naming the parameter); a step then never fails on a request's account, so an
+exception out of step() is the engine's own failure. A step that can schedule nothing while
+requests wait, with nothing running that could free blocks, raises EngineStalledError instead
+of returning nothing forever. Not thread-safe: AsyncEngine owns it from one thread.
 """
 from __future__ import annotations
 
@@ -9,12 +12,12 @@ import time
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
-from kvserve.errors import InvalidParam
-from kvserve.engine.output import append_token, make_output
+from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, Sequence, SeqStatus
-from kvserve.engine.runner import ModelRunner, SeqChunk
-from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.runner import ModelRunner, RunnerOutput
+from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import EngineStalledError, InvalidParam
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -48,13 +51,12 @@ class LLMEngine:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
-        seed: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.runner = runner
         self.manager = manager
         self.scheduler = Scheduler(scheduler_config, manager)
-        self.sampler = Sampler(vocab_size, seed=seed)
+        self.sampler = runner.sampler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # Said in context-length errors when the pool, not the model, sets the limit.
@@ -63,13 +65,11 @@ class LLMEngine:
             self.context_note = " (all the KV pool can hold)"
         self.eos_token_ids = eos_token_ids
         self.requests: dict[str, Request] = {}
-        self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._preemptions = 0
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Token ids of prompt, or a ValueError naming what is wrong. Allocates nothing."""
+        """Token ids of prompt, or an InvalidParam (a ValueError) naming what is wrong. Allocates nothing."""
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
@@ -92,20 +92,21 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise InvalidParam(
                 "prompt", f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
-                "shorten the prompt"
-            )
+                "shorten the prompt")
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise InvalidParam(
                 "max_tokens", f"max_tokens is {params.max_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
-                f"and the prompt takes {n}: max_tokens must be at most {self.max_model_len - n}"
-            )
+                f"and the prompt takes {n}: max_tokens must be at most {self.max_model_len - n}")
+        if n + params.min_tokens > self.max_model_len:  # bounded like max_tokens
+            raise InvalidParam(
+                "min_tokens", f"min_tokens is {params.min_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
+                f"and the prompt takes {n}: min_tokens must be at most {self.max_model_len - n}")
         total = n + (params.max_tokens or self.max_model_len - n)
         blocks = self.manager.blocks_needed(total)
         if blocks > self.manager.pool.num_blocks:
             raise InvalidParam(
                 "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
-                f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt"
-            )
+                f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt")
         return ids
 
     def add_request(
@@ -117,7 +118,7 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
     ) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in the engine")
+            raise InvalidParam("request_id", f"request id {request_id!r} is already in the engine")
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
         req = Request(
             request_id=request_id,
@@ -159,46 +160,25 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self._preemptions += len(sched.preempted)
-        now = time.monotonic()
-        chunks, sampling = [], []
-        for seq, n in sched.scheduled:
-            start = seq.num_computed_tokens
-            need_logits = start + n == len(seq.token_ids)
-            chunks.append(SeqChunk(seq.token_ids[start : start + n], start, self.manager.block_ids(seq.seq_id), need_logits))
-            if need_logits:
-                sampling.append(seq)
-            if seq.request.metrics.first_scheduled_time is None:
-                seq.request.metrics.first_scheduled_time = now
-        if not chunks:
+        if sched.is_empty:
+            if not sched.preempted:  # a step that only preempted may admit next time
+                self._check_progress()
             return []
-        logits = self.runner.run(chunks)
-        for seq, n in sched.scheduled:
-            if not seq.prompt_done:
-                self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.prompt_done:
-                seq.request.prompt_cached = True
-        if not sampling:
-            return []
-        rows = [
-            SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator, self.eos_token_ids)
-            for s in sampling
-        ]
-        sampled = self.sampler(logits, rows)
+        result = self.runner.execute(sched)
+        self.scheduler.update(sched)
+        return self._update(result)
+
+    def _update(self, result: RunnerOutput) -> list[RequestOutput]:
+        """Append each sampled token, finish what stopped, and snapshot the requests that changed."""
         now = time.monotonic()
         touched: dict[str, dict[Sequence, int]] = {}
-        for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-            append_token(seq, token, lp, self.eos_token_ids, self.max_model_len)
-            self._generation_tokens += 1
-            m = seq.request.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
+        for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
+            append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
+            got = int(token != NO_TOKEN)  # none when the logits were not finite
+            self._generation_tokens += got
             if seq.finish_reason:
                 self._finish(seq)
-            touched.setdefault(seq.request.request_id, {})[seq] = 1
+            touched.setdefault(seq.request.request_id, {})[seq] = got
         outputs = []
         for rid, new in touched.items():
             req = self.requests[rid]
@@ -207,6 +187,18 @@ class LLMEngine:
                 del self.requests[rid]
             outputs.append(make_output(req, new))
         return outputs
+
+    def _check_progress(self) -> None:
+        if not self.scheduler.stalled():
+            return
+        pool = self.manager.pool
+        head = self.scheduler.waiting[0]
+        raise EngineStalledError(
+            f"no request can run: the next one needs up to {self.manager.blocks_needed(len(head.token_ids))} KV "
+            f"blocks but only {pool.num_free_blocks} of {pool.num_blocks} are free, and the other "
+            f"{pool.num_used_blocks} are held outside the engine's requests (e.g. by LLM.prefill caches): "
+            "close those first"
+        )
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
@@ -222,7 +214,7 @@ class LLMEngine:
             kv_blocks_used=pool.num_used_blocks,
             prefix_cache_queries=ps.queries,
             prefix_cache_hits=ps.hits,
-            num_preemptions=self._preemptions,
-            prompt_tokens=self._prompt_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.scheduler.num_prompt_tokens_computed,
             generation_tokens=self._generation_tokens,
         )

@@ -4,8 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
+from kvserve.engine.sampler import Generator
 from kvserve.outputs import RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer
@@ -27,7 +26,7 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    generator: Generator | None = None  # the seeded sampling generator
     num_computed_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     admitted_at: int = -1  # admission counter at last admission (preemption order)

@@ -9,6 +9,7 @@ cache). The head of the queue is never overtaken, so nothing starves.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,12 +20,19 @@ from kvserve.kv.manager import KVCacheManager
 
 @dataclass
 class SchedulerOutput:
+    """What one step computes: the only thing that crosses from the scheduler to the runner."""
+
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # per scheduled sequence, its block ids
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
 
 
 class Scheduler:
@@ -36,6 +44,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0  # admission counter: the latest admitted is preempted first
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prefix-cache hits excluded
 
     def add(self, seq: Sequence) -> None:
         if self.config.policy == "priority":
@@ -71,6 +81,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
@@ -102,7 +113,7 @@ class Scheduler:
                 budget -= n
 
         if out.preempted:  # the pool is tight: admit nobody this step
-            return out
+            return self._with_tables(out)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.index > 0 and not seq.request.prompt_cached and self.manager.pool.enable_caching:
@@ -119,8 +130,31 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self._admissions += 1
             seq.admitted_at = self._admissions
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.running.append(seq)
             out.scheduled.append((seq, n))
             budget -= n
+        return self._with_tables(out)
+
+    def _with_tables(self, out: SchedulerOutput) -> SchedulerOutput:
+        out.block_tables = [self.manager.block_ids(seq.seq_id) for seq, _ in out.scheduled]
         return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the step's forward: the scheduled tokens' K/V are in the cache, and the blocks
+        they filled are published for prefix reuse."""
+        for seq, n in out.scheduled:
+            if not seq.prompt_done:
+                self.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.prompt_done:
+                seq.request.prompt_cached = True
+
+    def stalled(self) -> bool:
+        """Whether nothing can ever be scheduled as things stand: no sequence runs (so none will
+        finish and free blocks) while the head of the queue does not fit in the free blocks.
+        Only blocks held outside the scheduler (e.g. LLM.prefill caches) can cause this."""
+        return bool(self.waiting) and not self.running

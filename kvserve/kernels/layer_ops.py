@@ -15,8 +15,13 @@ _SIGNATURES = {
 }
 
 
+_bound: list[ctypes.CDLL | None] = []  # the library once bound (or None): several calls per layer ask
+
+
 def _lib() -> ctypes.CDLL | None:
-    return kernels.bind("layer_ops", _SIGNATURES)
+    if not _bound:
+        _bound.append(kernels.bind("layer_ops", _SIGNATURES))
+    return _bound[0]
 
 
 def available() -> bool:
@@ -25,21 +30,27 @@ def available() -> bool:
 
 def supports(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one dtype (float32 or bfloat16), contiguous, with the library loaded."""
-    t0 = tensors[0]
-    return (
-        t0.dtype in _DTYPES
-        and all(t.device.type == "cpu" and t.dtype == t0.dtype and t.is_contiguous() for t in tensors)
-        and available()
-    )
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPES or not available():
+        return False
+    for t in tensors:  # a plain loop: this runs several times per layer
+        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x += delta in place (if given); returns weight * rms_norm(x). x, delta: [T, N]; weight: [N]."""
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x += delta in place (if given); returns weight * rms_norm(x), written into out if given
+    (a step's buffer, reused by every layer). x, delta, out: [T, N]; weight: [N]."""
     T, N = x.shape
-    if weight.shape != (N,) or (delta is not None and delta.shape != x.shape):
+    if weight.shape != (N,) or (delta is not None and delta.shape != x.shape) or (
+        out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous())
+    ):
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, delta {None if delta is None else tuple(delta.shape)}, "
-                         f"weight {tuple(weight.shape)} do not fit")
-    h = torch.empty_like(x)
+                         f"weight {tuple(weight.shape)}, out {None if out is None else tuple(out.shape)} do not fit")
+    h = torch.empty_like(x) if out is None else out
     _lib().kvserve_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
                                 h.data_ptr(), T, N, eps, _DTYPES[x.dtype], torch.get_num_threads())
     return h
@@ -47,17 +58,25 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def rope_store(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-    num_heads: int,
+    num_heads: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated q [T, H, D] and k [T, Hkv, D]; k and v written into their slots of the pool."""
+    """Rotated q [T, H, D] and k [T, Hkv, D] (into out's two tensors if given); k and v written
+    into their slots of the pool."""
     T = qkv.shape[0]
     _, hkv, nb, bs, d = kv_cache.shape
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d) or sin.shape != (T, d) or slots.shape != (T,):
         raise ValueError(f"rope_store: qkv {tuple(qkv.shape)}, cos/sin {tuple(cos.shape)}, slots {tuple(slots.shape)} "
                          f"do not fit {num_heads} heads and a pool {tuple(kv_cache.shape)}")
-    q = torch.empty(T, num_heads, d, dtype=qkv.dtype)
-    k = torch.empty(T, hkv, d, dtype=qkv.dtype)
-    slots = slots.to(torch.int64).contiguous()
+    if out is None:
+        q = torch.empty(T, num_heads, d, dtype=qkv.dtype)
+        k = torch.empty(T, hkv, d, dtype=qkv.dtype)
+    else:
+        q, k = out
+        if q.shape != (T, num_heads, d) or k.shape != (T, hkv, d) or q.dtype != qkv.dtype or k.dtype != qkv.dtype \
+                or not (q.is_contiguous() and k.is_contiguous()):
+            raise ValueError(f"rope_store: out {tuple(q.shape)}, {tuple(k.shape)} do not fit {T} tokens")
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        slots = slots.to(torch.int64).contiguous()
     rc = _lib().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                                    kv_cache.data_ptr(), slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
                                    _DTYPES[qkv.dtype], torch.get_num_threads())

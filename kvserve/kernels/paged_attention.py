@@ -16,8 +16,13 @@ def available() -> bool:
     return _lib() is not None
 
 
+_bound: list[ctypes.CDLL | None] = []  # the library once bound (or None): every layer asks
+
+
 def _lib() -> ctypes.CDLL | None:
-    return kernels.bind("paged_attention", _SIGNATURES)
+    if not _bound:
+        _bound.append(kernels.bind("paged_attention", _SIGNATURES))
+    return _bound[0]
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -39,14 +44,18 @@ def paged_decode(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
+    checked: bool = False,  # the caller has checked supports(q, kv_cache) for this step
 ) -> torch.Tensor:  # [B, H, D]
     lib = _lib()
-    assert lib is not None and supports(q, kv_cache)
-    q = q.contiguous()
+    assert lib is not None and (checked or supports(q, kv_cache))
+    if not q.is_contiguous():
+        q = q.contiguous()
     B, H, D = q.shape
     _, hkv, nb, bs, _ = kv_cache.shape
-    block_tables = block_tables.to(torch.int32).contiguous()
-    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if block_tables.dtype != torch.int32 or not block_tables.is_contiguous():
+        block_tables = block_tables.to(torch.int32).contiguous()
+    if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        seq_lens = seq_lens.to(torch.int32).contiguous()
     assert block_tables.shape[0] == B and seq_lens.shape == (B,)
     out = torch.empty_like(q)
     rc = lib.kvserve_paged_decode(

@@ -35,6 +35,10 @@ class AttentionMetadata:
     block_size: int
     # Values a backend derives once per step and reuses in every layer (e.g. table tensors).
     scratch: dict[str, Any] = field(default_factory=dict)
+    decode_only: bool = field(init=False)  # every sequence computes one token this step
+
+    def __post_init__(self) -> None:
+        self.decode_only = all(n == 1 for n in self.query_lens)
 
     @property
     def num_seqs(self) -> int:
@@ -72,8 +76,8 @@ class TorchAttention(AttentionBackend):
     """
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        if all(n == 1 for n in meta.query_lens):  # a pure decode step: one batched call
-            return self._decode(q, kv_cache, meta, list(range(meta.num_seqs)), scale)
+        if meta.decode_only:  # a pure decode step: one batched call
+            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -144,18 +148,24 @@ class CpuPagedAttention(TorchAttention):
     """
 
     def _decode(self, q, kv_cache, meta, seqs, scale):
-        if not paged_attention.supports(q, kv_cache):
-            return super()._decode(q, kv_cache, meta, seqs, scale)
-        key = ("paged_decode", tuple(seqs))
-        if key not in meta.scratch:  # the same for every layer of this step
-            width = max(len(meta.block_tables[i]) for i in seqs)
-            rows = [meta.block_tables[i] + [0] * (width - len(meta.block_tables[i])) for i in seqs]
-            meta.scratch[key] = (
-                torch.tensor(rows, dtype=torch.int32),
-                torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.int32),
-            )
-        tables, lens = meta.scratch[key]
-        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale)
+        # Everything but the kernel call is worked out once per step (the same in every layer).
+        key = ("paged_decode", seqs if isinstance(seqs, range) else tuple(seqs))
+        step = meta.scratch.get(key)
+        if step is None:
+            if paged_attention.supports(q, kv_cache):
+                width = max(len(meta.block_tables[i]) for i in seqs)
+                rows = [meta.block_tables[i] + [0] * (width - len(meta.block_tables[i])) for i in seqs]
+                step = (
+                    torch.tensor(rows, dtype=torch.int32),
+                    torch.tensor([meta.seq_lens[i] for i in seqs], dtype=torch.int32),
+                )
+            else:
+                step = False
+            meta.scratch[key] = step
+        if step is False:
+            return super()._decode(q, kv_cache, meta, list(seqs), scale)
+        tables, lens = step
+        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True)
 
 
 def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:

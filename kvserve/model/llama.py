@@ -133,18 +133,23 @@ class LlamaModel:
         kv_caches: list[torch.Tensor],  # per layer [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        c, ops = self.config, self.ops
-        T, H, D = input_ids.shape[0], c.num_attention_heads, c.head_dim
+        c = self.config
+        T, H, D, eps = input_ids.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        ops = self.ops.for_step(x, kv_caches[0])  # kernel checks once per step, not per layer
+        # Step buffers, written anew by every layer (each is read before the next write): the
+        # normed activations [T, hidden] and the rotated q [T, H, D], k [T, Hkv, D].
+        h_buf = torch.empty_like(x)
+        qk_buf = (torch.empty(T, H, D, dtype=x.dtype), torch.empty(T, c.num_key_value_heads, D, dtype=x.dtype))
         delta = None  # the previous layer's MLP output, added to x with the next norm
         for lw, kv_cache in zip(self.layers, kv_caches):
-            x, h = ops.add_rms_norm(x, delta, lw.input_norm, c.rms_norm_eps)
-            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H)
+            x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
+            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H, qk_buf)
             o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-            x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, c.rms_norm_eps)
+            x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, eps, h_buf)
             delta = lw.down(ops.silu_mul(lw.gate_up(h)))
-        return ops.add_rms_norm(x, delta, self.norm, c.rms_norm_eps)[1]
+        return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the given positions only: [N, hidden] -> [N, V] float32."""

@@ -26,18 +26,41 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _like(t: torch.Tensor, ref: torch.Tensor) -> bool:
+    """What the kernels need of a tensor made during the step (a linear's output), once the step's
+    device and dtype are known to suit them."""
+    return t.dtype == ref.dtype and t.is_contiguous()
+
+
 class LayerOps:
-    def __init__(self, native: bool) -> None:
+    def __init__(self, native: bool, checked: bool = False) -> None:
         self.native = native
+        # checked: for_step() found the step's tensors fit the kernels (CPU, dtype, layout), so
+        # each call only checks what a linear produced. The same for every layer of a step.
+        self.checked = checked
+        self._checked = LayerOps(True, checked=True) if native and not checked else None
+
+    def for_step(self, x: torch.Tensor, kv_cache: torch.Tensor) -> LayerOps:
+        """The ops to use for one forward whose activations look like x and whose KV pools look
+        like kv_cache: the kernels' full checks run here once instead of in every call."""
+        if self._checked is not None and layer_ops.supports(x, kv_cache):
+            return self._checked
+        return self
 
     def add_rms_norm(
-        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, weight * rms_norm(x + delta)); delta None means no residual add.
 
-        The sum may be written into x itself: use the returned tensor, not x, afterwards."""
-        if self.native and layer_ops.supports(x, weight, *([] if delta is None else [delta])):
-            return x, layer_ops.add_rms_norm(x, delta, weight, eps)
+        The sum may be written into x itself, and the norm into out (a buffer the caller reuses):
+        use the returned tensors, not x, afterwards."""
+        if self.checked:
+            fits = weight.dtype == x.dtype and (delta is None or _like(delta, x))
+        else:
+            fits = self.native and layer_ops.supports(x, weight, *([] if delta is None else [delta]))
+        if fits:
+            return x, layer_ops.add_rms_norm(x, delta, weight, eps, out)
         if delta is not None:
             x = x + delta
         return x, rms_norm(x, weight, eps)
@@ -50,13 +73,15 @@ class LayerOps:
         kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
         slots: torch.Tensor,  # [T]
         num_heads: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k rotated ([T, H, D], [T, Hkv, D]) and v; the new tokens' k and v stored in the pool."""
+        """q, k rotated ([T, H, D], [T, Hkv, D], into out's buffers where the kernel runs) and v;
+        the new tokens' k and v stored in the pool."""
         T = qkv.shape[0]
         _, hkv, _, _, d = kv_cache.shape
         v = qkv[:, (num_heads + hkv) * d :].view(T, hkv, d)
-        if self.native and layer_ops.supports(qkv, cos, sin, kv_cache):
-            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads)
+        if self.checked and _like(qkv, cos) or self.native and layer_ops.supports(qkv, cos, sin, kv_cache):
+            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads, out)
             return q, k, v
         q, k, _ = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
@@ -68,6 +93,8 @@ class LayerOps:
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2F] (gate, then up) -> [T, F]. torch's own kernels: a fused C version was no faster."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        """[T, 2F] (gate, then up) -> [T, F]. torch's own kernels: a fused C version was no faster.
+        Computed in place in gate_up's first half (the caller's temporary): no new tensor."""
+        f = gate_up.shape[-1] // 2
+        gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)  # narrow: one dispatch, chunk: five
+        return F.silu(gate, inplace=True).mul_(up)

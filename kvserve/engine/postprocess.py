@@ -1,5 +1,8 @@
 """After a token is sampled: append it, detokenize, check stop conditions, build outputs.
 
+A sequence whose logits were not finite (the sampler's NO_TOKEN) gets no token and finishes
+with finish_reason "error" (stop_reason says why).
+
 Stop strings are matched on the detokenized text, so one split across tokens is caught; the
 text stream holds back the tail that could still be the start of a stop string, and the stop
 string itself never reaches the output.
@@ -7,14 +10,27 @@ string itself never reaches the output.
 from __future__ import annotations
 
 from kvserve.engine.request import Request, Sequence
+from kvserve.engine.sampler import NO_TOKEN
 from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+
+NON_FINITE = "the model produced NaN or infinite logits; no token could be chosen"
 
 
 def append_token(
-    seq: Sequence, token: int, logprob: TokenLogprob | None, eos_ids: frozenset[int], max_model_len: int
+    seq: Sequence, token: int, logprob: TokenLogprob | None, eos_ids: frozenset[int], max_model_len: int,
+    now: float,
 ) -> None:
-    """Add a sampled token to seq and decide whether it finishes. Sets seq.finish_reason."""
+    """Add a sampled token to seq and decide whether it finishes. Sets seq.finish_reason;
+    stamps the request's token times with now."""
     p = seq.params
+    if token == NO_TOKEN:
+        seq.finish_reason, seq.stop_reason = "error", NON_FINITE
+        seq.text += seq.detokenizer.flush()
+        return
+    m = seq.request.metrics
+    if m.first_token_time is None:
+        m.first_token_time = now
+    m.last_token_time = now
     seq.token_ids.append(token)
     if logprob is not None:
         if seq.logprobs is None:
