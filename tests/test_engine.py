@@ -333,8 +333,8 @@ def test_async_engine_tells_bad_input_from_an_engine_failure(make_llm) -> None:
             return out
 
     try:
-        with pytest.raises(InvalidParam) as e:  # validation: refused before it is added
-            asyncio.run(first([5, 6], SamplingParams(max_tokens=2048)))
+        with pytest.raises(InvalidParam) as e:  # validation: refused before it is submitted
+            engine.validate([5, 6], SamplingParams(max_tokens=2048))
         assert e.value.param == "max_tokens" and engine.is_alive
 
         def broken(sched):
