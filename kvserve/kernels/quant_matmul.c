@@ -134,17 +134,14 @@ static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes → 32 codes: l
 }
 #endif
 
-static float dot_q8_0(const uint8_t *w, const act_block *a, int nb) {
-#ifdef KV_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 34) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), x = load_act(a + b);
-        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(f16_to_f32(w) * a[b].d), acc);
-    }
-    return hsum(acc);
-#else
+/* dot_<type>(w, a, as, nb, nt, y): y[k] = row w · activation row a + k*as, for k < nt <= NT.
+ * The AVX2 paths decode each weight block once for all nt activation rows (nt is a constant
+ * where they are inlined, so the accumulators stay in registers); the plain C paths loop. */
+#define NT 4
+#define KV_INLINE static inline __attribute__((always_inline))
+
+#ifndef KV_AVX2
+static float dot1_q8_0(const uint8_t *w, const act_block *a, int nb) {
     float sum = 0.f;
     for (int b = 0; b < nb; b++, w += 34) {
         const int8_t *q = (const int8_t *)(w + 2);
@@ -153,39 +150,22 @@ static float dot_q8_0(const uint8_t *w, const act_block *a, int nb) {
         sum += f16_to_f32(w) * a[b].d * (float)isum;
     }
     return sum;
-#endif
 }
 
-/* Q4_0 (offset 8) and Q4_1 (minimum m): codes 0..15, low nibbles are values 0..15. */
-static float dot_q4(const uint8_t *w, const act_block *a, int nb, int has_min) {
+static float dot1_q4(const uint8_t *w, const act_block *a, int nb, int has_min) {
     const int bs = has_min ? 20 : 18;
-    float corr = 0.f;
-#ifdef KV_AVX2
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += bs) {
-        const float d = f16_to_f32(w) * a[b].d, isum = (float)(a[b].s[0] + a[b].s[1]);
-        acc = _mm256_fmadd_ps(dot_u8s8(nibbles16(w + bs - 16), load_act(a + b)), _mm256_set1_ps(d), acc);
-        corr += has_min ? f16_to_f32(w + 2) * a[b].d * isum : -8.f * d * isum;
-    }
-    return hsum(acc) + corr;
-#else
     float sum = 0.f;
     for (int b = 0; b < nb; b++, w += bs) {
         const uint8_t *qs = w + bs - 16;
         int isum = 0;
         for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * a[b].q[i] + (qs[i] >> 4) * a[b].q[i + 16];
         const float d = f16_to_f32(w) * a[b].d, xs = (float)(a[b].s[0] + a[b].s[1]);
-        sum += d * (float)isum;
-        corr += has_min ? f16_to_f32(w + 2) * a[b].d * xs : -8.f * d * xs;
+        sum += d * (float)isum + (has_min ? f16_to_f32(w + 2) * a[b].d * xs : -8.f * d * xs);
     }
-    return sum + corr;
-#endif
+    return sum;
 }
 
-/* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
- * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
- * sub-block 2c in its low nibbles and 2c+1 in its high nibbles. x = d*sc*q - dmin*m. */
-static float dot_q45_k(const uint8_t *w, const act_block *a, int nb, int five) {
+static float dot1_q45_k(const uint8_t *w, const act_block *a, int nb, int five) {
     const int bs = five ? 176 : 144;
     float sum = 0.f;
     for (int sb = 0; sb < nb / 8; sb++, w += bs, a += 8) {
@@ -193,24 +173,6 @@ static float dot_q45_k(const uint8_t *w, const act_block *a, int nb, int five) {
         k_scale_min(w + 4, sc, mn);
         const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
-        float mins = 0.f;
-        for (int j = 0; j < 8; j++) mins += (float)mn[j] * a[j].d * (float)(a[j].s[0] + a[j].s[1]);
-#ifdef KV_AVX2
-        __m256 acc = _mm256_setzero_ps();
-        const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-            if (five) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
-            }
-            acc = _mm256_fmadd_ps(dot_u8s8(lo, load_act(a + 2 * c)), _mm256_set1_ps(d * sc[2 * c] * a[2 * c].d), acc);
-            acc = _mm256_fmadd_ps(dot_u8s8(hi, load_act(a + 2 * c + 1)), _mm256_set1_ps(d * sc[2 * c + 1] * a[2 * c + 1].d), acc);
-        }
-        sum += hsum(acc) - dmin * mins;
-#else
         for (int j = 0; j < 8; j++) {
             const uint8_t *q = qs + 32 * (j / 2);
             const int shift = 4 * (j & 1);
@@ -220,40 +182,17 @@ static float dot_q45_k(const uint8_t *w, const act_block *a, int nb, int five) {
                 if (five) code |= ((qh[l] >> j) & 1) << 4;
                 isum += code * a[j].q[l];
             }
-            sum += d * sc[j] * a[j].d * (float)isum;
+            sum += d * sc[j] * a[j].d * (float)isum - dmin * mn[j] * a[j].d * (float)(a[j].s[0] + a[j].s[1]);
         }
-        sum -= dmin * mins;
-#endif
     }
     return sum;
 }
 
-/* Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16] (one per 16
- * values), d (f16, last). Value e = 128h + 32g + l (h half, g group 0..3, l 0..31): low bits are
- * nibble g/2 of ql[64h + 32(g%2) + l], high bits are bits 2g..2g+1 of qh[32h + l]; x = d*sc*(q-32). */
-static float dot_q6_k(const uint8_t *w, const act_block *a, int nb) {
+static float dot1_q6_k(const uint8_t *w, const act_block *a, int nb) {
     float sum = 0.f;
     for (int sb = 0; sb < nb / 8; sb++, w += 210, a += 8) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
-        const float d = f16_to_f32(w + 208);
-        float corr = 0.f;
-        for (int j = 0; j < 8; j++) corr += a[j].d * (float)(sc[2 * j] * a[j].s[0] + sc[2 * j + 1] * a[j].s[1]);
-#ifdef KV_AVX2
-        __m256 acc = _mm256_setzero_ps();
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-        for (int j = 0; j < 8; j++) {
-            const int h = j / 4, g = j % 4;
-            const __m256i l4 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (g % 2)));
-            const __m256i h2 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            const __m256i lo = _mm256_and_si256(g < 2 ? l4 : _mm256_srli_epi16(l4, 4), m4);
-            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h2, 2 * g), m2), 4);
-            const __m256i p16 = _mm256_maddubs_epi16(_mm256_or_si256(lo, hi), load_act(a + j));
-            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, scales)), _mm256_set1_ps(a[j].d), acc);
-        }
-        sum += d * (hsum(acc) - 32.f * corr);
-#else
         float s = 0.f;
         for (int j = 0; j < 8; j++) {
             const int h = j / 4, g = j % 4;
@@ -261,25 +200,164 @@ static float dot_q6_k(const uint8_t *w, const act_block *a, int nb) {
             for (int l = 0; l < 32; l++) {
                 const int lo = (ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 15;
                 const int hi = (qh[32 * h + l] >> (2 * g)) & 3;
-                isum[l / 16] += (lo | (hi << 4)) * a[j].q[l];
+                isum[l / 16] += ((lo | (hi << 4)) - 32) * a[j].q[l];
             }
             s += a[j].d * (float)(sc[2 * j] * isum[0] + sc[2 * j + 1] * isum[1]);
         }
-        sum += d * (s - 32.f * corr);
-#endif
+        sum += f16_to_f32(w + 208) * s;
     }
     return sum;
 }
+#endif
 
-static inline float dot_row(int t, const uint8_t *w, const act_block *a, int nb) {
-    switch (t) {
-    case T_Q8_0: return dot_q8_0(w, a, nb);
-    case T_Q4_0: return dot_q4(w, a, nb, 0);
-    case T_Q4_1: return dot_q4(w, a, nb, 1);
-    case T_Q4_K: return dot_q45_k(w, a, nb, 0);
-    case T_Q5_K: return dot_q45_k(w, a, nb, 1);
-    default: return dot_q6_k(w, a, nb);
+KV_INLINE void dot_q8_0(const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
+#ifdef KV_AVX2
+    /* Two accumulators per activation row (even and odd blocks): one FMA chain would make a
+     * single row wait on the FMA latency at every block. */
+    __m256 acc[2][NT];
+    for (int k = 0; k < nt; k++) acc[0][k] = acc[1][k] = _mm256_setzero_ps();
+#define Q8_0_BLOCK(P)                                                                                     \
+    {                                                                                                    \
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), qa = _mm256_sign_epi8(q, q);    \
+        const float dw = f16_to_f32(w);                                                                  \
+        for (int k = 0; k < nt; k++) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */ \
+            const act_block *ab = a + k * as + b;                                                        \
+            const __m256i p16 = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(load_act(ab), q));             \
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));           \
+            acc[P][k] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * ab->d), acc[P][k]);                       \
+        }                                                                                                \
+        b++, w += 34;                                                                                    \
     }
+    int b = 0;
+    while (b + 2 <= nb) {
+        Q8_0_BLOCK(0)
+        Q8_0_BLOCK(1)
+    }
+    if (b < nb) Q8_0_BLOCK(0)
+#undef Q8_0_BLOCK
+    for (int k = 0; k < nt; k++) y[k] = hsum(_mm256_add_ps(acc[0][k], acc[1][k]));
+#else
+    for (int k = 0; k < nt; k++) y[k] = dot1_q8_0(w, a + k * as, nb);
+#endif
+}
+
+/* Q4_0 (offset 8) and Q4_1 (minimum m): codes 0..15, low nibbles are values 0..15. */
+KV_INLINE void dot_q4(const uint8_t *w, const act_block *a, long as, int nb, int has_min, int nt, float *y) {
+#ifdef KV_AVX2
+    const int bs = has_min ? 20 : 18;
+    __m256 acc[2][NT];  /* even and odd blocks, as in dot_q8_0 */
+    float corr[NT];
+    for (int k = 0; k < nt; k++) acc[0][k] = acc[1][k] = _mm256_setzero_ps(), corr[k] = 0.f;
+#define Q4_BLOCK(P)                                                                                    \
+    {                                                                                                 \
+        const __m256i q = nibbles16(w + bs - 16);                                                     \
+        const float dw = f16_to_f32(w), mw = has_min ? f16_to_f32(w + 2) : -8.f * dw;                 \
+        for (int k = 0; k < nt; k++) {                                                                \
+            const act_block *ab = a + k * as + b;                                                     \
+            acc[P][k] = _mm256_fmadd_ps(dot_u8s8(q, load_act(ab)), _mm256_set1_ps(dw * ab->d), acc[P][k]); \
+            corr[k] += mw * ab->d * (float)(ab->s[0] + ab->s[1]);                                     \
+        }                                                                                             \
+        b++, w += bs;                                                                                 \
+    }
+    int b = 0;
+    while (b + 2 <= nb) {
+        Q4_BLOCK(0)
+        Q4_BLOCK(1)
+    }
+    if (b < nb) Q4_BLOCK(0)
+#undef Q4_BLOCK
+    for (int k = 0; k < nt; k++) y[k] = hsum(_mm256_add_ps(acc[0][k], acc[1][k])) + corr[k];
+#else
+    for (int k = 0; k < nt; k++) y[k] = dot1_q4(w, a + k * as, nb, has_min);
+#endif
+}
+
+/* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
+ * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
+ * sub-block 2c in its low nibbles and 2c+1 in its high nibbles. x = d*sc*q - dmin*m. */
+KV_INLINE void dot_q45_k(const uint8_t *w, const act_block *a, long as, int nb, int five, int nt, float *y) {
+#ifdef KV_AVX2
+    const int bs = five ? 176 : 144;
+    __m256 acc[NT];
+    float corr[NT];
+    for (int k = 0; k < nt; k++) acc[k] = _mm256_setzero_ps(), corr[k] = 0.f;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int sb = 0; sb < nb / 8; sb++, w += bs) {
+        uint8_t sc[8], mn[8];
+        k_scale_min(w + 4, sc, mn);
+        const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
+        const uint8_t *qs = w + (five ? 48 : 16);
+        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+            __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+            if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, j), one), 4));
+            const float dj = d * sc[j], mj = dmin * mn[j];
+            for (int k = 0; k < nt; k++) {
+                const act_block *ab = a + k * as + 8 * sb + j;
+                acc[k] = _mm256_fmadd_ps(dot_u8s8(q, load_act(ab)), _mm256_set1_ps(dj * ab->d), acc[k]);
+                corr[k] += mj * ab->d * (float)(ab->s[0] + ab->s[1]);
+            }
+        }
+    }
+    for (int k = 0; k < nt; k++) y[k] = hsum(acc[k]) - corr[k];
+#else
+    for (int k = 0; k < nt; k++) y[k] = dot1_q45_k(w, a + k * as, nb, five);
+#endif
+}
+
+/* Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16] (one per 16
+ * values), d (f16, last). Value e = 128h + 32g + l (h half, g group 0..3, l 0..31): low bits are
+ * nibble g/2 of ql[64h + 32(g%2) + l], high bits are bits 2g..2g+1 of qh[32h + l]; x = d*sc*(q-32).
+ * Codes go to maddubs unsigned (0..63); the -32 is taken off through the activation sums. */
+KV_INLINE void dot_q6_k(const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
+#ifdef KV_AVX2
+    __m256 acc[NT];
+    float corr[NT];
+    for (int k = 0; k < nt; k++) acc[k] = _mm256_setzero_ps(), corr[k] = 0.f;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+    for (int sb = 0; sb < nb / 8; sb++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = f16_to_f32(w + 208);
+        for (int j = 0; j < 8; j++) {
+            const int h = j / 4, g = j % 4;
+            const __m256i l4 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (g % 2)));
+            const __m256i h2 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            const __m256i lo = _mm256_and_si256(g < 2 ? l4 : _mm256_srli_epi16(l4, 4), m4);
+            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h2, 2 * g), m2), 4));
+            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+            for (int k = 0; k < nt; k++) {
+                const act_block *ab = a + k * as + 8 * sb + j;
+                const __m256i p16 = _mm256_maddubs_epi16(q, load_act(ab));
+                const float da = d * ab->d;
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, scales)), _mm256_set1_ps(da), acc[k]);
+                corr[k] += 32.f * da * (float)(sc[2 * j] * ab->s[0] + sc[2 * j + 1] * ab->s[1]);
+            }
+        }
+    }
+    for (int k = 0; k < nt; k++) y[k] = hsum(acc[k]) - corr[k];
+#else
+    for (int k = 0; k < nt; k++) y[k] = dot1_q6_k(w, a + k * as, nb);
+#endif
+}
+
+KV_INLINE void dot_rows_nt(int t, const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
+    switch (t) {
+    case T_Q8_0: dot_q8_0(w, a, as, nb, nt, y); return;
+    case T_Q4_0: dot_q4(w, a, as, nb, 0, nt, y); return;
+    case T_Q4_1: dot_q4(w, a, as, nb, 1, nt, y); return;
+    case T_Q4_K: dot_q45_k(w, a, as, nb, 0, nt, y); return;
+    case T_Q5_K: dot_q45_k(w, a, as, nb, 1, nt, y); return;
+    default: dot_q6_k(w, a, as, nb, nt, y); return;
+    }
+}
+/* Two instances: NT activation rows at a time, and one (the rest, and decoding one token). */
+static void dot_rows_4(int t, const uint8_t *w, const act_block *a, long as, int nb, float *y) {
+    dot_rows_nt(t, w, a, as, nb, NT, y);
+}
+static void dot_rows_1(int t, const uint8_t *w, const act_block *a, int nb, float *y) {
+    dot_rows_nt(t, w, a, 0, nb, 1, y);
 }
 
 /* y[T, rows] = x[T, cols] · W^T, W given as rows × (cols / block_values) blocks of type `qtype`.
@@ -294,12 +372,19 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     if (act == NULL) return -2;
 #pragma omp parallel for num_threads(nthreads) if (T * cols >= 16384)
     for (long t = 0; t < T; t++) quantize_row(x + t * cols, act + t * nb, nb);
-    /* Rows in chunks, each chunk's weights read once for all T activation rows (from cache). */
+    /* Rows in chunks of 16 per thread step; each weight row is decoded once per NT activation rows. */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long r0 = 0; r0 < rows; r0 += 16) {
         const long r1 = r0 + 16 < rows ? r0 + 16 : rows;
-        for (long t = 0; t < T; t++)
-            for (long r = r0; r < r1; r++) y[t * rows + r] = dot_row(qtype, w + r * row_bytes, act + t * nb, nb);
+        float out[NT];
+        for (long r = r0; r < r1; r++) {
+            long t = 0;
+            for (; t + NT <= T; t += NT) {
+                dot_rows_4(qtype, w + r * row_bytes, act + t * nb, nb, nb, out);
+                for (int k = 0; k < NT; k++) y[(t + k) * rows + r] = out[k];
+            }
+            for (; t < T; t++) dot_rows_1(qtype, w + r * row_bytes, act + t * nb, nb, y + t * rows + r);
+        }
     }
     free(act);
     return 0;
