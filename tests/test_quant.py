@@ -22,6 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from kvserve import cpu
+from kvserve.sampling_params import SamplingParams
 from kvserve.kernels import quant_matmul
 from kvserve.model import quant
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, make_linear
@@ -254,3 +255,28 @@ def test_quantized_perplexity_within_two_percent_of_float(llms) -> None:
     ppl_q, ppl_f = _perplexity(q, ids), _perplexity(f, ids)
     print(f"perplexity on the Gettysburg Address ({len(ids)} tokens): quantized {ppl_q:.3f}, float {ppl_f:.3f}")
     assert abs(ppl_q / ppl_f - 1) < 0.02
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_float_checkpoint_quantized_on_load(quantization: str, tiny_llama_dir: Path) -> None:
+    """A Hugging Face directory: matrices become gguf's own quantize() of the float weights (the
+    embedding, the tied head, Q8_0), and the model runs on them."""
+    from kvserve import LLM
+    from kvserve.config import CacheConfig
+    from kvserve.model.loader import load_checkpoint
+
+    floats = load_checkpoint(tiny_llama_dir).tensors
+    quantized = load_checkpoint(tiny_llama_dir, quantization=quantization).tensors
+    want = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[quantization]
+    for name, w in floats.items():
+        q = quantized[name]
+        if name.endswith("_proj.weight") or name == "model.embed_tokens.weight":
+            qtype = Q.Q8_0 if name == "model.embed_tokens.weight" else want
+            assert isinstance(q, QuantizedWeight) and q.qtype == qtype, name
+            assert np.array_equal(q.blocks.numpy(), gguf.quants.quantize(w.numpy(), qtype)), name
+        else:
+            assert torch.equal(q, w), name  # norms stay float
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=quantization, cache=CacheConfig(num_blocks=16))
+    assert isinstance(llm.model.layers[0].qkv, QuantizedLinear)
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
