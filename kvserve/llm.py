@@ -48,7 +48,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 def default_dtype() -> torch.dtype:
     """bfloat16 where the hardware computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX):
     decode reads every weight once per token, and half the bytes is nearly twice the speed
-    (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower."""
+    (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower: there an
+    explicit dtype="bfloat16" keeps bf16 weights (half the bytes) widened in registers by the
+    kernel (model/linear.py), but "auto" stays float32 so the default float path stays exact;
+    a GGUF's quantized blocks (quantization="auto") already read fewer bytes than either."""
     if torch.cuda.is_available():
         return torch.bfloat16
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
