@@ -73,7 +73,7 @@ def run_chat(args: argparse.Namespace) -> int:
         from kvserve.llm import LLM
         from kvserve.model.loader import DEFAULT_MODEL
 
-        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype)
+        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, quantization=args.quantize)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, /exit to leave.", file=sys.stderr)
     while (user := _read_user()) is not None:

@@ -12,6 +12,13 @@ from kvserve.errors import KVServeError
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (auto: bfloat16 where the CPU computes it natively)")
+    add_quantize_arg(p)
+
+
+def add_quantize_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", default="auto", choices=("auto", "none", "q8_0", "q4_0"),
+                   help="weights: auto keeps a GGUF's quantized blocks (default), none decodes them to --dtype, "
+                        "q8_0/q4_0 quantize a float checkpoint on load")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -47,7 +47,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input prompts.jsonl")
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize)
     if args.prompt is not None:
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         params = SamplingParams(**defaults)

@@ -9,6 +9,11 @@
 
 The cache is a sequence's block table in the paged KV pool; watch it grow through num_tokens,
 num_blocks and nbytes. Its blocks return to the pool on close() or when it is dropped.
+
+Weights: `quantization="auto"` (the default) keeps a GGUF's quantized matrices as the file stores
+them and multiplies them directly (model/quant.py: ~5x fewer bytes per decoded token for the
+default model); "none" decodes them to `dtype` (the exact float path: float32 reproduces
+transformers); "q8_0" / "q4_0" quantize a float checkpoint (safetensors, F16/BF16 GGUF) on load.
 """
 from __future__ import annotations
 
@@ -43,7 +48,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 def default_dtype() -> torch.dtype:
     """bfloat16 where the hardware computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX):
     decode reads every weight once per token, and half the bytes is nearly twice the speed
-    (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower."""
+    (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower: there an
+    explicit dtype="bfloat16" keeps bf16 weights (half the bytes) widened in registers by the
+    kernel (model/linear.py), but "auto" stays float32 so the default float path stays exact;
+    a GGUF's quantized blocks (quantization="auto") already read fewer bytes than either."""
     if torch.cuda.is_available():
         return torch.bfloat16
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
@@ -113,6 +121,7 @@ class LLM:
         model: str = DEFAULT_MODEL,
         dtype: str | torch.dtype = "auto",
         *,
+        quantization: str = "auto",
         cache: CacheConfig = CacheConfig(),
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
@@ -120,7 +129,8 @@ class LLM:
     ) -> None:
         t0 = time.perf_counter()
         self.dtype = parse_dtype(dtype)
-        ckpt = load_checkpoint(model, self.dtype)
+        self.quantization = quantization
+        ckpt = load_checkpoint(model, self.dtype, quantization)
         self.config: ModelConfig = ckpt.config
         self.model_path = ckpt.path
         self.model_name = model
@@ -141,9 +151,8 @@ class LLM:
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches
         self.load_seconds = time.perf_counter() - t0
-        log.info("model: %s (%s, %s), %.1f M parameters, loaded in %.1f s", model, ckpt.path.name,
-                 str(self.dtype).removeprefix("torch."), self.model.nbytes / self.model.embed.element_size() / 1e6,
-                 self.load_seconds)
+        log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,
+                 str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)
         log.info(self.kv_sizing.describe())
 
     # -- prompts --------------------------------------------------------------------------

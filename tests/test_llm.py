@@ -14,7 +14,7 @@ CHAT = [{"role": "user", "content": "Explain quantum computing like I'm ten."}]
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("smollm2-135m", dtype="float32", cache=CacheConfig(num_blocks=512))
+    return LLM("smollm2-135m", dtype="float32", quantization="none", cache=CacheConfig(num_blocks=512))
 
 
 @pytest.fixture(autouse=True)

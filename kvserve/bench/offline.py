@@ -87,7 +87,8 @@ def run_transformers(path: Path, dtype: torch.dtype, prompts: list[list[int]], o
 
 def run_dtype(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) -> tuple[list[Row], float]:
     """kvserve, then transformers one at a time and in static batches, all in one dtype."""
-    llm = LLM(args.model, dtype=dtype,
+    # "auto" is kvserve's default (a GGUF's quantized blocks kept); a named dtype is the float path.
+    llm = LLM(args.model, dtype=dtype, quantization="auto" if dtype == "auto" else "none",
               scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs))
     rows = [run_kvserve(llm, prompts, args.output_len)]
     print(f"  [{dtype}] {rows[-1].system}: {rows[-1].tps:.1f} tok/s", flush=True)

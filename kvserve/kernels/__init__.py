@@ -1,5 +1,9 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
+paged_attention.c (decode attention over the KV pool), layer_ops.c (residual add + RMSNorm,
+RoPE + KV store) and quant_matmul.c (matmuls over GGML quantized blocks and bfloat16 weights,
+integer dot products per ISA level: AVX2, AVX-512 VNNI where compiled for it, plain C).
+
 The C sources (and numerics.h, which they share) ship with the package. On first use each is
 compiled with the system C compiler (`$CC`, else `cc`) for this CPU's ISA level (`kvserve.cpu.isa()`) into a
 cache directory keyed by the sources, the compiler and the CPU, and loaded after torch so that

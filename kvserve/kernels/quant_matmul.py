@@ -1,0 +1,71 @@
+"""ctypes binding of quant_matmul.c: matmuls over GGML quantized blocks and bfloat16 weights."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve import kernels
+
+_p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+_SIGNATURES = {
+    "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i],
+    "kvserve_dequant_rows": [_i, _p, _l, _p, _l, _p, _i],
+    "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
+}
+# GGML type id → (values per block, bytes per block) of the types the kernels multiply.
+BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+
+
+def _lib() -> ctypes.CDLL | None:
+    return kernels.bind("quant_matmul", _SIGNATURES)
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _check(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> None:
+    per, size = BLOCKS[qtype]
+    if cols % per or blocks.dtype != torch.uint8 or not blocks.is_contiguous() or blocks.numel() != rows * cols // per * size:
+        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {rows} x {cols} values of GGML type {qtype}")
+
+
+def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tensor) -> torch.Tensor:
+    """x [T, cols] float32 · W^T → [T, rows] float32, W as `rows` rows of `qtype` blocks."""
+    _check(blocks, qtype, rows, cols)
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be float32 [T, {cols}], got {x.dtype} {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    _lib().kvserve_quant_matmul(qtype, blocks.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
+                                torch.get_num_threads())
+    return y
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` (all rows if None) of W as float32 [n, cols]."""
+    _check(blocks, qtype, rows, cols)
+    if ids is not None:
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            raise ValueError(f"row ids must be in [0, {rows})")
+    n = rows if ids is None else ids.numel()
+    out = torch.empty(n, cols, dtype=torch.float32)
+    _lib().kvserve_dequant_rows(qtype, blocks.data_ptr(), cols, None if ids is None else ids.data_ptr(), n,
+                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def bf16_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [T, in] float32 · W^T for W [out, in] bfloat16, converted in registers → [T, out] float32."""
+    rows, cols = weight.shape
+    if weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        raise ValueError("weight must be a contiguous bfloat16 matrix")
+    x = x.to(torch.float32).contiguous()
+    if x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"x must be [T, {cols}], got {tuple(x.shape)}")
+    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+    _lib().kvserve_bf16_matmul(weight.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
+                               torch.get_num_threads())
+    return y

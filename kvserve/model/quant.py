@@ -1,0 +1,179 @@
+"""Quantized weights kept quantized: GGML blocks in memory, multiplied as they are.
+
+Decoding one token reads every weight once, so its speed is the weights' bytes: the default
+model is ~540 MB as float32 and ~95 MB as its GGUF's own Q4_1/Q8_0 blocks. A QuantizedWeight
+holds a tensor's blocks exactly as the file stores them (uint8 [out, bytes per row]; rows are
+independent, so q/k rows can be reordered and q/k/v fused by moving bytes). QuantizedLinear
+multiplies with them through kernels/quant_matmul.c (activations quantized to int8 per 32
+values, integer dot products) for small batches, and for large ones dequantizes row tiles to
+float32 and uses BLAS, which is faster once the weight is reused by enough rows (see
+`BLAS_FROM_ROWS`). The embedding table dequantizes only the rows it looks up, and a tied LM head
+multiplies with the same blocks.
+
+`quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
+the rounding of ggml's reference quantizers (tests check it against gguf.quants.quantize).
+Where the C kernels are unavailable, weights are dequantized once to float (correct, not lean).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from kvserve.kernels import quant_matmul
+from kvserve.model.dequant import dequantize
+from kvserve.model.linear import Linear
+
+log = logging.getLogger("kvserve.model")
+
+# The GGML types the kernels multiply directly; others are dequantized on load.
+KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
+ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
+# From this many activation rows on, dequantizing to float32 and using BLAS beats the integer
+# kernel on the AVX2 Zen 3 (docs/benchmarks.md): the integer dot products do ~1 multiply-add
+# per byte-lane per instruction, sgemm far more once each weight is reused by many rows.
+BLAS_FROM_ROWS = 48
+BLAS_TILE_ROWS = 2048  # weight rows dequantized at a time: bounds the float copy (4.5 MB at 576 wide)
+
+
+def check_quantization(quantization: str) -> str:
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    return quantization
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out, in] weight as GGML blocks: `blocks` is uint8 [out, in / block values * block bytes]."""
+
+    blocks: torch.Tensor
+    qtype: Q
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [n, in] of the given rows (all if None)."""
+        out, cols = self.shape
+        if quant_matmul.available() and self.qtype in KERNEL_TYPES:
+            return quant_matmul.dequantize_rows(self.blocks.reshape(-1), int(self.qtype), out, cols, rows)
+        blocks = self.blocks if rows is None else self.blocks[rows]
+        return dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], cols))
+
+
+def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
+    """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight."""
+    per, size = GGML_QUANT_SIZES[qtype]
+    return QuantizedWeight(raw.reshape(shape[0], shape[1] // per * size), qtype, shape)
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), as ggml rounds; torch.round rounds half to even."""
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def quantize(w: torch.Tensor, qtype: Q) -> QuantizedWeight:
+    """float [out, in] (in a multiple of 32) → Q8_0 or Q4_0 blocks, rounded as ggml's reference."""
+    out, cols = w.shape
+    if cols % 32:
+        raise ValueError(f"{qtype.name} needs rows of whole 32-value blocks, got {cols} columns")
+    x = w.detach().float().reshape(-1, 32)  # [blocks, 32]
+    if qtype == Q.Q8_0:
+        d = x.abs().amax(1, keepdim=True) / 127
+        q = _roundf(x * torch.where(d == 0, 0.0, 1.0 / d)).to(torch.int8).view(torch.uint8)
+    elif qtype == Q.Q4_0:
+        peak = x.gather(1, x.abs().argmax(1, keepdim=True))  # the signed value of largest magnitude
+        d = peak / -8
+        codes = torch.trunc(x * torch.where(d == 0, 0.0, 1.0 / d) + 8.5).clamp(0, 15).to(torch.uint8)
+        q = codes[:, :16] | (codes[:, 16:] << 4)
+    else:
+        raise ValueError(f"kvserve quantizes to {', '.join(ON_LOAD_TYPES)}, not {qtype.name}")
+    scale = d.to(torch.float16).view(torch.uint8)  # [blocks, 2]
+    return QuantizedWeight(torch.cat([scale, q], 1).reshape(out, -1).contiguous(), qtype, (out, cols))
+
+
+class QuantizedLinear:
+    """y = x W^T + b with W kept as GGML blocks; x [T, in] of any float dtype, y in x's dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self._flat = weight.blocks.contiguous().reshape(-1)
+        self._qtype = int(weight.qtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out, cols = self.weight.shape
+        xf = x.float()
+        if x.shape[0] < BLAS_FROM_ROWS:
+            y = quant_matmul.matmul(self._flat, self._qtype, out, cols, xf)
+        else:
+            y = torch.empty(x.shape[0], out)
+            for r0 in range(0, out, BLAS_TILE_ROWS):
+                ids = torch.arange(r0, min(r0 + BLAS_TILE_ROWS, out))
+                torch.mm(xf, self.weight.dequantize(ids).t(), out=y[:, r0 : r0 + ids.numel()])
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype)
+
+
+class ConcatLinear:
+    """Fused projections whose parts differ in type (e.g. a Q4_K_M file's Q6_K attn_v beside Q4_K
+    attn_q/k): each part runs on its own, outputs side by side."""
+
+    def __init__(self, parts: list[Linear | QuantizedLinear]) -> None:
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=1)
+
+
+Weight = torch.Tensor | QuantizedWeight
+
+
+def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype) -> Linear | QuantizedLinear | ConcatLinear:
+    """One linear layer from the row-wise concatenation of `weights` (float tensors in the model
+    dtype, or GGML blocks), keeping blocks quantized where the kernels can multiply them."""
+    kernels = quant_matmul.available()
+    if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
+        log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
+    weights = [w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) and not kernels else w for w in weights]
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+    qtypes = {w.qtype if isinstance(w, QuantizedWeight) else None for w in weights}
+    if len(qtypes) == 1:
+        if len(weights) == 1:  # e.g. a tied LM head: the embedding's own blocks
+            return QuantizedLinear(weights[0], bias)
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        return QuantizedLinear(QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape), bias)
+    parts, start = [], 0
+    for w in weights:
+        b = None if bias is None else bias[start : start + w.shape[0]]
+        parts.append(make_linear([w], b, dtype))
+        start += w.shape[0]
+    return ConcatLinear(parts)
+
+
+def embedding(ids: torch.Tensor, weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the embedding table [V, hidden] in `dtype`; only those rows are dequantized."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.dequantize(ids).to(dtype)
+    return F.embedding(ids, weight)
+
+
+def nbytes(weight: Weight) -> int:
+    return weight.nbytes if isinstance(weight, QuantizedWeight) else weight.numel() * weight.element_size()

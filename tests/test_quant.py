@@ -1,0 +1,282 @@
+"""Quantized weights kept quantized: kernels against gguf's own decoding, and the default model
+quantized against its float path.
+
+Kernel tolerance. The kernels quantize each 32 activations x_b to int8 with scale
+d_b = max|x_b| / 127 and round to nearest, so each activation moves by at most d_b / 2; the
+weights are used exactly as stored (gguf.quants.dequantize is the reference). Hence
+|y - x.W^T| <= sum_b (d_b / 2) * sum_{i in b} |W_i|, plus float32 rounding of the sums, which
+we bound by 1e-5 * sum |x| |W|. Tests assert that bound elementwise.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from kvserve import cpu
+from kvserve.sampling_params import SamplingParams
+from kvserve.kernels import quant_matmul
+from kvserve.model import quant
+from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, make_linear
+
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+HERE = Path(__file__).parent
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random bytes as blocks of `qtype`, with the f16 scales set to sane values (random bytes there
+    would be NaN/inf half the time); every code, sign and 6-bit scale pattern occurs."""
+    rng = np.random.default_rng(seed)
+    per, size = GGML_QUANT_SIZES[qtype]
+    b = rng.integers(0, 256, size=(rows * cols // per, size), dtype=np.uint8)
+    n = b.shape[0]
+
+    def f16(lo: float, hi: float) -> np.ndarray:
+        return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    if qtype in (Q.Q8_0, Q.Q4_0):
+        b[:, 0:2] = f16(-0.02, 0.02)
+    elif qtype == Q.Q4_1:
+        b[:, 0:2], b[:, 2:4] = f16(0, 0.02), f16(-0.1, 0.1)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
+        b[:, 0:2], b[:, 2:4] = f16(0, 0.002), f16(0, 0.002)
+    else:  # Q6_K: d is last
+        b[:, 208:210] = f16(-0.002, 0.002)
+    return b.reshape(rows, -1)
+
+
+def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """x.W^T in float64 with W from gguf.quants.dequantize, and the error bound stated above."""
+    w = gguf.quants.dequantize(blocks, qtype).astype(np.float64)  # [rows, cols]
+    xd = x.double().numpy()
+    T, cols = xd.shape
+    half_step = np.abs(xd).reshape(T, cols // 32, 32).max(-1) / 127 / 2  # [T, blocks]
+    w_abs = np.abs(w).reshape(w.shape[0], cols // 32, 32).sum(-1)  # [rows, blocks]
+    bound = half_step @ w_abs.T + 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-6
+    return xd @ w.T, bound
+
+
+def check_kernels() -> str:
+    """Every type, odd shapes, batch 1..300, on the ISA level this process runs at."""
+    assert quant_matmul.available()
+    g = torch.Generator().manual_seed(0)
+    for qtype in TYPES:
+        per = GGML_QUANT_SIZES[qtype][0]
+        for rows, cols in ((1, per), (37, 3 * per), (130, 2 * per if per == 256 else 544)):
+            blocks = random_blocks(qtype, rows, cols, seed=rows)
+            flat = torch.from_numpy(blocks).reshape(-1)
+            exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+            assert torch.equal(quant_matmul.dequantize_rows(flat, int(qtype), rows, cols), exact), qtype.name
+            for T in (1, 2, 5, 17, 64, 300):
+                x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
+                x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
+                y = quant_matmul.matmul(flat, int(qtype), rows, cols, x).double().numpy()
+                ref, bound = reference(blocks, qtype, x)
+                worst = (np.abs(y - ref) / bound).max()
+                assert worst <= 1.0, f"{qtype.name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
+    w = torch.randn(37, 300, generator=g).bfloat16()
+    x = torch.randn(5, 300, generator=g)
+    exact = x.double() @ w.double().T
+    assert torch.allclose(quant_matmul.bf16_matmul(w, x).double(), exact, rtol=1e-5, atol=1e-4)
+    return cpu.isa()
+
+
+def test_kernels_at_this_cpus_level() -> None:
+    assert check_kernels() == cpu.isa()
+
+
+def _levels_below() -> list[str]:
+    native = cpu.isa()
+    order = ["portable", "avx2", "avx512"] if native in cpu.LEVELS else ["portable"]
+    return order[: order.index(native)] if native in order else ["portable"]
+
+
+@pytest.mark.parametrize("level", _levels_below())
+def test_kernels_at_lower_isa_levels(level: str) -> None:
+    """The code other CPUs run: KVSERVE_ISA builds and loads that level's kernels in a subprocess."""
+    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); from test_quant import check_kernels; print(check_kernels())"
+    env = dict(os.environ, KVSERVE_ISA=level)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == level
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_quantize_equals_ggml_reference(qtype: Q) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 160, generator=g) * torch.rand(24, 1, generator=g)
+    w[0, :32] = 0.0  # a zero block: scale 0, codes of zero
+    w[1, 5] = -w[1, :32].abs().max() * 2  # the negative extreme decides Q4_0's sign
+    ours = quant.quantize(w, qtype)
+    theirs = gguf.quants.quantize(w.numpy(), qtype)
+    assert ours.blocks.shape == theirs.shape and np.array_equal(ours.blocks.numpy(), theirs)
+
+
+def test_quantized_linear_small_and_large_batches_and_bias() -> None:
+    """Below BLAS_FROM_ROWS the integer kernel runs, from it on BLAS over dequantized tiles."""
+    g = torch.Generator().manual_seed(4)
+    blocks = random_blocks(Q.Q4_K, 2 * 1024 + 8, 256)  # more rows than one BLAS tile
+    w = QuantizedWeight(torch.from_numpy(blocks), Q.Q4_K, (blocks.shape[0], 256))
+    bias = torch.randn(w.shape[0], generator=g)
+    lin = QuantizedLinear(w, bias)
+    assert lin.nbytes == blocks.size + bias.numel() * 4
+    for T in (1, quant.BLAS_FROM_ROWS - 1, quant.BLAS_FROM_ROWS, 300):
+        x = torch.randn(T, 256, generator=g)
+        ref, bound = reference(blocks, Q.Q4_K, x)
+        y = lin(x).double().numpy() - bias.double().numpy()
+        assert (np.abs(y - ref) <= bound).all(), T
+        assert lin(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_make_linear_fuses_same_types_and_concatenates_mixed_ones() -> None:
+    g = torch.Generator().manual_seed(5)
+    parts = [random_blocks(t, 64, 256, seed=i) for i, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
+    ws = [QuantizedWeight(torch.from_numpy(b), t, (64, 256)) for b, t in zip(parts, (Q.Q4_K, Q.Q4_K, Q.Q6_K))]
+    bias = torch.randn(192, generator=g)
+    x = torch.randn(3, 256, generator=g)
+    fused = make_linear(ws[:2], bias[:128], torch.float32)
+    mixed = make_linear(ws, bias, torch.float32)
+    assert isinstance(fused, QuantizedLinear) and isinstance(mixed, ConcatLinear)
+    want = torch.cat([lin(x) for lin in (make_linear([w], None, torch.float32) for w in ws)], 1) + bias
+    assert torch.allclose(mixed(x), want, atol=1e-5) and torch.allclose(fused(x), want[:, :128], atol=1e-5)
+    assert mixed.nbytes == sum(b.size for b in parts) + 192 * 4
+
+
+def test_embedding_dequantizes_only_the_rows_looked_up() -> None:
+    blocks = random_blocks(Q.Q8_0, 100, 64)
+    w = QuantizedWeight(torch.from_numpy(blocks), Q.Q8_0, (100, 64))
+    ids = torch.tensor([7, 0, 99, 7])
+    full = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q8_0))
+    assert torch.equal(quant.embedding(ids, w, torch.float32), full[ids])
+    with pytest.raises(ValueError, match=r"row ids must be in \[0, 100\)"):
+        quant.embedding(torch.tensor([100]), w, torch.float32)
+
+
+def test_unknown_quantization_is_a_clear_error() -> None:
+    from kvserve.model.loader import load_checkpoint
+
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, q8_0, q4_0, got 'int3'"):
+        load_checkpoint("smollm2-135m", quantization="int3")
+
+
+# --- the default model: quantized as stored vs decoded to float32 ---------------------------
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the ocean.",
+    "def fibonacci(n):",
+    "Explain photosynthesis to a child.",
+    "List three prime numbers:",
+    "Once upon a time, in a small village,",
+    "What is 12 times 12?",
+    "Translate 'good morning' into Spanish.",
+]
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llms():
+    from kvserve import LLM
+    from kvserve.config import CacheConfig
+
+    cache = CacheConfig(num_blocks=128)
+    return (LLM(dtype="float32", quantization="auto", cache=cache),
+            LLM(dtype="float32", quantization="none", cache=cache))
+
+
+def test_default_model_keeps_its_blocks(llms) -> None:
+    q, f = llms
+    assert isinstance(q.model.layers[0].gate_up, QuantizedLinear)
+    assert q.model.layers[0].gate_up.weight.qtype == Q.Q4_1 and q.model.embed.qtype == Q.Q8_0
+    assert q.model.lm_head.weight is q.model.embed  # the tied head multiplies the same blocks
+    # ~95 MB of blocks (Q4_1: 5 bits per weight, Q8_0: 8.5) against ~540 MB of float32
+    assert 80e6 < q.model.nbytes < 110e6 and f.model.nbytes > 5 * q.model.nbytes
+
+
+def _greedy(llm, prompt: str) -> list[int]:
+    cache, token = llm.prefill(llm.encode_chat([{"role": "user", "content": prompt}]))
+    out = [token]
+    with cache:
+        while len(out) < GREEDY_TOKENS and token not in llm.eos_token_ids:
+            cache, token = llm.decode(cache, token)
+            out.append(token)
+    return out
+
+
+@pytest.mark.slow
+def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
+    q, f = llms
+    same = [_greedy(q, p) == _greedy(f, p) for p in PROMPTS]
+    # Measured on the AVX2 Zen 3: 7 of 8 prompts give the same 8 tokens (6 of 8 the same 16; the
+    # other: a near-tie at the first token). int8 activations are a slightly different model
+    # (llama.cpp's too), so a continuation may part after a near-tie.
+    print(f"greedy agreement: {sum(same)}/{len(same)} prompts, {GREEDY_TOKENS} tokens each")
+    assert sum(same) >= 6
+
+
+def _perplexity(llm, ids: list[int], chunk: int = 16) -> float:
+    """Teacher-forced perplexity, computed in chunks below BLAS_FROM_ROWS so that the quantized
+    model runs its integer kernels (larger steps dequantize and would equal the float path)."""
+    from kvserve.model.attention import AttentionMetadata
+
+    assert chunk < quant.BLAS_FROM_ROWS
+    bs = llm.manager.block_size
+    assert llm.manager.allocate("ppl", len(ids))
+    try:
+        table = llm.manager.block_ids("ppl")
+        logits = []
+        with torch.inference_mode():
+            for s in range(0, len(ids), chunk):
+                pos = range(s, min(s + chunk, len(ids)))
+                meta = AttentionMetadata(
+                    slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in pos]),
+                    query_lens=[len(pos)], seq_lens=[pos[-1] + 1], block_tables=[table], block_size=bs,
+                )
+                hidden = llm.model.forward(torch.tensor(ids[s : pos[-1] + 1]), torch.tensor(pos), llm.runner.kv_caches, meta)
+                logits.append(llm.model.logits(hidden))
+        logp = torch.log_softmax(torch.cat(logits)[:-1].double(), -1)
+        nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item()
+    finally:
+        llm.manager.free("ppl")
+    return math.exp(nll)
+
+
+def test_quantized_perplexity_within_two_percent_of_float(llms) -> None:
+    q, f = llms
+    ids = f.tokenizer.encode((HERE / "data" / "gettysburg.txt").read_text())
+    ppl_q, ppl_f = _perplexity(q, ids), _perplexity(f, ids)
+    print(f"perplexity on the Gettysburg Address ({len(ids)} tokens): quantized {ppl_q:.3f}, float {ppl_f:.3f}")
+    assert abs(ppl_q / ppl_f - 1) < 0.02
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_float_checkpoint_quantized_on_load(quantization: str, tiny_llama_dir: Path) -> None:
+    """A Hugging Face directory: matrices become gguf's own quantize() of the float weights (the
+    embedding, the tied head, Q8_0), and the model runs on them."""
+    from kvserve import LLM
+    from kvserve.config import CacheConfig
+    from kvserve.model.loader import load_checkpoint
+
+    floats = load_checkpoint(tiny_llama_dir).tensors
+    quantized = load_checkpoint(tiny_llama_dir, quantization=quantization).tensors
+    want = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[quantization]
+    for name, w in floats.items():
+        q = quantized[name]
+        if name.endswith("_proj.weight") or name == "model.embed_tokens.weight":
+            qtype = Q.Q8_0 if name == "model.embed_tokens.weight" else want
+            assert isinstance(q, QuantizedWeight) and q.qtype == qtype, name
+            assert np.array_equal(q.blocks.numpy(), gguf.quants.quantize(w.numpy(), qtype)), name
+        else:
+            assert torch.equal(q, w), name  # norms stay float
+    llm = LLM(str(tiny_llama_dir), dtype="float32", quantization=quantization, cache=CacheConfig(num_blocks=16))
+    assert isinstance(llm.model.layers[0].qkv, QuantizedLinear)
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
