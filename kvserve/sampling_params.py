@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvserve.structured.spec import Constraint
+
 MAX_LOGPROBS = 20
 # Stop conditions are checked on every token: bounded so no request can make that expensive.
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
@@ -32,6 +34,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus k top ones
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the "priority" policy
+    # The output must match this (JSON schema, regex, choice, grammar): kvserve/structured/.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -17,6 +17,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import grammar
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -61,6 +62,7 @@ class LLMEngine:
         if max_model_len == manager.pool.num_blocks * manager.block_size:
             self.context_note = " (all the KV pool can hold)"
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammar.GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -99,6 +101,8 @@ class LLMEngine:
                 f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
                 f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt"
             )
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)  # a bad schema fails here; cached for add_request
         return ids
 
     def add_request(
@@ -129,6 +133,7 @@ class LLMEngine:
                 num_prompt_tokens=len(ids),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids=ids),
                 generator=Sampler.make_generator(params.seed + i) if params.seed is not None else None,
+                matcher=self.grammars.matcher(params.constraint) if params.constraint is not None else None,
             )
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -179,11 +184,14 @@ class LLMEngine:
             SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.generator, self.eos_token_ids)
             for s in sampling
         ]
-        sampled = self.sampler(logits, rows)
+        sampled = self.sampler(grammar.apply_masks(logits, sampling), rows)
         now = time.monotonic()
         touched: dict[str, dict[Sequence, int]] = {}
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
-            append_token(seq, token, lp, self.eos_token_ids, self.max_model_len)
+            if grammar.advance(seq, token):
+                append_token(seq, token, lp, self.eos_token_ids, self.max_model_len)
+            else:
+                seq.finish_reason = grammar.FINISH_REASON
             self._generation_tokens += 1
             m = seq.request.metrics
             if m.first_token_time is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: Any = None  # the grammar's state when params.constraint is set (kvserve/structured/)
 
     @property
     def params(self) -> SamplingParams:
