@@ -190,7 +190,7 @@ class LLMEngine:
         for seq, token, lp in zip(sampling, sampled.token_ids, sampled.logprobs):
             if grammar.advance(seq, token):
                 append_token(seq, token, lp, self.eos_token_ids, self.max_model_len)
-            else:
+            if not seq.finish_reason and grammar.stuck(seq):
                 seq.finish_reason = grammar.FINISH_REASON
             self._generation_tokens += 1
             m = seq.request.metrics

@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     matcher: Any = None  # the grammar's state when params.constraint is set (kvserve/structured/)
+    grammar_refused: bool = False  # the matcher refused the last sampled token
 
     @property
     def params(self) -> SamplingParams:

@@ -126,4 +126,13 @@ def apply_masks(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
 
 def advance(seq: Sequence, token: int) -> bool:
     """Feed the sampled token to seq's matcher; False when the grammar cannot accept it."""
-    return seq.matcher is None or seq.matcher.is_terminated() or seq.matcher.accept_token(token)
+    if seq.matcher is None:
+        return True
+    seq.grammar_refused = not seq.matcher.accept_token(token)
+    return not seq.grammar_refused
+
+
+def stuck(seq: Sequence) -> bool:
+    """The grammar refused the last token, or ended (its stop token) while the sequence goes on
+    (min_tokens, ignore_eos): nothing more can be generated that it allows."""
+    return seq.matcher is not None and (seq.grammar_refused or seq.matcher.is_terminated())
