@@ -2,8 +2,11 @@
 
     from kvserve import LLM
     llm = LLM()                                  # the embedded default model
-    cache, token = llm.prefill("Explain quantum computing like I'm ten.")
-    while token not in llm.eos_token_ids:
+    prompt = llm.encode_chat([{"role": "user", "content": "Explain quantum computing like I'm ten."}])
+    cache, token = llm.prefill(prompt)
+    for _ in range(200):                         # a limit: sampling need not meet EOS
+        if token in llm.eos_token_ids:
+            break
         print(llm.tokenizer.decode([token]), end="")
         cache, token = llm.decode(cache, token)
 
