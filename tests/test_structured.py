@@ -113,3 +113,54 @@ def test_streamed_tool_calls_match_the_whole_parse() -> None:
         assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
             [(0, "weather", {"city": "Paris"})]
         assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+
+
+# -- tools into the template, forced calls ------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
+    from kvserve.structured.tools import template_messages
+
+    chatml = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = template_messages([{"role": "user", "content": "Weather?"},
+                              {"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], [WEATHER], chatml)
+    assert msgs[0]["role"] == "system" and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content":
+                       '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+    # A template that knows tools gets the messages as they are, arguments as an object.
+    kept = template_messages([{"role": "assistant", "tool_calls": [call]}], [WEATHER], "{{ tools }}")
+    assert kept[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_forced_tool_choice_constrains_the_arguments(tiny) -> None:
+    from kvserve.structured.tools import forced_call_constraint
+
+    with pytest.raises(ValueError, match="tool_choice names the function 'nope', which is not among the tools"):
+        forced_call_constraint([WEATHER], {"type": "function", "function": {"name": "nope"}}, True)
+    assert forced_call_constraint([WEATHER], "auto", True) is None
+    c = forced_call_constraint([WEATHER], "required", False)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=80, n=3, constraint=c)
+    for out in tiny.generate("call:", params, use_tqdm=False)[0].outputs:
+        if out.finish_reason == "length":  # a random model may write a long city name
+            continue
+        [call] = parse_forced(out.text)
+        assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+
+
+def test_sampling_defaults(tmp_path) -> None:
+    from kvserve.generation_defaults import SERVER_DEFAULTS, resolve
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2}')
+    d = resolve(tmp_path)
+    assert d.given() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20} and d.source == "generation_config.json"
+    assert resolve(tmp_path, "none") == SERVER_DEFAULTS
+    assert resolve(tmp_path, "auto", '{"temperature": 0.1}').given()["temperature"] == 0.1
+    with pytest.raises(ValueError, match="--default-sampling: unknown field"):
+        resolve(tmp_path, "auto", '{"temp": 0.1}')
+    with pytest.raises(ValueError, match="temperature must be a finite number in"):
+        resolve(tmp_path, "auto", '{"temperature": 9}')
