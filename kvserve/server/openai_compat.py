@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvserve.errors import InvalidParam
 from kvserve.structured.spec import Constraint, from_response_format, from_vllm
 from kvserve.structured.tool_calls import ToolCallStream
 from kvserve.structured.tools import forced_call_constraint
@@ -59,7 +60,7 @@ def constraint(req: Any) -> Constraint | None:
     if tools and getattr(req, "tool_choice", None) not in (None, "auto", "none"):
         found.append(forced_call_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False))
     if len(found) > 1:
-        raise ValueError(f"{found[1].param} cannot be combined with {found[0].param}: give one output constraint")
+        raise InvalidParam(found[1].param, f"{found[1].param} cannot be combined with {found[0].param}: give one output constraint")
     return found[0] if found else None
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvserve.errors import InvalidParam
 from kvserve.structured.spec import Constraint
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(c.kind, "constraint")
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
+            raise InvalidParam(c.param, f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
         with self._lock:
             self._cache[c.key] = grammar
         return grammar

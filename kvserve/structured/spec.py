@@ -4,13 +4,15 @@ OpenAI says it with `response_format` ({"type": "json_object"} or {"type": "json
 "json_schema": {"schema": ..., "strict": ...}}); vLLM with `structured_outputs` ({"json": ...,
 "regex": ..., "choice": [...], "grammar": ...}) or the older top-level `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. Each becomes one `Constraint`, which the
-grammar module compiles. Errors are ValueErrors that name the request field.
+grammar module compiles. Errors are InvalidParam (a ValueError) naming the request field.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvserve.errors import InvalidParam
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -34,11 +36,11 @@ def json_schema(schema: Any, param: str) -> Constraint:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{param} must be a JSON schema (an object); the string given is not JSON: {e}") from None
+            raise InvalidParam(param, f"{param} must be a JSON schema (an object); the string given is not JSON: {e}") from None
     if isinstance(schema, bool):
         schema = {} if schema else None
     if not isinstance(schema, dict):
-        raise ValueError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}")
+        raise InvalidParam(param, f"{param} must be a JSON schema (an object), got {type(schema).__name__}")
     return Constraint("json", json.dumps(schema, sort_keys=True), param)
 
 
@@ -52,9 +54,9 @@ def from_response_format(fmt: dict[str, Any] | None) -> Constraint | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec and "name" not in spec:
-            raise ValueError('response_format.json_schema must be {"name": ..., "schema": {...}}')
+            raise InvalidParam("response_format.json_schema", 'response_format.json_schema must be {"name": ..., "schema": {...}}')
         return json_schema(spec.get("schema", {}), "response_format.json_schema.schema")
-    raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    raise InvalidParam("response_format.type", f"response_format.type must be text, json_object or json_schema, got {kind!r}")
 
 
 def from_vllm(fields: dict[str, Any], prefix: str) -> Constraint | None:
@@ -65,21 +67,21 @@ def from_vllm(fields: dict[str, Any], prefix: str) -> Constraint | None:
         return None
     if len(given) > 1:
         names = ", ".join(prefix + k for k in sorted(given))
-        raise ValueError(f"give one structured output constraint, got {names}")
+        raise InvalidParam(prefix + sorted(given)[1], f"give one structured output constraint, got {names}")
     (kind, value), = given.items()
     param = prefix + kind
     if kind == "json":
         return json_schema(value, param)
     if kind == "json_object":
         if value is not True:
-            raise ValueError(f"{param} must be true or null")
+            raise InvalidParam(param, f"{param} must be true or null")
         return Constraint("json_object", "", param)
     if kind in ("regex", "grammar"):
         if not isinstance(value, str) or not value:
-            raise ValueError(f"{param} must be a non-empty string")
+            raise InvalidParam(param, f"{param} must be a non-empty string")
         return Constraint(kind, value, param)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise ValueError(f"{param} must be a non-empty list of strings")
+            raise InvalidParam(param, f"{param} must be a non-empty list of strings")
         return Constraint("choice", json.dumps(value), param)
-    raise ValueError(f"{param} is not a structured output kind: use one of {', '.join(KINDS)}")
+    raise InvalidParam(param, f"{param} is not a structured output kind: use one of {', '.join(KINDS)}")
