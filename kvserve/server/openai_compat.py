@@ -28,15 +28,11 @@ IGNORED_FIELDS = frozenset({
 GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def drop_ignored(body: Any) -> Any:
-    """The body without IGNORED_FIELDS (each named once in a warning)."""
-    if not isinstance(body, dict):
-        return body
-    ignored = sorted(k for k in body if k in IGNORED_FIELDS)
+def log_ignored(req: Any) -> None:
+    """A warning naming the OpenAI fields of `req` that kvserve accepted but does not use."""
+    ignored = req.ignored_fields()
     if ignored:
         log.warning("ignored OpenAI field(s) kvserve does not use: %s", ", ".join(ignored))
-        body = {k: v for k, v in body.items() if k not in IGNORED_FIELDS}
-    return body
 
 
 def constraint(req: Any) -> Constraint | None:
@@ -57,8 +53,13 @@ def constraint(req: Any) -> Constraint | None:
     if c is not None:
         found.append(c)
     tools = getattr(req, "tools", None)
-    if tools and getattr(req, "tool_choice", None) not in (None, "auto", "none"):
-        found.append(forced_call_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False))
+    choice = getattr(req, "tool_choice", None)
+    if tools and choice not in (None, "auto", "none"):
+        # One call unless parallel_tool_calls is set true: a valid answer either way, and small
+        # models forced into an open-ended list repeat calls until max_tokens cuts the JSON.
+        choice = choice if isinstance(choice, str) else choice.model_dump()
+        found.append(forced_call_constraint([t.model_dump() for t in tools], choice,
+                                            req.parallel_tool_calls is True))
     if len(found) > 1:
         raise InvalidParam(found[1].param, f"{found[1].param} cannot be combined with {found[0].param}: give one output constraint")
     return found[0] if found else None
