@@ -19,7 +19,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass(frozen=True)
 class Constraint:
-    """kind: json (value: the schema as canonical JSON text), json_object (any JSON object),
+    """kind: json (value: the schema as JSON text, its key order kept: it is the output's), json_object (any JSON object),
     regex, choice (value: a JSON list of strings), grammar (EBNF/GBNF text)."""
 
     kind: str
@@ -41,7 +41,7 @@ def json_schema(schema: Any, param: str) -> Constraint:
         schema = {} if schema else None
     if not isinstance(schema, dict):
         raise InvalidParam(param, f"{param} must be a JSON schema (an object), got {type(schema).__name__}")
-    return Constraint("json", json.dumps(schema, sort_keys=True), param)
+    return Constraint("json", json.dumps(schema), param)
 
 
 def from_response_format(fmt: dict[str, Any] | None) -> Constraint | None:

@@ -86,10 +86,10 @@ def forced_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parall
         schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
         if not parallel:
             schema["maxItems"] = 1
-        return Constraint("json", json.dumps(schema, sort_keys=True), "tool_choice")
+        return Constraint("json", json.dumps(schema), "tool_choice")
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     match = [f for f in fns if f.get("name") == name]
     if not match:
         names = ", ".join(repr(f.get("name")) for f in fns)
         raise InvalidParam("tool_choice", f"tool_choice names the function {name!r}, which is not among the tools ({names})")
-    return Constraint("json", json.dumps(_call_schema(match[0]), sort_keys=True), "tool_choice")
+    return Constraint("json", json.dumps(_call_schema(match[0])), "tool_choice")
