@@ -19,8 +19,8 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass(frozen=True)
 class Constraint:
-    """kind: json (value: the schema as JSON text, its key order kept: it is the output's), json_object (any JSON object),
-    regex, choice (value: a JSON list of strings), grammar (EBNF/GBNF text)."""
+    """kind: json (value: the schema as JSON text, key order kept: it is the output's order),
+    json_object (any JSON object), regex, choice (value: a JSON list of strings), grammar (EBNF)."""
 
     kind: str
     value: str = ""
