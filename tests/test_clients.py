@@ -14,7 +14,7 @@ from enum import Enum
 
 import httpx
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from server_harness import ServerProcess
 
@@ -48,8 +48,8 @@ def client(server):
 
 
 def test_json_mode_returns_parseable_json(client) -> None:
-    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Give a city and its country as JSON."}],
-                                       response_format={"type": "json_object"}, max_tokens=60, seed=1)
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": 'Reply in JSON: {"city": ..., "country": ...} for Paris.'}],
+                                       response_format={"type": "json_object"}, max_tokens=100, seed=1)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
@@ -59,16 +59,17 @@ class Role(str, Enum):
     user = "user"
 
 
+# Bounded lengths keep a 135 M model's output inside max_tokens (it is valid either way).
 class Address(BaseModel):
-    city: str
-    zip_code: str
+    city: str = Field(max_length=30)
+    zip_code: str = Field(max_length=10)
 
 
 class Person(BaseModel):
-    name: str
+    name: str = Field(max_length=30)
     age: int
     role: Role
-    tags: list[str]
+    tags: list[str] = Field(max_length=3)
     address: Address
 
 
@@ -193,8 +194,9 @@ def test_llm_cli(server, tmp_path) -> None:
         assert r.returncode == 0, r.stderr
         return r.stdout
 
-    assert isinstance(json.loads(llm("-o", "json_object", "1", "-o", "max_tokens", "60", "A city as JSON.")), dict)
-    value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "60", "Invent a person."))
+    reply = llm("-o", "json_object", "1", "-o", "max_tokens", "100", 'Reply in JSON: {"city": ..., "country": ...} for Paris.')
+    assert isinstance(json.loads(reply), dict)
+    value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "100", "Invent a person."))
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
 
 

@@ -16,6 +16,7 @@ the sequence with finish_reason "grammar" instead of generating text the grammar
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
@@ -97,6 +98,7 @@ class GrammarCompiler:
         except (RuntimeError, ValueError, TypeError) as e:
             what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(c.kind, "constraint")
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
             raise InvalidParam(c.param, f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
         with self._lock:
             self._cache[c.key] = grammar
