@@ -23,6 +23,8 @@ UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string, a list of strings or null",
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "guided_json": "a JSON schema (an object, or a string holding one)",
 }
 
 
