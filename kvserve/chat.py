@@ -40,8 +40,26 @@ def stream_local(llm, messages: list[dict], params: SamplingParams) -> Iterator[
         cache.close()
 
 
+def chat_url(url: str) -> str:
+    """The chat endpoint of a server given as http://host:port or as the http://host:port/v1 the
+    server prints at start-up."""
+    base = url.rstrip("/")
+    base = base.removesuffix("/chat/completions").removesuffix("/v1")
+    return base + "/v1/chat/completions"
+
+
 def stream_remote(url: str, api_key: str | None, messages: list[dict], args: argparse.Namespace) -> Iterator[str]:
     """Server-Sent Events from POST /v1/chat/completions."""
+    import httpx
+
+    try:
+        yield from _stream_remote(url, api_key, messages, args)
+    except httpx.TransportError as e:  # one line, not a traceback
+        raise ConnectionError(f"cannot reach the server at {url}: {e or type(e).__name__}; "
+                              "is `kvserve serve` running there?") from None
+
+
+def _stream_remote(url: str, api_key: str | None, messages: list[dict], args: argparse.Namespace) -> Iterator[str]:
     import httpx
 
     body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens,
@@ -51,7 +69,7 @@ def stream_remote(url: str, api_key: str | None, messages: list[dict], args: arg
     if args.seed is not None:
         body["seed"] = args.seed
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=None) as r:
+    with httpx.stream("POST", chat_url(url), json=body, headers=headers, timeout=None) as r:
         if r.status_code != 200:
             r.read()
             try:

@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from kvserve import __version__
 from kvserve.errors import KVServeError
 
 
@@ -31,6 +32,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: an LLM inference server you can read")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     chat = sub.add_parser("chat", help="chat in the terminal, streaming tokens as they are decoded")

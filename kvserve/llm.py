@@ -2,8 +2,11 @@
 
     from kvserve import LLM
     llm = LLM()                                  # the embedded default model
-    cache, token = llm.prefill("Explain quantum computing like I'm ten.")
-    while token not in llm.eos_token_ids:
+    prompt = llm.encode_chat([{"role": "user", "content": "Explain quantum computing like I'm ten."}])
+    cache, token = llm.prefill(prompt)
+    for _ in range(200):                         # a limit: sampling need not meet EOS
+        if token in llm.eos_token_ids:
+            break
         print(llm.tokenizer.decode([token]), end="")
         cache, token = llm.decode(cache, token)
 
@@ -38,6 +41,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve")
@@ -156,9 +160,18 @@ class LLM:
         log.info(self.kv_sizing.describe())
 
     # -- prompts --------------------------------------------------------------------------
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's own chat template."""
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with `source` (Jinja) instead of the model's template; its end-of-turn
+        tokens stop generation too."""
+        self.tokenizer = self.engine.tokenizer = self.tokenizer.with_chat_template(source)
+        self.eos_token_ids = self.engine.eos_token_ids = self.eos_token_ids | self.tokenizer.eos_token_ids
+        self.engine.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's own chat template; `tools` (OpenAI's
+        list of functions) reach the template, or the system message if the template ignores them."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {}))
 
     # -- the seed's API -------------------------------------------------------------------
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[KVCache, int]:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.errors import InvalidParam
+from kvserve.structured.spec import Constraint
 
 MAX_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (argmax)
@@ -43,6 +44,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus k top ones
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the "priority" policy
+    # The output must match this (JSON schema, regex, choice, grammar): kvserve/structured/.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

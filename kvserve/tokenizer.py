@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateError
 from kvserve.errors import ModelFormatError, ModelNotFoundError
+from kvserve.structured.tools import template_messages
 from kvserve.tokenizer_gguf import build_gguf_vocab, read_gguf_metadata
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PromptTooLong", "Tokenizer"]
@@ -198,9 +199,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
     ) -> str:
-        """The prompt text for `messages`, by the model's own template (ChatML if it has none)."""
+        """The prompt text for `messages`, by the model's own template (ChatML if it has none).
+        `tools=[...]` (OpenAI's function list) and tool messages go through
+        kvserve/structured/tools.py first (a template without tool support gets them as text)."""
         if not isinstance(messages, list):
             raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts.")
+        if extra.get("tools") or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                     for m in messages):
+            messages = template_messages(messages, extra.get("tools"), self.chat_template.source)
         named = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id}
         variables = {k: self.backend.id_to_token(i) for k, i in named.items() if i is not None}
         return self.chat_template.render(

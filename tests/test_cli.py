@@ -53,3 +53,18 @@ def test_chat_streams_from_stdin(tiny_llama_dir) -> None:
     ids = llm.encode_chat([{"role": "user", "content": "hello"}])
     ref = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert r.stdout.strip() == ref.text.strip()
+
+
+def test_version_and_an_unreachable_chat_url_in_one_line() -> None:
+    from kvserve import __version__
+    from kvserve.chat import chat_url
+
+    r = kvserve("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"kvserve {__version__}"
+    for given in ("http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"):
+        assert chat_url(given) == "http://127.0.0.1:8000/v1/chat/completions"
+    r = kvserve("chat", "--url", "http://127.0.0.1:9/v1", stdin="hello\n")  # port 9 (discard): nothing listens
+    assert r.returncode == 2, r.stderr
+    error_lines = [line for line in r.stderr.splitlines() if line.startswith("kvserve: error:")]
+    assert error_lines == [error_lines[0]] and "cannot reach the server at http://127.0.0.1:9/v1" in error_lines[0]
+    assert "Traceback" not in r.stderr

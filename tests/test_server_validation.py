@@ -69,7 +69,9 @@ CASES = [
     ("missing-messages", CHAT, {"model": MODEL_NAME}, 400, BAD, "messages"),
     # roles and message shapes
     ("unknown-role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, BAD, "messages[0].role"),
-    ("tool-role", CHAT, chat(messages=[*USER, {"role": "tool", "content": "x"}]), 400, BAD, "messages[1].role"),
+    ("tool-call-type", CHAT, chat(messages=[*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "code", "function": {"name": "f", "arguments": "{}"}}]}]), 400, BAD,
+     "messages[1].tool_calls[0].type"),
     ("missing-role", CHAT, chat(messages=[{"content": "x"}]), 400, BAD, "messages[0].role"),
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, BAD, "messages[0].content"),
@@ -109,8 +111,13 @@ CASES = [
     ("lone-surrogate-in-key", CHAT, b'{"\\ud800": 1, "messages": []}', 400, BAD, None),
     # unsupported features say so
     ("echo", C, comp(echo=True), 400, BAD, "echo"),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, BAD, "tools"),
-    ("json-mode", CHAT, chat(response_format={"type": "json_object"}), 400, BAD, "response_format.type"),
+    ("tool-choice-not-a-tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                          tool_choice={"type": "function", "function": {"name": "g"}}), 400, BAD, "tool_choice"),
+    ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), 400, BAD, "response_format.type"),
+    ("bad-regex", C, comp(guided_regex="(unclosed"), 400, BAD, "guided_regex"),
+    ("bad-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     400, BAD, "response_format.json_schema.schema"),
+    ("two-constraints", C, comp(guided_regex="a", guided_choice=["a"]), 400, BAD, "guided_regex"),
     ("logit-bias", C, comp(logit_bias={"5": 1.0}), 400, BAD, "logit_bias"),
     # other endpoints
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, BAD, "prompt"),

@@ -21,6 +21,7 @@ from kvserve.errors import EngineStalledError, InvalidParam
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import grammar
 from kvserve.tokenizer import IncrementalDetokenizer, PromptTooLong, Tokenizer
 
 
@@ -64,6 +65,7 @@ class LLMEngine:
         if max_model_len == manager.pool.num_blocks * manager.block_size:
             self.context_note = " (all the KV pool can hold)"
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammar.GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._generation_tokens = 0
 
@@ -107,6 +109,8 @@ class LLMEngine:
             raise InvalidParam(
                 "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
                 f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt")
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)  # a bad schema fails here; cached for add_request
         return ids
 
     def add_request(
@@ -137,6 +141,7 @@ class LLMEngine:
                 num_prompt_tokens=len(ids),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, prompt_ids=ids),
                 generator=Sampler.make_generator(params.seed + i) if params.seed is not None else None,
+                matcher=self.grammars.matcher(params.constraint) if params.constraint is not None else None,
             )
             req.seqs.append(seq)
             self.scheduler.add(seq)
@@ -173,8 +178,12 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, dict[Sequence, int]] = {}
         for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
-            append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
-            got = int(token != NO_TOKEN)  # none when the logits were not finite
+            got = 0  # none when the logits were not finite, or the grammar refused the token
+            if token == NO_TOKEN or grammar.advance(seq, token):
+                append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
+                got = int(token != NO_TOKEN)
+            if not seq.finish_reason and grammar.stuck(seq):
+                seq.finish_reason = grammar.FINISH_REASON
             self._generation_tokens += got
             if seq.finish_reason:
                 self._finish(seq)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.engine.sampler import Generator
 from kvserve.outputs import RequestMetrics, TokenLogprob
@@ -38,6 +39,8 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: Any = None  # the grammar's state when params.constraint is set (kvserve/structured/)
+    grammar_refused: bool = False  # the matcher refused the last sampled token
 
     @property
     def params(self) -> SamplingParams:

@@ -21,6 +21,7 @@ from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
 from kvserve.outputs import TokenLogprob
+from kvserve.structured import grammar
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ModelRunner:
                         s.output_token_ids, s.generator, self.eos_token_ids)
             for s in sampling
         ]
-        out = self.sampler(logits, rows)
+        out = self.sampler(grammar.apply_masks(logits, sampling), rows)  # structured output: allowed tokens only
         return RunnerOutput(sampling, out.token_ids, out.logprobs)
 
     @torch.inference_mode()

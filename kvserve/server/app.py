@@ -21,7 +21,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve import __version__
 from kvserve.engine.engine import EngineStats
+from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
 from kvserve.server.generation import EngineClient
@@ -60,6 +62,14 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
     special_tokens_in_messages: bool = False  # let chat content spell control tokens
+    # For sampling fields a request leaves out: the model's recommendation or the server's
+    # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
+    sampling_defaults: SamplingDefaults | None = None
+    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens
+
+    @property
+    def defaults(self) -> dict:
+        return self.sampling_defaults.given() if self.sampling_defaults is not None else {}
 
     @property
     def url(self) -> str:
@@ -97,7 +107,7 @@ class APIKeyMiddleware:
     must not buffer streamed responses); the comparison is constant-time so the key cannot be
     guessed byte by byte from response times."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics"})
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -141,7 +151,9 @@ def build_app(
         yield
         ctx.state.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /docs and /openapi.json list the routes; request bodies are read by parsing.py, not FastAPI.
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.ctx = ctx
     app.state.loader = None
     install_handlers(app)
@@ -168,12 +180,30 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
 
+    def card() -> dict:
+        state.require_ready()
+        return {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
+                "max_model_len": state.llm.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        state.require_ready()
-        card = {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
-                "max_model_len": state.llm.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != settings.model_name:
+            raise APIError(404, f"the model {model_id!r} is not served here: GET /v1/models lists the one that is",
+                           param="model", code="model_not_found")
+        return card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        status, what = state.health()
+        return JSONResponse({"status": what}, status_code=status)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -205,7 +235,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": await asyncio.to_thread(state.llm.tokenizer.decode, req.tokens)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         status, what = state.health()
         headers = {"Connection": "close"} if what == "draining" else None

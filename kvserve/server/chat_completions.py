@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
+from kvserve.server import openai_compat
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.logprobs import chat_logprobs
@@ -29,19 +30,23 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     arrival = time.monotonic()
     ctx.state.require_ready()
     req = await ctx.parse(request, ChatCompletionRequest)
+    openai_compat.log_ignored(req)
     reject(not req.messages, "messages", "must not be empty")
-    reject(bool(req.tools), "tools", "are not supported (no tool calling)")
     reject(bool(req.logit_bias), "logit_bias", "is not supported")
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
     check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = ctx.settings.max_tokens_default  # the engine checks it against the context
     renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(lambda: req.sampling_params(max_tokens, logprobs), renames)
+    params = sampling_params(lambda: req.sampling_params(
+        max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
     messages = [m.for_template() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
     try:
-        ids = await ctx.client.encode_chat(messages, req.add_generation_prompt)
+        ids = await ctx.client.encode_chat(messages, req.add_generation_prompt, **({"tools": tools} if tools else {}))
         ids = (await ctx.client.tokenize([ids], params))[0]
     except ValueError as e:  # the template refused the messages, or the prompt does not fit
         admission.release()
@@ -51,7 +56,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         raise
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: _response(ctx, job, final))
+                         lambda: _collect(ctx, job), lambda final: _response(ctx, job, req, final))
 
 
 async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
@@ -66,13 +71,13 @@ def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
     return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name}
 
 
-def _response(ctx: ServerContext, job: Job, final: RequestOutput) -> dict:
-    choices = [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
-         "finish_reason": c.finish_reason}
-        for c in final.outputs
-    ]
+def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput) -> dict:
+    choices = []
+    for c in final.outputs:
+        message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req))
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
+                        "finish_reason": finish_reason})
     return {**_head(job, ctx, "chat.completion"), "choices": choices, "usage": usage([final])}
 
 
@@ -85,6 +90,7 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
 
     final = None
     done: set[int] = set()
+    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req)) for _ in range(job.params.n)]
     try:
         for i in range(job.params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -95,11 +101,17 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
                     if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
                         continue
                     lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
-                    if c.delta_text or lp:
-                        yield chunk(c.index, {"content": c.delta_text}, lp)
+                    out_deltas = deltas[c.index].feed(c.delta_text)
+                    if lp and not out_deltas:
+                        out_deltas = [{"content": ""}]
+                    for j, delta in enumerate(out_deltas):
+                        yield chunk(c.index, delta, lp if j == 0 else None)
                     if c.finished:
                         done.add(c.index)
-                        yield chunk(c.index, {}, None, c.finish_reason)
+                        rest, finish_reason = deltas[c.index].finish(c.finish_reason)
+                        for delta in rest:
+                            yield chunk(c.index, delta)
+                        yield chunk(c.index, {}, None, finish_reason)
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage([final])})
     except APIError as e:

@@ -16,7 +16,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     from kvserve.cli import add_quantize_arg
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model (`kvserve serve MODEL`, as vllm serve)")
+    p.add_argument("--model", default=None, help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
     p.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: --model)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     add_quantize_arg(p)
@@ -55,11 +56,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
+    d = p.add_argument_group("chat and sampling defaults")
+    d.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead of the model's")
+    d.add_argument("--generation-config", default="auto", choices=("auto", "none"),
+                   help="auto: sampling defaults from the model (generation_config.json, GGUF general.sampling.*) when "
+                        "it has them, else the server's; none: the server's (default: auto)")
+    d.add_argument("--default-sampling", default=None, metavar="JSON",
+                   help='override sampling defaults, e.g. \'{"temperature": 0.7, "top_p": 0.95}\'')
+    d.add_argument("--max-tokens-default", type=int, default=None,
+                   help="max_tokens of a chat request that gives none (default: 1024)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
+    args.model = args.model_arg or args.model or "smollm2-135m"
     _check_limits(args)
     try:
         import uvicorn
@@ -71,7 +84,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.server.http import guarded_protocol
     from kvserve.server.lifecycle import DrainingServer, exit_now
 
-    resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
+    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
+
+    path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
+    if args.chat_template is not None:
+        from kvserve.chat_template import ChatTemplate
+
+        with open(args.chat_template, encoding="utf-8") as f:
+            args.chat_template_source = f.read()
+        ChatTemplate(args.chat_template_source)  # one that does not compile fails now
+    defaults = resolve(path, args.generation_config, args.default_sampling)
+    log.info("%s; chat max_tokens default %d", defaults.describe(), args.max_tokens_default or MAX_TOKENS_DEFAULT)
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,
         host=args.host,
@@ -91,6 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         max_connections=args.max_connections,
         special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        sampling_defaults=defaults,
+        max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
     )
     failure: list[BaseException] = []
     server = None
@@ -123,9 +148,11 @@ def _check_limits(args: argparse.Namespace) -> None:
               "max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "max_body_mib": (0.001, None),
               "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
-              "max_connections": (1, None)}
+              "max_connections": (1, None), "max_tokens_default": (1, None)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
+        if value is None:
+            continue
         if value < low or (high is not None and value > high):
             allowed = f"at least {low}" if high is None else f"in [{low}, {high}]"
             raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
@@ -140,4 +167,8 @@ def _load(args: argparse.Namespace) -> LLM:
         enable_prefix_caching=not args.no_prefix_caching,
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    return LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)
+    if args.chat_template is not None:
+        llm.use_chat_template(args.chat_template_source)
+        log.info("chat template: %s", args.chat_template)
+    return llm

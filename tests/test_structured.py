@@ -1,0 +1,166 @@
+"""Structured output in the engine (xgrammar masks per sequence) and the tool-call parser."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvserve import LLM, CacheConfig, SamplingParams
+from kvserve.structured import grammar
+from kvserve.structured.spec import Constraint, from_response_format, from_vllm, json_schema
+from kvserve.structured.tool_calls import ToolCallStream, parse_forced, parse_tool_calls
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=256))
+
+
+# -- request fields → Constraint ---------------------------------------------------------------
+def test_response_format_forms() -> None:
+    assert from_response_format(None) is None
+    assert from_response_format({"type": "text"}) is None
+    assert from_response_format({"type": "json_object"}).kind == "json_object"
+    c = from_response_format({"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                      "schema": {"type": "integer"}}})
+    assert (c.kind, json.loads(c.value), c.param) == ("json", {"type": "integer"}, "response_format.json_schema.schema")
+    with pytest.raises(ValueError, match="response_format.type must be text, json_object or json_schema"):
+        from_response_format({"type": "yaml"})
+
+
+def test_vllm_forms_take_one_constraint() -> None:
+    assert from_vllm({"regex": r"\d+", "json": None}, "guided_").kind == "regex"
+    assert json.loads(from_vllm({"choice": ["a", "b"]}, "structured_outputs.").value) == ["a", "b"]
+    with pytest.raises(ValueError, match="give one structured output constraint, got guided_json, guided_regex"):
+        from_vllm({"regex": "a", "json": {}}, "guided_")
+    with pytest.raises(ValueError, match="guided_choice must be a non-empty list of strings"):
+        from_vllm({"choice": []}, "guided_")
+    with pytest.raises(ValueError, match="guided_json must be a JSON schema"):
+        from_vllm({"json": "{not json"}, "guided_")
+
+
+def test_bad_schema_is_a_value_error_naming_the_field(tiny) -> None:
+    bad = SamplingParams(constraint=json_schema({"type": "object", "properties": {"a": {"type": "nope"}}}, "guided_json"))
+    with pytest.raises(ValueError, match=r"^guided_json is not a valid JSON schema"):
+        tiny.engine.validate("hi", bad)
+    with pytest.raises(ValueError, match=r"^guided_regex is not a valid regular expression"):
+        tiny.engine.validate("hi", SamplingParams(constraint=Constraint("regex", "(unclosed", "guided_regex")))
+
+
+# -- the engine obeys the grammar, whatever the (random) model prefers -------------------------
+def test_regex_and_choice_hold_in_one_batch_with_free_rows(tiny) -> None:
+    free = SamplingParams(temperature=1.0, seed=3, max_tokens=8)
+    regex = SamplingParams(temperature=1.0, seed=4, max_tokens=20, n=3,
+                           constraint=Constraint("regex", r"[0-9]{3}-[a-c]{2}", "guided_regex"))
+    choice = SamplingParams(temperature=1.0, seed=5, max_tokens=20, n=2,
+                            constraint=Constraint("choice", json.dumps(["yes", "no", "maybe not"]), "guided_choice"))
+    outs = tiny.generate(["a", "b", "c"], [free, regex, choice], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "length"  # unconstrained row untouched
+    for c in outs[1].outputs:
+        assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", c.text) and c.finish_reason == "stop"
+    for c in outs[2].outputs:
+        assert c.text in ("yes", "no", "maybe not") and c.finish_reason == "stop"
+
+
+def test_json_schema_with_enums_is_valid_json(tiny) -> None:
+    schema = {"type": "object", "properties": {"level": {"enum": ["low", "high"]}, "ok": {"type": "boolean"},
+                                               "ids": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 3}},
+              "required": ["level", "ok", "ids"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=64, n=4, constraint=json_schema(schema, "x"))
+    for c in tiny.generate("data:", params, use_tqdm=False)[0].outputs:
+        assert c.finish_reason == "stop", c.text
+        value = json.loads(c.text)
+        assert value["level"] in ("low", "high") and isinstance(value["ok"], bool)
+        assert set(value["ids"]) <= {1, 2} and len(value["ids"]) <= 3
+
+
+def test_a_grammar_that_cannot_continue_ends_with_finish_reason_grammar(tiny) -> None:
+    # min_tokens bans the stop token the finished grammar requires: no allowed token is left.
+    params = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10,
+                            constraint=Constraint("choice", json.dumps(["ok"]), "guided_choice"))
+    out = tiny.generate("x", params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("ok", grammar.FINISH_REASON)
+    tiny.manager.pool.check_invariant()
+    assert tiny.manager.pool.num_used_blocks == 0
+
+
+# -- tool calls --------------------------------------------------------------------------------
+def test_hermes_tool_calls_with_text_before() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("weather", {"city": "Paris"}), ("time", {})]
+
+
+def test_llama3_json_calls_and_plain_text() -> None:
+    content, calls = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}')
+    assert content is None and [c.name for c in calls] == ["f", "g"]
+    assert parse_tool_calls("Paris is the capital.") == ("Paris is the capital.", [])
+    assert parse_tool_calls("{not a call}") == ("{not a call}", [])
+    assert [c.name for c in parse_forced('[{"name": "f", "arguments": {"a": 1}}]')] == ["f"]
+
+
+def test_streamed_tool_calls_match_the_whole_parse() -> None:
+    text = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    for size in (1, 3, 7, len(text)):
+        stream = ToolCallStream()
+        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
+        content = "".join(d.get("content", "") for d in deltas)
+        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+        assert content == "Sure."
+        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+            [(0, "weather", {"city": "Paris"})]
+        assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+
+
+# -- tools into the template, forced calls ------------------------------------------------------
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
+    from kvserve.structured.tools import template_messages
+
+    chatml = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = template_messages([{"role": "user", "content": "Weather?"},
+                              {"role": "assistant", "content": None, "tool_calls": [call]},
+                              {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}], [WEATHER], chatml)
+    assert msgs[0]["role"] == "system" and '"name": "get_weather"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content":
+                       '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\n21 C\n</tool_response>"}
+    # A template that knows tools gets the messages as they are, arguments as an object.
+    kept = template_messages([{"role": "assistant", "tool_calls": [call]}], [WEATHER], "{{ tools }}")
+    assert kept[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_forced_tool_choice_constrains_the_arguments(tiny) -> None:
+    from kvserve.structured.tools import forced_call_constraint
+
+    with pytest.raises(ValueError, match="tool_choice names the function 'nope', which is not among the tools"):
+        forced_call_constraint([WEATHER], {"type": "function", "function": {"name": "nope"}}, True)
+    assert forced_call_constraint([WEATHER], "auto", True) is None
+    c = forced_call_constraint([WEATHER], "required", False)
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=80, n=3, constraint=c)
+    for out in tiny.generate("call:", params, use_tqdm=False)[0].outputs:
+        if out.finish_reason == "length":  # a random model may write a long city name
+            continue
+        [call] = parse_forced(out.text)
+        assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+
+
+def test_sampling_defaults(tmp_path) -> None:
+    from kvserve.generation_defaults import SERVER_DEFAULTS, resolve
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2}')
+    d = resolve(tmp_path)
+    assert d.given() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20} and d.source == "generation_config.json"
+    assert resolve(tmp_path, "none") == SERVER_DEFAULTS
+    assert resolve(tmp_path, "auto", '{"temperature": 0.1}').given()["temperature"] == 0.1
+    with pytest.raises(ValueError, match="--default-sampling: unknown field"):
+        resolve(tmp_path, "auto", '{"temp": 0.1}')
+    with pytest.raises(ValueError, match="temperature must be a finite number in"):
+        resolve(tmp_path, "auto", '{"temperature": 9}')
