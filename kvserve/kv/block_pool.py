@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvserve.errors import OutOfBlocksError
+from kvserve.kv.events import REMOVED, STORED, BlockEventLog
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -44,6 +45,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
+        self.events = BlockEventLog()  # what a router follows to know which prefixes are here
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -116,10 +118,12 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block
+        self.events.record(STORED, block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            self.events.record(REMOVED, block.block_hash)
             block.block_hash = block.token_ids = None
 
     def reset_prefix_cache(self) -> None:

@@ -22,6 +22,7 @@ from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, from_value_error, install_handlers
+from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.settings import ServerSettings
 from kvserve.server.validation import parse
@@ -66,6 +67,7 @@ def build_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     _add_routes(app, ctx)
+    add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     return app
 
 

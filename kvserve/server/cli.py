@@ -37,6 +37,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
+    j = p.add_argument_group("router")
+    j.add_argument("--join", default=None, metavar="ROUTER_URL",
+                   help="register with a kvserve router once ready, deregister on drain")
+    j.add_argument("--advertise-url", default=None, help="the URL the router should use (default: http://HOST:PORT)")
+    j.add_argument("--join-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
+                   help="the router's admin key (default: $KVSERVE_ROUTER_ADMIN_KEY)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run_serve)
 
@@ -78,6 +84,12 @@ def run_serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
                             timeout_graceful_shutdown=2, server_header=False)
     server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
+    if args.join:
+        from kvserve.server.join import Joiner, advertised_url
+
+        own = advertised_url(args.host, args.port, args.advertise_url)
+        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
+        Joiner(args.join, own, local, args.join_key).attach(server)
     log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
              settings.model_name, settings.url)
     server.run()
