@@ -49,3 +49,17 @@ class RouterThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(15)
+
+
+def restart(server) -> None:
+    """Start a stopped or killed ServerProcess again, on the same port, with the same arguments."""
+    import os
+    import subprocess
+
+    from server_harness import REPO
+
+    assert server.proc.poll() is not None, "still running"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    server._log = open(server.log_path, "a")
+    server.proc = subprocess.Popen(server.proc.args, cwd=REPO, stdout=server._log, stderr=subprocess.STDOUT, env=env)
+    server.wait_ready()
