@@ -67,6 +67,32 @@ def test_killing_a_replica_under_load_fails_no_request_and_restarting_brings_it_
         router.stop()
 
 
+def test_a_stream_from_a_replica_that_stops_answering_ends_with_an_error_event(replicas):
+    """A hung replica (SIGSTOP: the connection stays open, nothing comes) is not waited on until
+    the read timeout: once its health checks fail the router ends its streams."""
+    router = RouterThread([s.url for s in replicas], "round_robin", health_interval=0.25, unhealthy_after=2,
+                          health_timeout=0.5)
+    victim = None
+    try:
+        with router.client() as c:
+            with c.stream("POST", "/v1/completions", json=completion("hold on", 2000, stream=True)) as r:
+                victim = next(s for s in replicas if s.url == r.headers["x-kvserve-replica"])
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                events = [next(lines) for _ in range(3)]
+                victim.proc.send_signal(signal.SIGSTOP)
+                stopped = time.monotonic()
+                events += list(lines)
+                ended = time.monotonic() - stopped
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "replica_failed"
+        assert ended < 5.0
+    finally:
+        if victim is not None:
+            victim.proc.send_signal(signal.SIGCONT)
+            victim.wait_ready()
+        router.stop()
+
+
 def test_a_stream_cut_by_a_replicas_death_ends_with_an_error_event(replicas):
     router = RouterThread([s.url for s in replicas], "round_robin")
     try:

@@ -117,6 +117,9 @@ class KVIndex:
         if r.status_code == 404:  # an older kvserve, or another server: the text tree it is
             replica.extra["kv_events"] = "not published"
             return 30.0
+        if r.status_code in (401, 403):
+            replica.extra["kv_events"] = f"refused ({r.status_code}): give the router --replica-api-key"
+            return 5.0
         if r.status_code != 200:
             return self.poll_interval
         data = r.json()

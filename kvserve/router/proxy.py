@@ -216,15 +216,33 @@ class RelayResponse(Response):
                              (b"x-kvserve-route", d.outcome.encode()),
                              (b"x-kvserve-prefix-match", str(d.matched_tokens).encode())]
         self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.started = False
+        self.lost: str | None = None
+        self._relay: asyncio.Future | None = None
+
+    def abort(self, why: str) -> None:
+        """The replica stopped answering: end the client's answer now (health checks call this)."""
+        if self._relay is not None and not self._relay.done():
+            self.lost = why
+            self._relay.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        relay = asyncio.ensure_future(self._relay(send))
+        relay = self._relay = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+        self.attempt.replica.streams.add(self)
         try:
             await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if relay.done() and relay.exception() is not None and not isinstance(relay.exception(), OSError):
+            if relay.cancelled() and self.lost is not None:
+                self.attempt.failed("timeout", self.lost)
+                log.warning("%s: its answer in flight is ended", self.lost)
+                if self.started and self.is_sse:
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": sse(APIError(503, self.lost + ": retry the request", code="replica_failed").body())
+                                + sse("[DONE]")})
+            elif relay.done() and relay.exception() is not None and not isinstance(relay.exception(), OSError):
                 raise relay.exception()
         finally:
+            self.attempt.replica.streams.discard(self)
             for task in (relay, watch):
                 task.cancel()
             await asyncio.gather(relay, watch, return_exceptions=True)
@@ -232,8 +250,9 @@ class RelayResponse(Response):
             self.attempt.end()
             self.state.end()
 
-    async def _relay(self, send: Send) -> None:
+    async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self.started = True
         load, tail = self.attempt.load, b""
         try:
             async for chunk in self.upstream.aiter_raw():

@@ -56,6 +56,7 @@ class Replica:
     last_error: str | None = None
     removed: bool = False
     extra: dict = field(default_factory=dict)
+    streams: set = field(default_factory=set)  # answers being relayed (aborted if it stops answering)
 
     def eligible(self, now: float) -> bool:
         if self.state != HEALTHY or self.removed or now < self.wait_until:

@@ -117,17 +117,23 @@ class RouterState:
 
     # -- health -----------------------------------------------------------------------------
     async def check(self, replica: Replica) -> None:
+        reachable = True
         try:
             r = await self.client.get(replica.url + "/health", timeout=self.settings.health_timeout)
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
-            ok, why = False, f"/health: {type(e).__name__}: {e}"
+            ok, why, reachable = False, f"/health: {type(e).__name__}: {e}", False
         changed = replica.health_result(ok, self.settings, None if ok else why)
         if changed == HEALTHY:
             log.info("replica in: %s", replica.url)
         elif changed == UNHEALTHY:
             log.warning("replica out: %s (%s)", replica.url, why)
             self.policy.forget(replica)  # if it comes back it may have restarted empty
+        if replica.state == UNHEALTHY and not reachable:
+            # It stopped answering (hung, or its host is gone): streams from it would hang until the
+            # read timeout. A replica that answers 503 (draining) finishes what it has instead.
+            for stream in list(replica.streams):
+                stream.abort(f"the replica {replica.url} stopped answering its health checks")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.replicas))

@@ -128,6 +128,8 @@ def run_up(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.api_key and not args.replica_api_key:
+        args.replica_api_key = args.api_key  # the router reads the servers' /kv/events with it
     replicas, rc = Replicas(args), 0
     previous = signal.signal(signal.SIGTERM, _interrupt)  # until the router takes over the signals
     try:
