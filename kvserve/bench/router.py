@@ -136,8 +136,11 @@ async def overhead(direct: str, routed: str, args: argparse.Namespace) -> dict:
 
 
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    from kvserve.router.up import _die_with_parent
+
     return subprocess.Popen([sys.executable, "-m", "kvserve", *cmd], env={**os.environ, **env},
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -195,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.served_name, args.auth = "bench", {}
     args.logs.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.tokenizer import Tokenizer

@@ -66,7 +66,10 @@ class RouterSettings:
     upstream_connections: int = 512
     connect_timeout: float = 2.0
     # Longest silence between two chunks of a replica's answer before the router gives up on it.
-    read_timeout: float = 120.0
+    # A last resort: a replica that dies closes its connections, and one that hangs fails its
+    # health checks (its streams are then ended); an overloaded CPU replica may legitimately
+    # queue a request for minutes before its first token.
+    read_timeout: float = 600.0
     default_max_tokens: int = 256  # outstanding tokens counted for a request that names none
     drain_timeout: float = 30.0
 
