@@ -17,6 +17,7 @@ import pytest
 from router_harness import ADMIN_KEY, RouterThread
 from server_harness import MODEL_NAME, start_server
 
+pytestmark = pytest.mark.slow  # two server processes for the module
 KV_GIB = "0.0003"
 
 
