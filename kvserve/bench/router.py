@@ -135,6 +135,54 @@ async def overhead(direct: str, routed: str, args: argparse.Namespace) -> dict:
     return {"direct": med["direct"], "router": med["router"], "n": args.overhead_requests}
 
 
+def synthetic_upstream(port: int, events: int = 32, gap: float = 0.002) -> None:
+    """A stand-in replica with no model: each stream's events carry the monotonic time they were
+    sent, so a client on the same host sees each event's delivery latency exactly."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def health(request):
+        return JSONResponse({"status": "ready"})
+
+    async def chat(request):
+        await request.body()
+
+        async def gen():
+            for i in range(events):
+                if i:
+                    await asyncio.sleep(gap)
+                yield f'data: {{"t": {time.perf_counter()}, "choices": [{{"delta": {{"content": "x"}}}}]}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+async def synthetic_overhead(direct: str, routed: str, n: int) -> dict:
+    """p50 time to first byte and p50 per-event delivery latency, straight and through the router."""
+    body = {"model": "x", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    out = {"direct": ([], []), "router": ([], [])}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for i in range(n + 10):
+            for name, url in (("direct", direct), ("router", routed)) if i % 2 else (("router", routed), ("direct", direct)):
+                t0 = time.perf_counter()
+                first, delays = None, []
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        now = time.perf_counter()
+                        if line.startswith("data: {"):
+                            first = first or now
+                            delays.append(now - json.loads(line[6:])["t"])
+                if i >= 10:  # the first ones warm connections and code paths
+                    out[name][0].append(first - t0)
+                    out[name][1].extend(delays[1:])
+    return {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in out.items()} | {"n": n}
+
+
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     from kvserve.router.up import _die_with_parent
 
@@ -167,9 +215,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) the section between the router benchmark's markers."""
-    begin, end = "<!-- bench-router:begin -->", "<!-- bench-router:end -->"
+def write_section(path: Path, section: str, key: str = "bench-router") -> None:
+    """Replace (or append) the section between the markers named key."""
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     block = f"{begin}\n{section.rstrip()}\n{end}\n"
     if begin in text and end in text:
@@ -177,6 +225,22 @@ def write_section(path: Path, section: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block
     path.write_text(text)
+
+
+def measure_synthetic(args: argparse.Namespace) -> dict:
+    up_port, router_port = args.port + 50, args.port + 51
+    upstream = subprocess.Popen([sys.executable, "-m", "kvserve.bench.router", "--synthetic-upstream", str(up_port)],
+                                start_new_session=True)
+    router = spawn(["route", "--port", str(router_port), "--policy", "round_robin", "--no-access-log", "--replica",
+                    f"http://127.0.0.1:{up_port}"], {}, args.logs / "router-synthetic.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{up_port}", upstream)
+        wait_healthy(f"http://127.0.0.1:{router_port}", router)
+        return asyncio.run(synthetic_overhead(f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}",
+                                              args.synthetic_requests))
+    finally:
+        stop(router)
+        stop(upstream)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,13 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--policies", default="round_robin,cache_aware:approximate,cache_aware:precise")
     p.add_argument("--overhead-requests", type=int, default=40)
+    p.add_argument("--synthetic-requests", type=int, default=200,
+                   help="router overhead against a model-free upstream (0: skip)")
+    p.add_argument("--synthetic-only", action="store_true", help="only the router overhead against a model-free upstream")
+    p.add_argument("--synthetic-upstream", type=int, default=None, help=argparse.SUPPRESS)  # internal
     p.add_argument("--port", type=int, default=8700, help="first of the ports used")
     p.add_argument("--logs", type=Path, default=Path("/tmp/kvserve-bench-router"))
     p.add_argument("--write", type=Path, default=None, help="put the results in this markdown file")
     args = p.parse_args(argv)
+    if args.synthetic_upstream:
+        synthetic_upstream(args.synthetic_upstream)
+        return 0
     args.served_name, args.auth = "bench", {}
     args.logs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    if args.synthetic_only:
+        section = synthetic_section(measure_synthetic(args), argv if argv is not None else sys.argv[1:])
+        print(section)
+        if args.write:
+            write_section(args.write, section, "bench-router-overhead")
+        return 0
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.tokenizer import Tokenizer
@@ -209,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = [spawn(["serve", "--model", args.model, "--served-model-name", args.served_name, "--port", str(args.port + 1 + i),
                     "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log"],
                    {"OMP_NUM_THREADS": str(threads)}, args.logs / f"replica{i}.log") for i in range(args.replicas)]
-    results, over = [], None
+    results, over, synth = [], None, None
     try:
         for url, proc in zip(urls, procs):
             wait_healthy(url, proc)
@@ -234,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                     over = asyncio.run(overhead(urls[0], f"http://127.0.0.1:{args.port}", args))
             finally:
                 stop(router)
+        if args.synthetic_requests:
+            synth = measure_synthetic(args)
     finally:
         for proc in procs:
             stop(proc)
@@ -261,11 +340,23 @@ def main(argv: list[str] | None = None) -> int:
                   f"p50 TTFT direct {d[0] * 1e3:.2f} ms, through the router {r[0] * 1e3:.2f} ms "
                   f"(**{(r[0] - d[0]) * 1e3:+.2f} ms**); p50 gap between tokens direct {d[1] * 1e3:.3f} ms, "
                   f"through the router {r[1] * 1e3:.3f} ms (**{(r[1] - d[1]) * 1e3:+.3f} ms** per token)."]
+    if synth:
+        lines += ["", synthetic_section(synth, None)]
     section = "\n".join(lines)
     print(section)
     if args.write:
         write_section(args.write, section)
     return 0
+
+
+def synthetic_section(synth: dict, argv: list[str] | None) -> str:
+    d, r = synth["direct"], synth["router"]
+    how = f"; `python -m kvserve.bench.router {' '.join(argv)}`, {datetime.date.today()}" if argv is not None else ""
+    return (f"Router overhead alone (a model-free upstream streaming 32 events 2 ms apart, each stamped with the "
+            f"time it was sent; {synth['n']} requests each way, alternated{how}): p50 time to first byte direct "
+            f"{d[0] * 1e3:.2f} ms, through the router {r[0] * 1e3:.2f} ms (**{(r[0] - d[0]) * 1e3:+.2f} ms**); "
+            f"p50 delivery latency per event direct {d[1] * 1e3:.3f} ms, through the router {r[1] * 1e3:.3f} ms "
+            f"(**{(r[1] - d[1]) * 1e3:+.3f} ms** per token).")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
 from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet
 from kvserve.router.settings import RouterSettings
+from kvserve.router.upstream import make_client
 
 log = logging.getLogger("kvserve.router")
 
@@ -59,7 +60,7 @@ class RouterState:
         s = self.settings
         limits = httpx.Limits(max_connections=s.upstream_connections, max_keepalive_connections=s.upstream_connections)
         timeout = httpx.Timeout(connect=s.connect_timeout, read=s.read_timeout, write=30.0, pool=s.connect_timeout)
-        self.client = httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)
+        self.client = make_client(limits, timeout)
         if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
             self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key)
         self.policy = make_policy(s.policy, self.index)
