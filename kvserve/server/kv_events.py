@@ -7,9 +7,12 @@ bounded log, `held`: every hash held now. Behind the API key like every route bu
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from fastapi import FastAPI, Query
 
-from kvserve.server.context import ServerContext
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerContext
 
 
 def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
