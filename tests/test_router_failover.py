@@ -44,21 +44,23 @@ def test_killing_a_replica_under_load_fails_no_request_and_restarting_brings_it_
 
     try:
         with ThreadPoolExecutor(4) as pool:
-            for i in range(4):
-                pool.submit(client_loop, i)
-            router.wait_for(lambda: len(statuses) >= 12, timeout=60)
-            b.proc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            out_after = router.wait_for(lambda: router.admin()[b.url]["state"] == "unhealthy", timeout=5)
-            router.wait_for(lambda: sum(t > killed + out_after for t, _, _ in statuses) >= 12, timeout=60)
-            b.proc.wait()
-            restart(b)
-            back = time.monotonic()
-            router.wait_for(lambda: router.admin()[b.url]["state"] == "healthy", timeout=10)
-            router.wait_for(lambda: any(t > back and url == b.url for t, _, url in statuses), timeout=30)
-            stop.set()
+            try:
+                for i in range(4):
+                    pool.submit(client_loop, i)
+                router.wait_for(lambda: len(statuses) >= 12, timeout=60)
+                b.proc.send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                out_after = router.wait_for(lambda: router.admin()[b.url]["state"] == "unhealthy", timeout=5)
+                router.wait_for(lambda: sum(t > killed + out_after for t, _, _ in statuses) >= 12, timeout=60)
+                b.proc.wait()
+                restart(b)
+                back = time.monotonic()
+                router.wait_for(lambda: router.admin()[b.url]["state"] == "healthy", timeout=10)
+                router.wait_for(lambda: any(t > back and url == b.url for t, _, url in statuses), timeout=30)
+            finally:
+                stop.set()  # the clients' threads end before the pool is left, even on failure
         assert Counter(status for _, status, _ in statuses) == {200: len(statuses)}  # no request failed
-        assert out_after < 1.5  # two failed checks, 0.25 s apart (plus one in flight)
+        assert out_after < 2.5  # two failed checks 0.25 s apart, with slack for a loaded machine
         assert {url for t, _, url in statuses if killed + 1.0 < t < back} == {a.url}
         admin = router.admin()[b.url]
         assert admin["in_flight"] == 0 and admin["state"] == "healthy"
