@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-isa test-fast bench clean
+.PHONY: setup serve chat generate test test-isa test-fast bench bench-router clean
 
 setup: $(STAMP)
 
@@ -46,3 +46,6 @@ bench: setup  ## offline throughput vs transformers; writes docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
+	$(PY) -m kvserve.bench.router --write docs/benchmarks.md $(ARGS)

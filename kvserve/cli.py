@@ -1,4 +1,4 @@
-"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve."""
+"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, route, up."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+        from kvserve.router.cli import add_route_parser
+        from kvserve.router.up import add_up_parser
+
+        add_route_parser(sub)
+        add_up_parser(sub)
     return parser
 
 

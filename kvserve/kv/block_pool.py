@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvserve.errors import OutOfBlocksError
+from kvserve.kv.events import REMOVED, STORED, BlockEventLog
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -51,6 +52,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict()
         self._num_cached_free = 0
         self._cached: dict[bytes, KVBlock] = {}
+        self.events = BlockEventLog()  # what a router follows to know which prefixes are here
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -142,10 +144,12 @@ class BlockPool:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block
+        self.events.record(STORED, block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            self.events.record(REMOVED, block.block_hash)
             block.block_hash = block.token_ids = None
 
     def reset_prefix_cache(self) -> None:

@@ -27,6 +27,7 @@ from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
 from kvserve.server.generation import EngineClient
+from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.lifecycle import ServerState
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
@@ -163,6 +164,7 @@ def build_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     _add_routes(app, ctx)
+    add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     return app
 
 

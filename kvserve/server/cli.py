@@ -65,6 +65,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help='override sampling defaults, e.g. \'{"temperature": 0.7, "top_p": 0.95}\'')
     d.add_argument("--max-tokens-default", type=int, default=None,
                    help="max_tokens of a chat request that gives none (default: 1024)")
+    j = p.add_argument_group("router")
+    j.add_argument("--join", default=None, metavar="ROUTER_URL",
+                   help="register with a kvserve router once ready, deregister on drain")
+    j.add_argument("--advertise-url", default=None, help="the URL the router should use (default: http://HOST:PORT)")
+    j.add_argument("--join-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
+                   help="the router's admin key (default: $KVSERVE_ROUTER_ADMIN_KEY)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run_serve)
 
@@ -130,6 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=2, server_header=False,
                             http=guarded_protocol(settings.header_timeout, settings.max_connections))
     server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
+    if args.join:
+        from kvserve.server.join import Joiner, advertised_url
+
+        own = advertised_url(args.host, args.port, args.advertise_url)
+        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
+        Joiner(args.join, own, local, args.join_key).attach(server)
     log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
              settings.model_name, settings.url)
     server.run()

@@ -1,0 +1,363 @@
+"""`make bench-router`: routing policies side by side on a shared-prefix workload, and the latency
+the router itself adds on loopback.
+
+Workload (the load balancer issue's): P system prompts of ~T tokens each, R chat requests (a
+random system prompt and a short question each), C at a time, streamed, through N replicas of
+the model. Every policy runs in the same session against the same replicas, each with a fresh
+set of system prompts (so no run reuses another's cache). The replicas' KV cache is sized so that
+one replica holds about half the system prompts: the situation a cache-aware router is for (all
+of them fitting on every replica would make any policy hit after warm-up).
+
+Router overhead: one replica, requests one at a time, alternately straight to it and through a
+round_robin router, so drift in the machine's load hits both alike; the p50 differences of time
+to first token and of the mean gap between tokens are the router's cost.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+WORDS = ("river stone lantern archive meadow signal harbor copper violet engine orchard canvas summit "
+         "thread marble compass quiet ledger falcon prism cedar anchor velvet beacon glacier ember "
+         "quarry saddle timber willow basin crystal delta fable garnet hollow island jasper kettle").split()
+
+
+def system_prompts(n: int, tokens: int, seed: int, count_tokens) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        text = f"You are assistant number {seed}-{i}. Follow these house rules exactly."
+        while count_tokens(text) < tokens:
+            text += " Rule: " + " ".join(rng.choice(WORDS) for _ in range(12)) + "."
+        out.append(text)
+    return out
+
+
+@dataclass
+class Result:
+    name: str
+    ttft: list[float]
+    gaps: list[float]  # mean gap between tokens, per request
+    output_tokens: int
+    cached_tokens: int
+    prompt_tokens: int
+    seconds: float
+    errors: int
+
+    def row(self) -> str:
+        mean, p90 = statistics.fmean(self.ttft), sorted(self.ttft)[int(0.9 * (len(self.ttft) - 1))]
+        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0
+        return (f"| {self.name} | {len(self.ttft)} | {mean:.2f} | {p90:.2f} | {self.output_tokens / self.seconds:.1f} "
+                f"| {hit:.0%} | {self.seconds:.0f} | {self.errors} |")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int, int, int]:
+    """(time to first token, mean gap between tokens, output tokens, cached tokens, prompt tokens)."""
+    t0 = time.perf_counter()
+    first = last = None
+    n_events = 0
+    usage = {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event.get("usage"):
+                usage = event["usage"]
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
+                n_events += 1
+    gap = (last - first) / (n_events - 1) if n_events > 1 else 0.0
+    return (first or last or time.perf_counter()) - t0, gap, usage.get("completion_tokens", n_events), \
+        usage.get("prompt_tokens_details", {}).get("cached_tokens", 0), usage.get("prompt_tokens", 0)
+
+
+async def run_workload(name: str, url: str, prompts: list[str], args: argparse.Namespace, seed: int) -> Result:
+    rng = random.Random(seed)
+    bodies = [{"model": args.served_name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True},
+               "messages": [{"role": "system", "content": rng.choice(prompts)},
+                            {"role": "user", "content": f"Question {i}: which rule mentions {rng.choice(WORDS)}?"}]}
+              for i in range(args.requests)]
+    sem = asyncio.Semaphore(args.concurrency)
+    results, errors = [], 0
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=args.auth) as client:
+        async def go(body: dict) -> None:
+            nonlocal errors
+            async with sem:
+                try:
+                    results.append(await one_request(client, url, body))
+                except (RuntimeError, httpx.HTTPError) as e:
+                    errors += 1
+                    print(f"  {name}: request failed: {e}", file=sys.stderr)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(go(b) for b in bodies))
+        seconds = time.perf_counter() - t0
+    return Result(name, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results),
+                  sum(r[3] for r in results), sum(r[4] for r in results), seconds, errors)
+
+
+async def overhead(direct: str, routed: str, args: argparse.Namespace) -> dict:
+    body = {"model": args.served_name, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True,
+            "messages": [{"role": "user", "content": "Say something about rivers."}]}
+    out = {"direct": ([], []), "router": ([], [])}
+    async with httpx.AsyncClient(timeout=120, headers=args.auth) as client:
+        for _ in range(3):  # warm both paths (connections, caches)
+            await one_request(client, direct, body)
+            await one_request(client, routed, body)
+        for i in range(args.overhead_requests):
+            for name, url in (("direct", direct), ("router", routed)) if i % 2 else (("router", routed), ("direct", direct)):
+                ttft, gap, *_ = await one_request(client, url, body)
+                out[name][0].append(ttft)
+                out[name][1].append(gap)
+    med = {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in out.items()}
+    return {"direct": med["direct"], "router": med["router"], "n": args.overhead_requests}
+
+
+def synthetic_upstream(port: int, events: int = 32, gap: float = 0.002) -> None:
+    """A stand-in replica with no model: each stream's events carry the monotonic time they were
+    sent, so a client on the same host sees each event's delivery latency exactly."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def health(request):
+        return JSONResponse({"status": "ready"})
+
+    async def chat(request):
+        await request.body()
+
+        async def gen():
+            for i in range(events):
+                if i:
+                    await asyncio.sleep(gap)
+                yield f'data: {{"t": {time.perf_counter()}, "choices": [{{"delta": {{"content": "x"}}}}]}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/health", health), Route("/v1/chat/completions", chat, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+async def synthetic_overhead(direct: str, routed: str, n: int) -> dict:
+    """p50 time to first byte and p50 per-event delivery latency, straight and through the router."""
+    body = {"model": "x", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    out = {"direct": ([], []), "router": ([], [])}
+    async with httpx.AsyncClient(timeout=30) as client:
+        for i in range(n + 10):
+            for name, url in (("direct", direct), ("router", routed)) if i % 2 else (("router", routed), ("direct", direct)):
+                t0 = time.perf_counter()
+                first, delays = None, []
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        now = time.perf_counter()
+                        if line.startswith("data: {"):
+                            first = first or now
+                            delays.append(now - json.loads(line[6:])["t"])
+                if i >= 10:  # the first ones warm connections and code paths
+                    out[name][0].append(first - t0)
+                    out[name][1].extend(delays[1:])
+    return {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in out.items()} | {"n": n}
+
+
+def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
+    from kvserve.router.up import _die_with_parent
+
+    return subprocess.Popen([sys.executable, "-m", "kvserve", *cmd], env={**os.environ, **env},
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def write_section(path: Path, section: str, key: str = "bench-router") -> None:
+    """Replace (or append) the section between the markers named key."""
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) + 1 :]
+    else:
+        text = text.rstrip() + "\n\n" + block
+    path.write_text(text)
+
+
+def measure_synthetic(args: argparse.Namespace) -> dict:
+    up_port, router_port = args.port + 50, args.port + 51
+    upstream = subprocess.Popen([sys.executable, "-m", "kvserve.bench.router", "--synthetic-upstream", str(up_port)],
+                                start_new_session=True)
+    router = spawn(["route", "--port", str(router_port), "--policy", "round_robin", "--no-access-log", "--replica",
+                    f"http://127.0.0.1:{up_port}"], {}, args.logs / "router-synthetic.log")
+    try:
+        wait_healthy(f"http://127.0.0.1:{up_port}", upstream)
+        wait_healthy(f"http://127.0.0.1:{router_port}", router)
+        return asyncio.run(synthetic_overhead(f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}",
+                                              args.synthetic_requests))
+    finally:
+        stop(router)
+        stop(upstream)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvserve.bench.router", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="in all, divided between replicas")
+    p.add_argument("--kv-cache-gib", type=float, default=0.2, help="per replica (default 0.2: ~4.6k tokens of the default model)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--policies", default="round_robin,cache_aware:approximate,cache_aware:precise")
+    p.add_argument("--overhead-requests", type=int, default=40)
+    p.add_argument("--synthetic-requests", type=int, default=200,
+                   help="router overhead against a model-free upstream (0: skip)")
+    p.add_argument("--synthetic-only", action="store_true", help="only the router overhead against a model-free upstream")
+    p.add_argument("--synthetic-upstream", type=int, default=None, help=argparse.SUPPRESS)  # internal
+    p.add_argument("--port", type=int, default=8700, help="first of the ports used")
+    p.add_argument("--logs", type=Path, default=Path("/tmp/kvserve-bench-router"))
+    p.add_argument("--write", type=Path, default=None, help="put the results in this markdown file")
+    args = p.parse_args(argv)
+    if args.synthetic_upstream:
+        synthetic_upstream(args.synthetic_upstream)
+        return 0
+    args.served_name, args.auth = "bench", {}
+    args.logs.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
+    if args.synthetic_only:
+        section = synthetic_section(measure_synthetic(args), argv if argv is not None else sys.argv[1:])
+        print(section)
+        if args.write:
+            write_section(args.write, section, "bench-router-overhead")
+        return 0
+
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(resolve_model_path(args.model))
+    threads = max(1, args.threads // args.replicas)
+    urls = [f"http://127.0.0.1:{args.port + 1 + i}" for i in range(args.replicas)]
+    procs = [spawn(["serve", "--model", args.model, "--served-model-name", args.served_name, "--port", str(args.port + 1 + i),
+                    "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log"],
+                   {"OMP_NUM_THREADS": str(threads)}, args.logs / f"replica{i}.log") for i in range(args.replicas)]
+    results, over, synth = [], None, None
+    try:
+        for url, proc in zip(urls, procs):
+            wait_healthy(url, proc)
+        print(f"{args.replicas} replicas ready ({threads} thread(s) each)", file=sys.stderr)
+        for k, spec in enumerate(args.policies.split(",")):
+            policy, _, source = spec.partition(":")
+            name = f"{policy} ({source})" if source else policy
+            prompts = system_prompts(args.prompts, args.prompt_tokens, seed=1000 + k, count_tokens=lambda t: len(tok.encode(t)))
+            cmd = ["route", "--port", str(args.port), "--policy", policy, "--no-access-log"]
+            cmd += ["--cache-source", source] if source else []
+            for u in urls:
+                cmd += ["--replica", u]
+            router = spawn(cmd, {}, args.logs / f"router-{k}.log")
+            try:
+                wait_healthy(f"http://127.0.0.1:{args.port}", router)
+                time.sleep(1.0)  # the precise source reads the replicas' events and loads the tokenizer
+                print(f"running {name}: {args.requests} requests, concurrency {args.concurrency}", file=sys.stderr)
+                res = asyncio.run(run_workload(name, f"http://127.0.0.1:{args.port}", prompts, args, seed=k))
+                print(res.row(), file=sys.stderr)
+                results.append(res)
+                if k == 0 and args.overhead_requests:
+                    over = asyncio.run(overhead(urls[0], f"http://127.0.0.1:{args.port}", args))
+            finally:
+                stop(router)
+        if args.synthetic_requests:
+            synth = measure_synthetic(args)
+    finally:
+        for proc in procs:
+            stop(proc)
+
+    lines = ["## Router: policies on a shared-prefix workload", "",
+             f"- command: `python -m kvserve.bench.router {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"- date: {datetime.date.today()}; machine: {platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} cores (shared with other work: figures are noisy)",
+             f"- {args.replicas} replicas of {args.model}, {threads} thread(s) each, {args.kv_cache_gib} GiB KV cache each; "
+             f"{args.prompts} system prompts of ~{args.prompt_tokens} tokens, {args.requests} chat requests, "
+             f"concurrency {args.concurrency}, {args.max_tokens} output tokens each (ignore_eos), streamed", "",
+             "| policy | requests | mean TTFT s | p90 TTFT s | output tok/s | prompt tokens cached | seconds | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [r.row() for r in results]
+    base = next((r for r in results if r.name == "round_robin"), None)
+    if base:
+        lines.append("")
+        for r in results:
+            if r is not base:
+                lines.append(f"- {r.name}: mean TTFT {statistics.fmean(base.ttft) / statistics.fmean(r.ttft):.2f}x better "
+                             f"than round_robin, output tok/s {r.output_tokens / r.seconds / (base.output_tokens / base.seconds):.2f}x")
+    if over:
+        d, r = over["direct"], over["router"]
+        lines += ["", f"Router overhead on loopback ({over['n']} requests each way, alternated, one at a time, 16 tokens): "
+                  f"p50 TTFT direct {d[0] * 1e3:.2f} ms, through the router {r[0] * 1e3:.2f} ms "
+                  f"(**{(r[0] - d[0]) * 1e3:+.2f} ms**); p50 gap between tokens direct {d[1] * 1e3:.3f} ms, "
+                  f"through the router {r[1] * 1e3:.3f} ms (**{(r[1] - d[1]) * 1e3:+.3f} ms** per token)."]
+    if synth:
+        lines += ["", synthetic_section(synth, None)]
+    section = "\n".join(lines)
+    print(section)
+    if args.write:
+        write_section(args.write, section)
+    return 0
+
+
+def synthetic_section(synth: dict, argv: list[str] | None) -> str:
+    d, r = synth["direct"], synth["router"]
+    how = f"; `python -m kvserve.bench.router {' '.join(argv)}`, {datetime.date.today()}" if argv is not None else ""
+    return (f"Router overhead alone (a model-free upstream streaming 32 events 2 ms apart, each stamped with the "
+            f"time it was sent; {synth['n']} requests each way, alternated{how}): p50 time to first byte direct "
+            f"{d[0] * 1e3:.2f} ms, through the router {r[0] * 1e3:.2f} ms (**{(r[0] - d[0]) * 1e3:+.2f} ms**); "
+            f"p50 delivery latency per event direct {d[1] * 1e3:.3f} ms, through the router {r[1] * 1e3:.3f} ms "
+            f"(**{(r[1] - d[1]) * 1e3:+.3f} ms** per token).")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

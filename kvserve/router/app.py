@@ -1,0 +1,119 @@
+"""The router's FastAPI app: its own /health, /metrics and /admin, and every other route proxied.
+
+    app = build_router_app(RouterSettings(replicas=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
+
+/v1/* (completions, chat, models, anything a replica serves), /tokenize and /detokenize go to a
+replica (kvserve/router/proxy.py); any other path is the router's own 404, in the same OpenAI
+error body a kvserve server sends.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.router.admin import add_admin_routes
+from kvserve.router.proxy import proxy
+from kvserve.router.replicas import HEALTHY
+from kvserve.router.settings import RouterSettings
+from kvserve.router.state import RouterState
+from kvserve.server.errors import APIError, install_handlers
+
+log = logging.getLogger("kvserve.router")
+PROXIED_METHODS = ["GET", "POST", "DELETE"]
+
+
+class HeaderLimit:
+    """431 for a request with more than max_headers headers (uvicorn bounds their total size)."""
+
+    def __init__(self, app: ASGIApp, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
+            error = APIError(431, f"the request has {len(scope['headers'])} headers, more than the router's "
+                             f"limit of {self.max_headers}", code="headers_too_large")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def build_router_app(settings: RouterSettings) -> FastAPI:
+    state = RouterState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        up = sum(r.state == HEALTHY for r in state.replicas)
+        log.info("kvserve route: %s at %s, policy %s, %d of %d replica(s) healthy", settings.policy.name,
+                 settings.url, settings.policy.name, up, len(state.replicas))
+        yield
+        await state.stop()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+    install_handlers(app)
+    app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = sum(r.state == HEALTHY and not r.removed for r in state.replicas)
+        if state.draining:
+            return JSONResponse({"status": "draining", "healthy_replicas": healthy}, status_code=503)
+        return JSONResponse({"status": "ready" if healthy else "no_replica", "healthy_replicas": healthy},
+                            status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    add_admin_routes(app, state)
+
+    async def forward(request: Request) -> Response:
+        return await proxy(request, state)
+
+    app.add_api_route("/v1/{path:path}", forward, methods=PROXIED_METHODS, include_in_schema=False)
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, forward, methods=["POST"], include_in_schema=False)
+    return app
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains: new requests get 503 while those in flight
+    finish (up to the drain timeout). A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState) -> None:
+        super().__init__(config)
+        self.router = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self.on_drained = None  # called (on the loop) once the router's own requests are done
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None or not self.started:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        self.router.draining = True
+        log.info("draining: %d request(s) in flight, up to %g s", self.router.active, self.router.settings.drain_timeout)
+        if not await self.router.wait_idle(self.router.settings.drain_timeout):
+            log.warning("drain timeout: %d request(s) still in flight are cut off", self.router.active)
+        self.should_exit = True

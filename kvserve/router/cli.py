@@ -1,0 +1,97 @@
+"""`kvserve route`: the arguments, then the router on uvicorn."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvserve.router.settings import CACHE_SOURCES, POLICIES, PolicySettings, RouterSettings
+
+_P, _R = PolicySettings(), RouterSettings()
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """The policy and router knobs shared by `kvserve route` and `kvserve up`."""
+    p.add_argument("--policy", choices=POLICIES, default=_P.name, help=f"routing policy (default: {_P.name})")
+    p.add_argument("--cache-source", choices=CACHE_SOURCES, default=_P.cache_source,
+                   help="cache_aware: replicas' published blocks (precise), text sent (approximate), or "
+                        f"precise where available (auto, the default)")
+    p.add_argument("--balance-abs-tokens", type=int, default=_P.balance_abs_tokens,
+                   help=f"cache_aware: outstanding-token gap beyond which load wins (default: {_P.balance_abs_tokens})")
+    p.add_argument("--balance-rel", type=float, default=_P.balance_rel,
+                   help=f"cache_aware: load ratio beyond which load wins (default: {_P.balance_rel})")
+    p.add_argument("--min-match-tokens", type=int, default=_P.min_match_tokens,
+                   help=f"cache_aware: shorter matches do not count (default: {_P.min_match_tokens})")
+    p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
+                   help="Bearer key of /admin/replicas (default: $KVSERVE_ROUTER_ADMIN_KEY; none: loopback only)")
+    p.add_argument("--replica-api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="the replicas' API key, for the router's own calls to /kv/events (default: $KVSERVE_API_KEY)")
+    p.add_argument("--health-interval", type=float, default=_R.health_interval,
+                   help=f"seconds between health checks (default: {_R.health_interval})")
+    p.add_argument("--unhealthy-after", type=int, default=_R.unhealthy_after,
+                   help=f"failed checks in a row that take a replica out (default: {_R.unhealthy_after})")
+    p.add_argument("--healthy-after", type=int, default=_R.healthy_after,
+                   help=f"passed checks in a row that bring it back (default: {_R.healthy_after})")
+    p.add_argument("--max-retries", type=int, default=_R.max_retries,
+                   help=f"other replicas tried when one fails before the first byte (default: {_R.max_retries})")
+    p.add_argument("--max-concurrent-requests", type=int, default=_R.max_concurrent_requests,
+                   help=f"more get 503 (default: {_R.max_concurrent_requests})")
+    p.add_argument("--read-timeout", type=float, default=_R.read_timeout,
+                   help=f"seconds of silence from a replica before its answer is given up (default: {_R.read_timeout:g})")
+    p.add_argument("--drain-timeout", type=float, default=_R.drain_timeout,
+                   help=f"seconds requests in flight get after SIGTERM (default: {_R.drain_timeout:g})")
+
+
+def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("route", help="a cache-aware load balancer in front of kvserve servers")
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
+                   help="a kvserve server, e.g. http://10.0.0.2:8000 (repeat; more may join via /admin/replicas)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    add_router_args(p)
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    p.set_defaults(func=run_route)
+
+
+def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterSettings:
+    for name in ("health_interval", "read_timeout", "drain_timeout", "balance_rel"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("unhealthy_after", "healthy_after", "max_concurrent_requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("max_retries", "balance_abs_tokens", "min_match_tokens"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
+    policy = PolicySettings(name=args.policy, cache_source=args.cache_source, balance_abs_tokens=args.balance_abs_tokens,
+                            balance_rel=args.balance_rel, min_match_tokens=args.min_match_tokens)
+    from kvserve.router.replicas import ReplicaSet
+
+    return RouterSettings(
+        replicas=tuple(ReplicaSet.normalize(u) for u in replicas), host=args.host, port=args.port, policy=policy,
+        admin_key=args.admin_key or None, replica_api_key=args.replica_api_key or None,
+        health_interval=args.health_interval, unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
+        max_retries=args.max_retries, max_concurrent_requests=args.max_concurrent_requests,
+        read_timeout=args.read_timeout, drain_timeout=args.drain_timeout,
+    )
+
+
+def make_server(settings: RouterSettings, access_log: bool = False):
+    import uvicorn
+
+    from kvserve.router.app import RouterServer, build_router_app
+
+    app = build_router_app(settings)
+    # uvicorn's own connection cap is a backstop past the router's 503 (max_concurrent_requests).
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
+                            timeout_graceful_shutdown=2, server_header=False,
+                            limit_concurrency=2 * settings.max_concurrent_requests + 64, h11_max_incomplete_event_size=64 << 10)
+    return RouterServer(config, app.state.router)
+
+
+def run_route(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args, args.replica)
+    if not settings.replicas and not settings.admin_key:
+        print("kvserve route: no --replica yet; servers on this host can join with "
+              f"`kvserve serve --join {settings.url}`")
+    make_server(settings, access_log=not args.no_access_log).run()
+    return 0

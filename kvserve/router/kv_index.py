@@ -1,0 +1,209 @@
+"""The precise source of cache_aware: the block hashes each replica says it holds.
+
+Each replica publishes `GET /kv/events` (kvserve/server/kv_events.py): its model file, block
+size, and the chained SHA-256 of every full block it stores or evicts. The router follows it,
+loads kvserve's own Tokenizer from the same model file, and hashes a request's prompt tokens
+exactly as kvserve/kv/manager.py does, so a match here is what the replica will find.
+
+Between routing a request and the replica publishing its blocks (its prefill plus one poll)
+the router would not know them yet; a burst of requests with a new shared prefix would then
+scatter. So the blocks of a routed prompt count as "pending" on that replica while the request
+is in flight and for a short grace after, until the replica's own events confirm or drop them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvserve.kv.block_pool import hash_block
+from kvserve.router.replicas import HEALTHY, Replica
+from kvserve.router.request import RoutedRequest
+from kvserve.tokenizer import Tokenizer
+
+log = logging.getLogger("kvserve.router")
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chain the replica would look up: full blocks, never the prompt's last token."""
+    out: list[bytes] = []
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+@dataclass
+class ReplicaBlocks:
+    model: str
+    block_size: int
+    instance: str = ""
+    seq: int = 0
+    held: set[bytes] = field(default_factory=set)
+    pending: dict[bytes, list] = field(default_factory=dict)  # hash -> [requests in flight, expiry]
+
+    def has(self, h: bytes, now: float) -> bool:
+        if h in self.held:
+            return True
+        p = self.pending.get(h)
+        return p is not None and (p[0] > 0 or p[1] > now)
+
+    def match(self, hashes: list[bytes]) -> int:
+        now = time.monotonic()
+        n = 0
+        for h in hashes:
+            if not self.has(h, now):
+                break
+            n += 1
+        return n * self.block_size
+
+
+class KVIndex:
+    def __init__(self, client: httpx.AsyncClient, poll_interval: float, api_key: str | None,
+                 pending_grace: float = 1.0) -> None:
+        self.client = client
+        self.poll_interval = poll_interval
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.pending_grace = pending_grace
+        self.blocks: dict[Replica, ReplicaBlocks] = {}
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._tasks: dict[Replica, asyncio.Task] = {}
+
+    # -- following replicas -----------------------------------------------------------------
+    def follow(self, replica: Replica) -> None:
+        if replica not in self._tasks:
+            self._tasks[replica] = asyncio.create_task(self._follow(replica), name=f"kv-events {replica.url}")
+
+    def forget(self, replica: Replica) -> None:
+        task = self._tasks.pop(replica, None)
+        if task is not None:
+            task.cancel()
+        self.blocks.pop(replica, None)
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+
+    def usable(self, replica: Replica) -> ReplicaBlocks | None:
+        """The replica's blocks, if it publishes them and its tokenizer is loaded here."""
+        b = self.blocks.get(replica)
+        if b is None or self._tokenizers.get(b.model) is None:
+            return None
+        return b
+
+    async def _follow(self, replica: Replica) -> None:
+        while not replica.removed:
+            wait = self.poll_interval
+            if replica.state != HEALTHY:
+                self.blocks.pop(replica, None)  # it may come back empty (restarted)
+                await asyncio.sleep(wait)
+                continue
+            try:
+                wait = await self._poll(replica)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                log.debug("kv events of %s: %s", replica.url, e)
+            await asyncio.sleep(wait)
+
+    async def _poll(self, replica: Replica) -> float:
+        b = self.blocks.get(replica)
+        r = await self.client.get(replica.url + "/kv/events", params={"since": b.seq if b else 0},
+                                  headers=self.headers, timeout=5.0)
+        if r.status_code == 404:  # an older kvserve, or another server: the text tree it is
+            replica.extra["kv_events"] = "not published"
+            return 30.0
+        if r.status_code in (401, 403):
+            replica.extra["kv_events"] = f"refused ({r.status_code}): give the router --replica-api-key"
+            return 5.0
+        if r.status_code != 200:
+            return self.poll_interval
+        data = r.json()
+        if not data.get("caching", True):
+            replica.extra["kv_events"] = "prefix caching off"
+            self.blocks.pop(replica, None)
+            return 30.0
+        if b is None or b.instance != data["instance"] or b.model != data["model"]:
+            b = ReplicaBlocks(data["model"], int(data["block_size"]), data["instance"])
+            self.blocks[replica] = b
+            await self._load_tokenizer(b.model, replica)
+        if "held" in data:
+            b.held = {bytes.fromhex(h) for h in data["held"]}
+        else:
+            for _, kind, h in data["events"]:
+                (b.held.add if kind == "+" else b.held.discard)(bytes.fromhex(h))
+        b.seq = int(data["seq"])
+        now = time.monotonic()
+        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
+            del b.pending[h]
+        replica.extra["kv_events"] = "followed" if self._tokenizers.get(b.model) else "no tokenizer here"
+        replica.extra["blocks_held"] = len(b.held)
+        return self.poll_interval
+
+    async def _load_tokenizer(self, model: str, replica: Replica) -> None:
+        if model in self._tokenizers:
+            return
+        self._tokenizers[model] = None  # one attempt per model file
+        try:
+            self._tokenizers[model] = await asyncio.to_thread(Tokenizer.load, model)
+            log.info("cache_aware (precise): tokenizer of %s loaded from %s", replica.url, model)
+        except Exception as e:  # noqa: BLE001 - the model file is on another host: fall back
+            log.warning("cache_aware: cannot load the tokenizer of %s from %s (%s); using the text it "
+                        "was sent instead", replica.url, model, e)
+
+    # -- requests ---------------------------------------------------------------------------
+    async def prepare(self, req: RoutedRequest) -> None:
+        """Tokenize and hash the prompt once per model the replicas serve (on a thread: a long
+        prompt takes a millisecond or more, which the event loop should not wait for)."""
+        keys = {(b.model, b.block_size) for b in self.blocks.values() if self._tokenizers.get(b.model)}
+        if keys and req.routable:
+            await asyncio.to_thread(self._prepare, req, keys)
+
+    def _prepare(self, req: RoutedRequest, keys: set[tuple[str, int]]) -> None:
+        for model, block_size in keys:
+            if model not in req.token_ids:
+                req.token_ids[model] = self._encode(req, self._tokenizers[model])
+            req.hashes[(model, block_size)] = block_hashes(req.token_ids[model], block_size)
+
+    @staticmethod
+    def _encode(req: RoutedRequest, tok: Tokenizer) -> list[int]:
+        """The prompt's token ids as the replica will see them."""
+        if isinstance(req.prompt, list):
+            return req.prompt
+        if isinstance(req.prompt, str):
+            return tok.encode(req.prompt)
+        if req.messages is not None:
+            try:
+                return tok.encode_chat(req.messages, req.add_generation_prompt)
+            except ValueError:  # the replica answers this one with its own 400
+                return []
+        return []
+
+    def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
+        """The prompt's block hashes for this replica's model (None: not prepared for it)."""
+        return req.hashes.get((b.model, b.block_size))
+
+    def prompt_tokens(self, req: RoutedRequest) -> int | None:
+        return len(next(iter(req.token_ids.values()))) if req.token_ids else None
+
+    def mark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
+        b = self.blocks.get(replica)
+        if b is None:
+            return
+        for h in hashes:
+            b.pending.setdefault(h, [0, 0.0])[0] += 1
+
+    def unmark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
+        b = self.blocks.get(replica)
+        if b is None:
+            return
+        expiry = time.monotonic() + self.pending_grace + self.poll_interval
+        for h in hashes:
+            p = b.pending.get(h)
+            if p is not None:
+                p[0] -= 1
+                p[1] = expiry

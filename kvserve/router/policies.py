@@ -1,0 +1,157 @@
+"""Routing policies: which eligible replica gets a request.
+
+round_robin   in turn, blind to load: the baseline.
+least_load    fewest outstanding tokens (prompt + max_tokens still to come, counted by the router).
+power_of_two  the less loaded of two picked at random: near least_load, without herding every
+              router of a fleet onto the same idlest replica.
+cache_aware   the replica holding the longest prefix of the prompt, unless the loads are
+              imbalanced beyond both thresholds (then the least loaded); "holds" is precise (the
+              replica's published block hashes) or approximate (a prefix tree of the text sent).
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+from kvserve.router.kv_index import KVIndex
+from kvserve.router.prefix_tree import PrefixTree
+from kvserve.router.replicas import Replica
+from kvserve.router.request import RoutedRequest
+from kvserve.router.settings import PolicySettings
+
+APPROX_CHARS_PER_TOKEN = 4  # to compare the text tree's characters with tokens
+
+
+@dataclass
+class Decision:
+    replica: Replica
+    outcome: str  # round_robin | least_load | power_of_two | prefix_hit | load_fallback | no_match
+    matched_tokens: int = 0
+    source: str | None = None  # precise | approximate, when a prefix decided
+    hashes: list[bytes] | None = None  # the prompt's blocks on that replica (precise)
+
+
+def _load(r: Replica) -> tuple[int, int]:
+    return r.outstanding_tokens, r.in_flight
+
+
+class Policy:
+    name = "policy"
+
+    def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
+        raise NotImplementedError
+
+    def routed(self, decision: Decision, req: RoutedRequest) -> None:
+        """The request went to decision.replica."""
+
+    def finished(self, decision: Decision) -> None:
+        """Its answer ended (successfully or not)."""
+
+    def forget(self, replica: Replica) -> None:
+        """The replica left, or came back and may hold nothing."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
+        return Decision(candidates[next(self._next) % len(candidates)], self.name)
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
+        # Ties (e.g. all idle) go round, so an idle fleet still spreads its requests.
+        start = next(self._turn) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return Decision(min(rotated, key=_load), self.name)
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
+        if len(candidates) == 1:
+            return Decision(candidates[0], self.name)
+        a, b = self._rng.sample(candidates, 2)
+        return Decision(a if _load(a) <= _load(b) else b, self.name)
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(self, settings: PolicySettings, index: KVIndex | None) -> None:
+        self.settings = settings
+        self.index = index if settings.cache_source != "approximate" else None
+        self.trees: dict[Replica, PrefixTree] = {}
+        self._least = LeastLoad()
+
+    def tree(self, r: Replica) -> PrefixTree:
+        if r not in self.trees:
+            self.trees[r] = PrefixTree(self.settings.tree_chunk_chars, self.settings.tree_max_chunks)
+        return self.trees[r]
+
+    def imbalanced(self, candidates: list[Replica]) -> bool:
+        loads = [r.outstanding_tokens for r in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.settings.balance_abs_tokens and hi > self.settings.balance_rel * lo
+
+    def match(self, r: Replica, req: RoutedRequest) -> tuple[int, str | None, list[bytes] | None]:
+        """Tokens of req's prompt that r holds, by which source, and the prompt's block hashes."""
+        if self.index is not None:
+            b = self.index.usable(r)
+            hashes = self.index.hashes(req, b) if b is not None else None
+            if hashes is not None:
+                return b.match(hashes), "precise", hashes
+        if self.settings.cache_source == "precise":
+            return 0, None, None  # only published blocks count
+        return self.tree(r).match(req.text) // APPROX_CHARS_PER_TOKEN, "approximate", None
+
+    def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
+        least = self._least.choose(candidates, req).replica
+        matches = {r: self.match(r, req) for r in candidates} if req.routable else {}
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            m = matches.get(least, (0, None, None))
+            return Decision(least, "load_fallback", m[0], m[1], m[2])
+        best = max(candidates, key=lambda r: (matches[r][0] if matches else 0, r is least, -r.outstanding_tokens))
+        tokens, source, hashes = matches.get(best, (0, None, None))
+        if tokens < max(1, self.settings.min_match_tokens):
+            m = matches.get(least, (0, None, None))
+            return Decision(least, "no_match", m[0], m[1], m[2])
+        return Decision(best, "prefix_hit", tokens, source, hashes)
+
+    def routed(self, decision: Decision, req: RoutedRequest) -> None:
+        if self.settings.cache_source != "precise" and req.text:
+            self.tree(decision.replica).insert(req.text)
+        if self.index is not None and decision.hashes:
+            self.index.mark_pending(decision.replica, decision.hashes)
+
+    def finished(self, decision: Decision) -> None:
+        if self.index is not None and decision.hashes:
+            self.index.unmark_pending(decision.replica, decision.hashes)
+
+    def forget(self, replica: Replica) -> None:
+        self.trees.pop(replica, None)
+
+
+def make_policy(settings: PolicySettings, index: KVIndex | None) -> Policy:
+    if settings.name == "round_robin":
+        return RoundRobin()
+    if settings.name == "least_load":
+        return LeastLoad()
+    if settings.name == "power_of_two":
+        return PowerOfTwo()
+    if settings.name == "cache_aware":
+        return CacheAware(settings, index)
+    raise ValueError(f"unknown policy {settings.name!r}: use round_robin, least_load, power_of_two or cache_aware")

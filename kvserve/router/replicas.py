@@ -1,0 +1,156 @@
+"""The replicas a router sends to: state (health, circuit breaker, Retry-After), load, counters.
+
+A replica is eligible for new work when its health checks pass, its circuit breaker is not open
+and no 429 told the router to wait. Load is what the router itself put there: requests in
+flight and outstanding tokens (prompt tokens plus the tokens still to be generated), since a
+replica's own queue figures would reach the router late.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvserve.router.settings import RouterSettings
+
+STARTING, HEALTHY, UNHEALTHY = "starting", "healthy", "unhealthy"
+
+
+@dataclass
+class Load:
+    """One request's share of its replica's load, released exactly once."""
+
+    replica: Replica
+    prompt_tokens: int
+    remaining: int  # output tokens still to come
+    done: bool = False
+
+    def produced(self, n: int) -> None:
+        """n more output tokens reached the client."""
+        n = min(n, self.remaining)
+        self.remaining -= n
+        self.replica.outstanding_tokens -= n
+
+    def release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.replica.in_flight -= 1
+            self.replica.outstanding_tokens -= self.prompt_tokens + self.remaining
+
+
+@dataclass(eq=False)
+class Replica:
+    url: str
+    state: str = STARTING
+    passes: int = 0  # health checks passed in a row
+    fails: int = 0  # health checks failed in a row
+    failures: int = 0  # requests failed in a row (circuit breaker)
+    open_until: float = 0.0  # breaker open (no traffic) until then
+    trial: bool = False  # breaker half-open: one request is testing the replica
+    wait_until: float = 0.0  # a 429's Retry-After
+    in_flight: int = 0
+    outstanding_tokens: int = 0
+    requests: int = 0
+    errors: int = 0
+    matched_tokens: int = 0  # prompt tokens the router expected to find in its cache
+    prompt_tokens: int = 0  # prompt tokens of the requests it was sent (for the hit rate)
+    last_error: str | None = None
+    removed: bool = False
+    extra: dict = field(default_factory=dict)
+    streams: set = field(default_factory=set)  # answers being relayed (aborted if it stops answering)
+
+    def eligible(self, now: float) -> bool:
+        if self.state != HEALTHY or self.removed or now < self.wait_until:
+            return False
+        if self.open_until and now < self.open_until:
+            return False
+        return not (self.open_until and self.trial)  # half-open: only the one trial request
+
+    def start(self, prompt_tokens: int, max_tokens: int, matched: int) -> Load:
+        self.in_flight += 1
+        self.requests += 1
+        self.outstanding_tokens += prompt_tokens + max_tokens
+        self.prompt_tokens += prompt_tokens
+        self.matched_tokens += matched
+        if self.open_until:
+            self.trial = True
+        return Load(self, prompt_tokens, max_tokens)
+
+    # -- the circuit breaker -------------------------------------------------------------
+    def request_failed(self, settings: RouterSettings, why: str) -> None:
+        self.errors += 1
+        self.failures += 1
+        self.last_error = why
+        if self.failures >= settings.breaker_failures or self.trial:
+            self.open_until = time.monotonic() + settings.breaker_cooldown
+            self.trial = False
+
+    def request_succeeded(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+        self.trial = False
+
+    # -- health --------------------------------------------------------------------------
+    def health_result(self, ok: bool, settings: RouterSettings, why: str | None = None) -> str | None:
+        """Count one check; returns the new state when it changed."""
+        if ok:
+            self.passes, self.fails = self.passes + 1, 0
+            if self.state != HEALTHY and self.passes >= (1 if self.state == STARTING else settings.healthy_after):
+                self.state = HEALTHY
+                self.request_succeeded()
+                return HEALTHY
+        else:
+            self.passes, self.fails = 0, self.fails + 1
+            self.last_error = why
+            if self.state == HEALTHY and self.fails >= settings.unhealthy_after:
+                self.state = UNHEALTHY
+                return UNHEALTHY
+        return None
+
+    def describe(self, now: float) -> dict:
+        return {
+            "url": self.url, "state": self.state, "eligible": self.eligible(now),
+            "breaker": "open" if self.open_until > now else "half_open" if self.open_until else "closed",
+            "retry_after_s": round(max(0.0, self.wait_until - now), 3),
+            "in_flight": self.in_flight, "outstanding_tokens": self.outstanding_tokens,
+            "requests": self.requests, "errors": self.errors,
+            "cache_hit_rate": round(self.matched_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
+            "last_error": self.last_error, **self.extra,
+        }
+
+
+class ReplicaSet:
+    def __init__(self, urls: tuple[str, ...] = ()) -> None:
+        self._by_url: dict[str, Replica] = {}
+        for url in urls:
+            self.add(url)
+
+    @staticmethod
+    def normalize(url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"replica URL must start with http:// or https://, got {url!r}")
+        return url
+
+    def add(self, url: str) -> tuple[Replica, bool]:
+        """The replica for url, and whether it is new."""
+        url = self.normalize(url)
+        if url in self._by_url:
+            return self._by_url[url], False
+        self._by_url[url] = replica = Replica(url)
+        return replica, True
+
+    def remove(self, url: str) -> Replica | None:
+        replica = self._by_url.pop(self.normalize(url), None)
+        if replica is not None:
+            replica.removed = True  # requests in flight finish; nothing new is sent
+        return replica
+
+    def __iter__(self):
+        return iter(list(self._by_url.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_url)
+
+    def eligible(self, exclude: set[Replica] = frozenset()) -> list[Replica]:
+        now = time.monotonic()
+        return [r for r in self._by_url.values() if r not in exclude and r.eligible(now)]

@@ -1,0 +1,79 @@
+"""RouterSettings and PolicySettings: every knob of `kvserve route`, with the reason for its default.
+
+docs/router.md explains each one; these defaults are for replicas on one host or one rack
+(loopback or a LAN), where a health check answers in milliseconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("round_robin", "least_load", "power_of_two", "cache_aware")
+CACHE_SOURCES = ("auto", "precise", "approximate")
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    name: str = "cache_aware"
+    # cache_aware: where "holds the prefix" comes from. auto: the replica's published block hashes
+    # when it publishes them and the router can load its tokenizer, else the text it was sent.
+    cache_source: str = "auto"
+    # Loads are imbalanced (the least loaded replica wins, prefix or not) when the busiest and the
+    # idlest replica differ by more than balance_abs_tokens outstanding tokens AND the busiest has
+    # more than balance_rel times the idlest's. Both must hold: a small absolute gap is noise, and
+    # a large gap between two busy replicas costs less than recomputing a long prefix.
+    balance_abs_tokens: int = 4096
+    balance_rel: float = 1.5
+    # A match shorter than this many tokens is no reason to pick a replica (the least loaded wins):
+    # one block of a chat template's header is in every prompt.
+    min_match_tokens: int = 32
+    # The approximate source: text characters per stored chunk, and chunks kept per replica
+    # (least recently used dropped first): 16 Ki chunks of 64 characters ≈ 1 MiB of text.
+    tree_chunk_chars: int = 64
+    tree_max_chunks: int = 16384
+    # How often the router reads each replica's /kv/events (seconds).
+    kv_poll_interval: float = 0.1
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    replicas: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    admin_key: str | None = None  # Bearer key of /admin/*; without one only loopback clients may use it
+    replica_api_key: str | None = None  # sent to replicas on the router's own calls (/kv/events)
+    # Health: a replica failing `unhealthy_after` checks in a row is out; `healthy_after` passes bring it back.
+    health_interval: float = 1.0
+    health_timeout: float = 2.0
+    unhealthy_after: int = 2
+    healthy_after: int = 2
+    # Retries before the first byte reached the client (connect error, 429, 503): on another
+    # replica, after a jittered exponential backoff, at most max_retries per request, and in all
+    # at most retry_budget_ratio of requests (plus a small burst) so that retries cannot snowball.
+    max_retries: int = 2
+    backoff_base: float = 0.025
+    backoff_max: float = 1.0
+    retry_budget_ratio: float = 0.2
+    retry_budget_burst: int = 10
+    # Circuit breaker: after `breaker_failures` failed requests in a row a replica gets no traffic
+    # for `breaker_cooldown` seconds, then one trial request decides.
+    breaker_failures: int = 3
+    breaker_cooldown: float = 5.0
+    # Bounds on what the router accepts and holds.
+    max_body_bytes: int = 4 << 20
+    max_headers: int = 100
+    max_concurrent_requests: int = 1024
+    upstream_connections: int = 512
+    connect_timeout: float = 2.0
+    # Longest silence between two chunks of a replica's answer before the router gives up on it.
+    # A last resort: a replica that dies closes its connections, and one that hangs fails its
+    # health checks (its streams are then ended); an overloaded CPU replica may legitimately
+    # queue a request for minutes before its first token.
+    read_timeout: float = 600.0
+    default_max_tokens: int = 256  # outstanding tokens counted for a request that names none
+    drain_timeout: float = 30.0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"

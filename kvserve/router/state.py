@@ -1,0 +1,149 @@
+"""RouterState: the replicas, the policy, the upstream client and the background loops, in one object.
+
+Health checks run for every replica each `health_interval`; a cache_aware router with a precise
+source also follows each replica's /kv/events (kvserve/router/kv_index.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from kvserve.router.kv_index import KVIndex
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policies import Policy, make_policy
+from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet
+from kvserve.router.settings import RouterSettings
+from kvserve.router.upstream import make_client
+
+log = logging.getLogger("kvserve.router")
+
+
+class RetryBudget:
+    """Retries may be at most `ratio` of requests (plus a burst): a token bucket, so a fleet-wide
+    failure makes the router fail fast instead of tripling the load on what is left."""
+
+    def __init__(self, ratio: float, burst: int) -> None:
+        self.ratio = ratio
+        self.burst = float(burst)
+        self.tokens = float(burst)
+
+    def on_request(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.ratio)
+
+    def try_spend(self) -> bool:
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+class RouterState:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.replicas = ReplicaSet(settings.replicas)
+        self.metrics = RouterMetrics(lambda: self.replicas)
+        self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst)
+        self.client: httpx.AsyncClient | None = None
+        self.index: KVIndex | None = None
+        self.policy: Policy = make_policy(settings.policy, None)
+        self.active = 0  # requests the router is answering
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._health: asyncio.Task | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        limits = httpx.Limits(max_connections=s.upstream_connections, max_keepalive_connections=s.upstream_connections)
+        timeout = httpx.Timeout(connect=s.connect_timeout, read=s.read_timeout, write=30.0, pool=s.connect_timeout)
+        self.client = make_client(limits, timeout)
+        if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
+            self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key)
+        self.policy = make_policy(s.policy, self.index)
+        await self.check_all()  # know who is up before the first request
+        for r in self.replicas:
+            self._follow(r)
+        self._health = asyncio.create_task(self._health_loop(), name="router health")
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        if self.index is not None:
+            await self.index.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    def begin(self) -> None:
+        self.active += 1
+        self._idle.clear()
+
+    def end(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- replicas joining and leaving -------------------------------------------------------
+    async def add(self, url: str) -> tuple[Replica, bool]:
+        replica, new = self.replicas.add(url)
+        if new:
+            log.info("replica added: %s", replica.url)
+            await self.check(replica)
+            self._follow(replica)
+        return replica, new
+
+    def remove(self, url: str) -> Replica | None:
+        replica = self.replicas.remove(url)
+        if replica is not None:
+            log.info("replica removed: %s (%d request(s) in flight finish there)", replica.url, replica.in_flight)
+            self.policy.forget(replica)
+            if self.index is not None:
+                self.index.forget(replica)
+        return replica
+
+    def _follow(self, replica: Replica) -> None:
+        if self.index is not None:
+            self.index.follow(replica)
+
+    # -- health -----------------------------------------------------------------------------
+    async def check(self, replica: Replica) -> None:
+        reachable = True
+        try:
+            r = await self.client.get(replica.url + "/health", timeout=self.settings.health_timeout)
+            ok, why = r.status_code == 200, f"/health answered {r.status_code}"
+        except httpx.HTTPError as e:
+            ok, why, reachable = False, f"/health: {type(e).__name__}: {e}", False
+        changed = replica.health_result(ok, self.settings, None if ok else why)
+        if changed == HEALTHY:
+            log.info("replica in: %s", replica.url)
+        elif changed == UNHEALTHY:
+            log.warning("replica out: %s (%s)", replica.url, why)
+            self.policy.forget(replica)  # if it comes back it may have restarted empty
+        if replica.state == UNHEALTHY and not reachable:
+            # It stopped answering (hung, or its host is gone): streams from it would hang until the
+            # read timeout. A replica that answers 503 (draining) finishes what it has instead.
+            for stream in list(replica.streams):
+                stream.abort(f"the replica {replica.url} stopped answering its health checks")
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.replicas))
+
+    async def _health_loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                log.exception("health checks failed")
+            await asyncio.sleep(max(0.0, self.settings.health_interval - (time.monotonic() - t0)))

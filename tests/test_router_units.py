@@ -1,0 +1,235 @@
+"""The router's parts on their own (no model): prefix tree, block hashes, event log, policies, and
+retries / Retry-After / circuit breaker against small real HTTP servers on loopback."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.events import BlockEventLog
+from kvserve.kv.manager import KVCacheManager
+from kvserve.router.kv_index import ReplicaBlocks, block_hashes
+from kvserve.router.policies import CacheAware, LeastLoad, RoundRobin
+from kvserve.router.prefix_tree import PrefixTree
+from kvserve.router.proxy import retry_after_seconds
+from kvserve.router.replicas import HEALTHY, Replica
+from kvserve.router.request import parse_request
+from kvserve.router.settings import PolicySettings, RouterSettings
+from kvserve.router.state import RetryBudget
+from router_harness import RouterThread
+from server_harness import free_port
+
+
+def test_router_hashes_prompt_blocks_exactly_as_the_kv_manager_looks_them_up():
+    pool = BlockPool(16)
+    manager = KVCacheManager(pool, block_size=4)
+    ids = list(range(100, 119))  # 19 tokens: 4 full blocks, the last token never from cache
+    assert manager.allocate("a", len(ids))
+    manager.cache_computed("a", ids, len(ids))
+    held = {h for _, kind, h in pool.events.since(0).events if kind == "+"}
+    hashes = block_hashes(ids, 4)
+    assert len(hashes) == 4 == len(manager.find_prefix(ids))
+    blocks = ReplicaBlocks("m", 4, held=held)
+    assert blocks.match(hashes) == 16
+    assert blocks.match(block_hashes(ids[:9], 4)) == 8  # (9 - 1) // 4 blocks
+    assert blocks.match(block_hashes([7] + ids[1:], 4)) == 0  # chained: a different first token changes all
+
+
+def test_event_log_gives_events_then_a_snapshot_to_a_reader_that_fell_behind():
+    log = BlockEventLog(capacity=3)
+    for i in range(3):
+        log.record("+", bytes([i]))
+    page = log.since(1)
+    assert [(s, k, h) for s, k, h in page.events] == [(2, "+", b"\x01"), (3, "+", b"\x02")] and page.held is None
+    log.record("-", b"\x00")
+    log.record("+", b"\x03")
+    behind = log.since(1)  # events 2..5 wanted, 3..5 kept
+    assert behind.events is None and sorted(behind.held) == [b"\x01", b"\x02", b"\x03"] and behind.seq == 5
+    assert log.since(5).events == [] and log.since(99).held is not None  # a restarted server starts over
+
+
+def test_block_pool_eviction_is_published():
+    pool = BlockPool(2)
+    manager = KVCacheManager(pool, block_size=2)
+    manager.allocate("a", 4)
+    manager.cache_computed("a", [1, 2, 3, 4], 4)
+    manager.free("a")
+    manager.allocate("b", 4)  # takes both cached blocks: both evicted
+    kinds = [k for _, k, _ in pool.events.since(0).events]
+    assert kinds == ["+", "+", "-", "-"] and len(pool.events) == 0
+    pool.check_invariant()
+
+
+def test_prefix_tree_matches_whole_chunks_and_forgets_least_recent_first():
+    tree = PrefixTree(chunk_chars=4, max_chunks=4)
+    tree.insert("abcdefgh")
+    assert tree.match("abcdefghij") == 8 and tree.match("abcdXXXX") == 4 and tree.match("Xbcd") == 0
+    tree.insert("zzzzyyyy")  # 4 chunks kept: all of both
+    tree.insert("qqqq")  # drops the least recently used: "efgh" (the match above refreshed "abcd")
+    assert len(tree) == 4 and tree.match("abcdefgh") == 4 and tree.match("zzzzyyyy") == 8
+
+
+def test_parse_request_reads_prompt_messages_and_token_budget():
+    r = parse_request("/v1/chat/completions", b'{"messages": [{"role": "developer", "content": [{"type": "text", '
+                                              b'"text": "be brief"}]}], "max_completion_tokens": 7, "n": 2}')
+    assert r.messages == [{"role": "system", "content": "be brief"}] and r.max_tokens == 7 and r.n == 2
+    assert parse_request("/v1/completions", b'{"prompt": [1, 2, 3]}').prompt == [1, 2, 3]
+    assert not parse_request("/v1/completions", b'{"prompt": ').routable
+
+
+def test_retry_after_accepts_seconds_and_http_dates():
+    assert retry_after_seconds("3") == 3.0
+    assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
+    in_a_minute = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 60))
+    assert 55 < retry_after_seconds(in_a_minute) <= 60
+
+
+def _replicas(*loads: int) -> list[Replica]:
+    out = []
+    for i, load in enumerate(loads):
+        r = Replica(f"http://r{i}", state=HEALTHY)
+        r.outstanding_tokens = load
+        out.append(r)
+    return out
+
+
+def test_round_robin_and_least_load_choices():
+    rs = _replicas(0, 0, 0)
+    req = parse_request("/v1/completions", b'{"prompt": "x"}')
+    assert [RoundRobin().choose(rs, req).replica for _ in range(1)] == [rs[0]]
+    rr = RoundRobin()
+    assert [rr.choose(rs, req).replica.url for _ in range(6)] == ["http://r0", "http://r1", "http://r2"] * 2
+    busy = _replicas(900, 10, 500)
+    assert LeastLoad().choose(busy, req).replica is busy[1]
+
+
+def test_cache_aware_prefers_the_prefix_until_loads_are_imbalanced_beyond_both_thresholds():
+    policy = CacheAware(PolicySettings(cache_source="approximate", balance_abs_tokens=1000, balance_rel=2.0,
+                                       min_match_tokens=8), None)
+    text = "You are a helpful assistant. " * 20
+    req = parse_request("/v1/completions", ('{"prompt": "%s"}' % text).encode())
+    a, b = _replicas(0, 0)
+    policy.tree(a).insert(text)
+    assert policy.choose([a, b], req).outcome == "prefix_hit" and policy.choose([a, b], req).replica is a
+    a.outstanding_tokens, b.outstanding_tokens = 1900, 950  # 950 apart: under the absolute threshold
+    assert policy.choose([a, b], req).replica is a
+    a.outstanding_tokens, b.outstanding_tokens = 5000, 3000  # far apart but under 2x
+    assert policy.choose([a, b], req).replica is a
+    a.outstanding_tokens, b.outstanding_tokens = 5000, 2000  # beyond both
+    d = policy.choose([a, b], req)
+    assert (d.replica, d.outcome) == (b, "load_fallback")
+    fresh = parse_request("/v1/completions", b'{"prompt": "Something else entirely, never sent before"}')
+    a.outstanding_tokens = b.outstanding_tokens = 0
+    assert policy.choose([a, b], fresh).outcome == "no_match"
+
+
+def test_retry_budget_allows_a_burst_then_a_share_of_requests():
+    budget = RetryBudget(ratio=0.5, burst=2)
+    assert [budget.try_spend() for _ in range(3)] == [True, True, False]
+    budget.on_request()
+    budget.on_request()
+    assert budget.try_spend() and not budget.try_spend()
+
+
+# -- retries and the circuit breaker, against small real HTTP servers -------------------------------
+class Upstream:
+    """A stand-in replica on loopback whose answer the test sets (kvserve itself cannot be made
+    to answer 429 or 503 on demand)."""
+
+    def __init__(self) -> None:
+        self.status, self.headers, self.calls = 200, {}, 0
+
+        async def health(request: Request) -> JSONResponse:
+            return JSONResponse({"status": "ready"})
+
+        async def completions(request: Request) -> JSONResponse:
+            self.calls += 1
+            await request.body()
+            return JSONResponse({"error": {"message": f"status {self.status}", "type": "x", "param": None,
+                                           "code": None}} if self.status != 200 else {"ok": True},
+                                status_code=self.status, headers=self.headers)
+
+        app = Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@pytest.fixture
+def upstreams():
+    ups = [Upstream(), Upstream()]
+    yield ups
+    for u in ups:
+        u.stop()
+
+
+def test_429_is_retried_elsewhere_and_its_retry_after_honoured(upstreams):
+    busy, ok = upstreams
+    busy.status, busy.headers = 429, {"Retry-After": "30"}
+    router = RouterThread([busy.url, ok.url], "round_robin")
+    try:
+        with router.client() as c:
+            results = [c.post("/v1/completions", json={"prompt": "x"}) for _ in range(4)]
+        assert [r.status_code for r in results] == [200] * 4
+        assert busy.calls == 1 and ok.calls == 4  # asked once, then left alone for its 30 s
+        assert 25 < router.admin()[busy.url]["retry_after_s"] <= 30
+        ok.status, ok.headers = 429, {"Retry-After": "2"}
+        with router.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 429 and r.json()["error"]["message"] == "status 429"  # the replica's own answer
+    finally:
+        router.stop()
+
+
+def test_connect_errors_are_retried_and_open_the_circuit_breaker(upstreams):
+    ok = upstreams[0]
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = RouterThread([ok.url], "round_robin", health_interval=60, breaker_failures=2, breaker_cooldown=60)
+    try:
+        # A replica that passed its checks, then vanished: requests to it fail before any byte.
+        with httpx.Client() as admin_client:
+            admin_client.post(router.url + "/admin/replicas", json={"url": dead},
+                              headers={"Authorization": "Bearer admin-key"})
+        replica = next(r for r in router.state.replicas if r.url == dead)
+        replica.state = HEALTHY
+        with router.client() as c:
+            assert [c.post("/v1/completions", json={"prompt": "x"}).status_code for _ in range(6)] == [200] * 6
+        info = router.admin()[dead]
+        assert info["breaker"] == "open" and info["errors"] == 2  # tried twice, then the breaker kept it out
+        metrics = httpx.get(router.url + "/metrics").text
+        assert f'kvserve_router_retries_total{{reason="connect",replica="{dead}"}} 2.0' in metrics
+    finally:
+        router.stop()
+
+
+def test_no_healthy_replica_is_a_503_with_an_openai_body():
+    router = RouterThread([f"http://127.0.0.1:{free_port()}"], "least_load")
+    try:
+        with router.client() as c:
+            r = c.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "no_replica"
+        assert httpx.get(router.url + "/health").status_code == 503
+    finally:
+        router.stop()
+
+
+def test_router_settings_defaults_are_sane():
+    s = RouterSettings()
+    assert s.unhealthy_after >= 1 and s.healthy_after >= 1 and 0 < s.retry_budget_ratio < 1
