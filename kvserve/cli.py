@@ -1,4 +1,4 @@
-"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, kv-size."""
+"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, kv-size, explain."""
 from __future__ import annotations
 
 import argparse
@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--memory", default=None, help="memory for weights + cache, e.g. 16GiB (default: this machine's available RAM)")
     kv.add_argument("--json", action="store_true", help="print the figures as JSON")
 
+    ex = sub.add_parser("explain", help="run one prompt and show each stage (tokens, prefill, decode, KV cache) with measured numbers")
+    _add_model_args(ex)
+    ex.add_argument("prompt")
+    ex.add_argument("--max-tokens", type=int, default=16)
+    ex.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
     try:
         from kvserve.server.cli import add_serve_parser
     except ImportError:  # the server extra is not installed
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.batch import run_generate
 
             return run_generate(args)
+        if args.command == "explain":
+            from kvserve.explain import run_explain
+
+            return run_explain(args)
         if args.command == "kv-size":
             from kvserve.kv.kv_size import run_kv_size
 
