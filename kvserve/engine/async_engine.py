@@ -36,6 +36,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    tokenized_time: float  # when the prompt reached the engine as token ids
 
 
 @dataclass
@@ -92,7 +93,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._inbox.put(_Add(rid, prompt, ids, params, arrival))
+        self._inbox.put(_Add(rid, prompt, ids, params, arrival, time.monotonic()))
         finished = False
         try:
             while True:
@@ -111,6 +112,10 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(rid))
 
+    def timeline(self, request_id: str) -> dict | None:
+        """A recent request's timeline (see engine/timeline.py); safe from any thread."""
+        return self.engine.timeline.get(request_id)
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
@@ -127,6 +132,7 @@ class AsyncEngine:
                     return
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids)
+                self.engine.timeline.mark(cmd.request_id, "tokenized", cmd.tokenized_time)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied
                 self._deliver(e, cmd.request_id)
         elif isinstance(cmd, _Abort):

@@ -14,6 +14,7 @@ from kvserve.engine.request import Request, Sequence, SeqStatus
 from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.timeline import TimelineRecorder
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
+        self.timeline = TimelineRecorder()  # read from other threads through its lock
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -133,6 +135,7 @@ class LLMEngine:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+        self.timeline.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; harmless for an unknown or finished one."""
@@ -144,6 +147,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self._finish(seq)
         req.metrics.finished_time = time.monotonic()
+        self.timeline.finish(req)
         return make_output(req, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -166,6 +170,7 @@ class LLMEngine:
         if not chunks:
             return []
         logits = self.runner.run(chunks)
+        self.timeline.step(sched, now, time.monotonic())
         for seq, n in sched.scheduled:
             if not seq.prompt_done:
                 self._prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -198,6 +203,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[rid]
+                self.timeline.finish(req)
             outputs.append(make_output(req, new))
         return outputs
 

@@ -21,6 +21,7 @@ from kvserve.server.auth import APIKeyMiddleware
 from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext
+from kvserve.server import insight
 from kvserve.server.errors import APIError, from_value_error, install_handlers
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.settings import ServerSettings
@@ -66,6 +67,7 @@ def build_app(
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
     _add_routes(app, ctx)
+    insight.add_routes(app, ctx)
     return app
 
 

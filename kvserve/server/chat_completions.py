@@ -14,6 +14,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, from_value_error
 from kvserve.server.generation import Job, usage
+from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.streaming import respond, sse
@@ -45,7 +46,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         raise from_value_error(e, renames) from None
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
     return await respond(request, ctx.state, job.num_seqs, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: _response(ctx, job, final))
+                         lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, final), **timeline_extension(ctx, job, req.kvserve)})
 
 
 async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
@@ -73,9 +74,10 @@ def _response(ctx: ServerContext, job: Job, final: RequestOutput) -> dict:
 async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
     head = _head(job, ctx, "chat.completion.chunk")
 
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+              extra: dict | None = None) -> bytes:
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]})
+                                         "finish_reason": finish_reason}], **(extra or {})})
 
     final = None
     done: set[int] = set()
@@ -93,7 +95,8 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
                         yield chunk(c.index, {"content": c.delta_text}, lp)
                     if c.finished:
                         done.add(c.index)
-                        yield chunk(c.index, {}, None, c.finish_reason)
+                        last = len(done) == job.params.n  # the final chunk carries the timeline if asked
+                        yield chunk(c.index, {}, None, c.finish_reason, timeline_extension(ctx, job, req.kvserve) if last else None)
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage([final])})
     except APIError as e:

@@ -31,6 +31,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class KVServeOptions(_Strict):
+    """kvserve's extension field `"kvserve": {...}` (docs/server.md)."""
+
+    timeline: bool = False  # the request's timeline in the final chunk (or the body)
+
+
 class _Sampling(_Strict):
     """Sampling fields shared by both endpoints: OpenAI's names, then the extras' common names."""
 
@@ -55,6 +61,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    kvserve: KVServeOptions | None = None
 
     @property
     def include_usage(self) -> bool:
