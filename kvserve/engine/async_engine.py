@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.snapshot import engine_state
 from kvserve.errors import KVServeError
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -44,10 +45,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Snapshot:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Snapshot | None] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams
         self._stats = engine.stats()
@@ -116,6 +123,15 @@ class AsyncEngine:
         """A recent request's timeline (see engine/timeline.py); safe from any thread."""
         return self.engine.timeline.get(request_id)
 
+    async def state(self) -> dict:
+        """A snapshot of the engine (engine/snapshot.py), taken on the engine thread between steps."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running") from self.error
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Snapshot(loop, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
@@ -125,7 +141,7 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------------
-    def _apply(self, cmd: _Add | _Abort | None) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Snapshot | None) -> None:
         if isinstance(cmd, _Add):
             with self._lock:
                 if cmd.request_id not in self._streams:  # its consumer left before admission
@@ -137,6 +153,12 @@ class AsyncEngine:
                 self._deliver(e, cmd.request_id)
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _Snapshot):
+            state = engine_state(self.engine)
+            try:
+                cmd.loop.call_soon_threadsafe(lambda: cmd.future.done() or cmd.future.set_result(state))
+            except RuntimeError:  # that event loop is closed
+                pass
 
     def _deliver(self, out: RequestOutput | BaseException, rid: str) -> None:
         with self._lock:

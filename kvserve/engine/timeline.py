@@ -6,15 +6,20 @@ step with its batch, preemptions, the first token and the finish. The engine thr
 (three call sites: add_request, after each step's forward pass, at the finish); the server reads
 copies through a lock, so nothing else of the engine is touched from another thread.
 
+The same hooks keep what the live page (server/static, via engine/snapshot.py) shows of the engine as a whole: the last
+`keep_steps` steps' batches (prefill vs decode tokens) and histograms of time to first token
+and inter-token latency.
+
 Memory is bounded twice: the timelines of live requests plus the last `keep` finished ones are
 kept, and each keeps at most `max_events` events (a long generation keeps its first steps; the
 summary still counts all of them).
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +30,29 @@ if TYPE_CHECKING:
 # (kind, start, end, seq index, tokens, batch sequences, batch tokens); unused fields are None.
 Event = tuple[str, float, "float | None", "int | None", "int | None", "int | None", "int | None"]
 _COUNTED = ("prefill", "recompute", "decode", "preempted")
+# Histogram bucket upper edges, milliseconds (the last bucket is everything above).
+LATENCY_EDGES_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    start: float
+    end: float
+    prefill_tokens: int  # prompt chunks and recomputation
+    decode_tokens: int
+    num_seqs: int
+
+
+class Histogram:
+    def __init__(self, edges: tuple[float, ...] = LATENCY_EDGES_MS) -> None:
+        self.edges = edges
+        self.counts = [0] * (len(edges) + 1)
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(self.edges, ms)] += 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"edges_ms": list(self.edges), "counts": list(self.counts)}
 
 
 @dataclass
@@ -39,12 +67,17 @@ class _Timeline:
     first_token: float | None = None
     finished: float | None = None
     finish_reasons: list[str | None] = field(default_factory=list)
+    last_token: dict[int, float] = field(default_factory=dict)  # seq index → when its last token came
 
 
 class TimelineRecorder:
-    def __init__(self, keep: int = 128, max_events: int = 1024) -> None:
+    def __init__(self, keep: int = 128, max_events: int = 1024, keep_steps: int = 120) -> None:
         self.keep = keep
         self.max_events = max_events
+        self.steps: deque[StepRecord] = deque(maxlen=keep_steps)
+        self.num_steps = 0
+        self.ttft = Histogram()
+        self.itl = Histogram()
         self._live: dict[str, _Timeline] = {}
         self._done: OrderedDict[str, _Timeline] = OrderedDict()
         self._lock = threading.Lock()
@@ -66,6 +99,7 @@ class TimelineRecorder:
     def step(self, sched: SchedulerOutput, start: float, end: float) -> None:
         """After a step's forward pass, before its sequences' counters move on."""
         seqs, tokens = len(sched.scheduled), sched.num_tokens
+        decode_tokens = 0
         with self._lock:
             for seq in sched.preempted:
                 tl = self._live.get(seq.request.request_id)
@@ -83,6 +117,16 @@ class TimelineRecorder:
                 if tl.first_scheduled is None:
                     tl.first_scheduled = start
                 self._append(tl, (kind, start, end, seq.index, n, seqs, tokens))
+                decode_tokens += n if kind == "decode" else 0
+                if done + n == len(seq.token_ids):  # this step samples the sequence's next token
+                    last = tl.last_token.get(seq.index)
+                    if last is None and not tl.last_token:
+                        self.ttft.observe((end - tl.arrival) * 1e3)
+                    elif last is not None:
+                        self.itl.observe((end - last) * 1e3)
+                    tl.last_token[seq.index] = end
+            self.steps.append(StepRecord(start, end, tokens - decode_tokens, decode_tokens, seqs))
+            self.num_steps += 1
 
     def finish(self, req: Request) -> None:
         m = req.metrics
@@ -105,6 +149,17 @@ class TimelineRecorder:
             tl.dropped += 1
 
     # -- any thread -----------------------------------------------------------------------
+    def activity(self) -> dict[str, Any]:
+        """Recent steps and the latency histograms, as JSON-able data."""
+        with self._lock:
+            return {
+                "num_steps": self.num_steps,
+                "steps": [{"t": s.start, "duration": round(s.end - s.start, 6), "prefill_tokens": s.prefill_tokens,
+                           "decode_tokens": s.decode_tokens, "seqs": s.num_seqs} for s in self.steps],
+                "ttft": self.ttft.to_json(),
+                "itl": self.itl.to_json(),
+            }
+
     def get(self, request_id: str) -> dict[str, Any] | None:
         """The request's timeline as JSON-able data (seconds since arrival), or None if unknown
         or long forgotten."""

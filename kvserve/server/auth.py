@@ -11,7 +11,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# The page and its static files hold nothing secret; the page sends the key on its API calls.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/static/index.html", "/static/app.js", "/static/app.css"})
 
 
 class APIKeyMiddleware:

@@ -1,16 +1,26 @@
-"""Routes that show what the engine does: a request's timeline (and, with web.py, the live page).
+"""Routes that show what the engine does: a request's timeline, the engine's state, the page.
 
     GET /v1/requests/{id}/timeline   the engine's record of a recent request (id as returned
                                      in the response: chatcmpl-…, cmpl-…)
+    GET /v1/engine/state             block pool map, queues, recent steps, latency histograms,
+                                     prefix-cache hits (engine/snapshot.py); at most one snapshot
+                                     per STATE_MIN_INTERVAL however many pages poll it
+    GET /  and /static/…             the live page (server/static/), no external resources
 
 A generation request may also ask for its timeline in its final chunk (streamed) or in its body
 (not streamed) with the extension field `"kvserve": {"timeline": true}`; see docs/server.md.
 """
 from __future__ import annotations
 
+import asyncio
+import time
+from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import EngineDeadError
 
 from kvserve.server.errors import APIError
 
@@ -37,7 +47,54 @@ def timeline_extension(ctx: ServerContext, job: Job, wanted: Any) -> dict[str, A
     return {"kvserve": {"timeline": timeline(ctx, job.request_id)}}
 
 
+STATE_MIN_INTERVAL = 0.1  # seconds: the engine takes at most ten snapshots a second for the page
+STATE_TIMEOUT = 30.0  # a step longer than this would be a stuck engine
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+STATIC_FILES = ("index.html", "app.js", "app.css")  # also listed as open paths in auth.py
+
+
+class StateCache:
+    """One engine snapshot shared by every caller within STATE_MIN_INTERVAL of it."""
+
+    def __init__(self) -> None:
+        self._at = 0.0
+        self._pending: asyncio.Future | None = None
+
+    async def get(self, ctx: ServerContext) -> dict[str, Any]:
+        if self._pending is None or (self._pending.done() and time.monotonic() - self._at > STATE_MIN_INTERVAL):
+            self._at = time.monotonic()
+            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.state.engine.state(), STATE_TIMEOUT))
+        return await asyncio.shield(self._pending)
+
+
+def _static(name: str) -> Response:
+    data = resources.files("kvserve.server").joinpath("static", name).read_bytes()
+    return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
+
+
 def add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    cache = StateCache()
+
+    @app.get("/v1/engine/state")
+    async def engine_state() -> dict:
+        ctx.state.require_ready()
+        try:
+            state = await cache.get(ctx)
+        except (EngineDeadError, TimeoutError):
+            raise APIError(503, "the engine is not answering: see /health", code="dead") from None
+        return {"model": ctx.settings.model_name, "max_model_len": ctx.state.llm.max_model_len, **state}
+
+    @app.get("/")
+    async def page() -> Response:
+        return _static("index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return _static(name)
+
     @app.get("/v1/requests/{request_id}/timeline")
     async def request_timeline(request_id: str) -> dict:
         ctx.state.require_ready()
