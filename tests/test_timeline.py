@@ -62,7 +62,7 @@ def test_streamed_request_timeline_is_consistent(server, client) -> None:
     # Against the client's clock: sent <= arrival <= first token <= the client saw it.
     arrival = tl["arrival_monotonic"]
     assert sent <= arrival <= arrival + first["t"] <= first_text
-    assert first_text - (arrival + first["t"]) < 0.5  # delivery: the SSE hop to this process
+    assert first_text - (arrival + first["t"]) < 1.0  # delivery: the SSE hop to this process (loaded machine)
     # The endpoint returns the same record.
     got = httpx.get(f"{server.url}/v1/requests/{final.id}/timeline", headers=server.headers, timeout=10)
     assert got.status_code == 200 and got.json() == body

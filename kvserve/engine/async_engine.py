@@ -51,6 +51,15 @@ class _Snapshot:
     future: asyncio.Future
 
 
+def _resolve(future: asyncio.Future, result: object) -> None:
+    if future.done():  # its caller gave up
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -154,9 +163,13 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
         elif isinstance(cmd, _Snapshot):
-            state = engine_state(self.engine)
             try:
-                cmd.loop.call_soon_threadsafe(lambda: cmd.future.done() or cmd.future.set_result(state))
+                state = engine_state(self.engine)
+            except Exception as e:  # noqa: BLE001 - a picture of the engine must not stop it
+                log.exception("engine snapshot failed")
+                state = e
+            try:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, state)
             except RuntimeError:  # that event loop is closed
                 pass
 
