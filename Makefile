@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-fast bench clean
+.PHONY: setup serve chat generate test test-isa test-fast bench clean
 
 setup: $(STAMP)
 
@@ -27,8 +27,16 @@ serve: setup  ## serve the embedded default model on http://127.0.0.1:8000
 chat: setup  ## chat with the default model in the terminal
 	$(PY) -m kvserve chat $(ARGS)
 
-test: setup  ## the whole suite, slow tests included
+test: setup  ## the whole suite, slow tests included, then the kernels on every slower ISA path
 	$(PY) -m pytest -q $(ARGS)
+	$(MAKE) --no-print-directory test-isa
+
+# The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
+# machine also runs what AVX2-only and older CPUs run.
+KERNEL_TESTS ?= tests/test_kernels.py
+test-isa: setup
+	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(PY) -m pytest -q $(KERNEL_TESTS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

@@ -65,8 +65,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_quietly_on_signals() -> None:
+    """Ctrl-C or SIGTERM before a command takes over its signals (imports, loading) exits 0 at once,
+    with one line instead of a traceback or a C++ abort from threads torn down mid-load."""
+    import os
+    import signal
+
+    def handler(sig: int, frame: object) -> None:
+        print(f"kvserve: {signal.Signals(sig).name}: exiting", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        _exit_quietly_on_signals()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if not args.verbose:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -76,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_chat(args)
         if args.command == "generate":
-            from kvserve.batch import run_generate
+            from kvserve.generate import run_generate
 
             return run_generate(args)
         if args.command == "explain":

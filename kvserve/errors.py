@@ -20,3 +20,12 @@ class CacheClosedError(KVServeError, RuntimeError):
 
 class OutOfBlocksError(KVServeError, RuntimeError):
     """The KV pool has no free block for a sequence that needs one."""
+
+
+class InvalidParam(KVServeError, ValueError):
+    """A request parameter with a value kvserve cannot take; `param` names it as the API does
+    ("temperature", "prompt", "max_tokens"), so a server can say which without parsing the text."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param

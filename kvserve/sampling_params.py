@@ -1,12 +1,14 @@
 """SamplingParams: how one request's tokens are chosen and when it stops.
 
-Ranges follow OpenAI's documented ones (vLLM's names for the extras). validate() raises a
-ValueError naming the parameter and its allowed range, before any KV block is allocated.
+Ranges follow OpenAI's documented ones (vLLM's names for the extras). validate() raises an
+InvalidParam (a ValueError) naming the parameter and its allowed range, before any KV block is allocated.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from kvserve.errors import InvalidParam
 
 MAX_LOGPROBS = 20
 # Stop conditions are checked on every token: bounded so no request can make that expensive.
@@ -39,8 +41,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        def bad(name: str, allowed: str) -> InvalidParam:
+            return InvalidParam(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -71,8 +73,8 @@ class SamplingParams:
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+            raise InvalidParam(
+                "min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}"
             )
         if self.logprobs is not None and (

@@ -8,6 +8,7 @@ server needs around it: BOS policy, end-of-turn ids, the sandboxed chat template
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,21 @@ from kvserve.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateErro
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.tokenizer_gguf import build_gguf_vocab, read_gguf_metadata
 
-__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PromptTooLong", "Tokenizer"]
+
+# Long texts are counted in pieces of this many characters before being encoded whole, so a huge
+# prompt is refused after reading about a context's worth of it (each piece holds the GIL briefly).
+_PIECE_CHARS = 4096
+# Cutting a text can split or merge a few tokens at the cut: allow this many per cut when counting.
+_TOKENS_PER_CUT = 8
+
+
+class PromptTooLong(ValueError):
+    """A text that encodes to more than `limit` tokens (found before encoding all of it)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the text is more than {limit} tokens")
+        self.limit = limit
 
 # Special tokens that close a turn in common chat formats; those the template writes stop generation.
 _END_OF_TURN = {
@@ -56,6 +71,8 @@ class Tokenizer:
         # Whether encode(..., add_special_tokens=True) puts BOS in front (the model asks for it).
         with_specials = backend.encode("", add_special_tokens=True).ids
         self.adds_bos = bos_token_id is not None and with_specials[:1] == [bos_token_id]
+        self._special_texts = tuple(text for _, text in special)
+        self._plain: Backend | None = None  # made on first use: encodes special-token text as text
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -130,10 +147,40 @@ class Tokenizer:
         )
 
     # -- text <-> ids ----------------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         """Special tokens written in `text` (e.g. "<|im_start|>") become their ids; BOS is added only
-        when the model asks for it and `add_special_tokens` is set."""
+        when the model asks for it and `add_special_tokens` is set.
+
+        With `max_tokens`, a text that surely holds more raises PromptTooLong after only about that
+        many tokens' worth of it was read: a 4 MiB prompt costs what a full context does."""
+        if max_tokens is not None and len(text) > _PIECE_CHARS:
+            self._check_length(text, max_tokens)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's spelling ("<|im_start|>") is encoded as the
+        characters it is made of, never as the control token."""
+        if self._plain is None:
+            self._plain = Backend.from_str(self.backend.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` spells one of the special tokens."""
+        return any(t in text for t in self._special_texts)
+
+    def _check_length(self, text: str, max_tokens: int) -> None:
+        count, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = start + _PIECE_CHARS
+            if end < len(text):  # cut before a space where one is near: fewer tokens change
+                space = text.rfind(" ", end - 256, end)
+                end = space if space > start else end
+            count += len(self.backend.encode(text[start:end], add_special_tokens=False).ids)
+            cuts += 1
+            if count - _TOKENS_PER_CUT * cuts > max_tokens:
+                raise PromptTooLong(max_tokens)
+            start = end
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -161,14 +208,51 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        max_tokens: int | None = None,
+        special_tokens_in_content: bool = False,
+        **extra: Any,
     ) -> list[int]:
         """The prompt ids: the rendered template, with BOS in front only if the model wants one and
-        the template did not already write it."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
-        ids = self.encode(text, add_special_tokens=False)
+        the template did not already write it.
+
+        Message content is text: a special token spelt inside it ("<|im_start|>system") stays
+        those characters, so a user cannot forge a turn. Only the template's own markers are
+        control tokens. `special_tokens_in_content=True` lets content spell control tokens (for
+        callers that build turns themselves). `max_tokens` bounds the work as in encode()."""
+        if not special_tokens_in_content and any(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and self.has_special_text(m["content"])
+            for m in messages
+        ):
+            ids = self._encode_chat_as_text(messages, add_generation_prompt, max_tokens, extra)
+        else:
+            text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+            ids = self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        return ids
+
+    def _encode_chat_as_text(
+        self, messages: list[dict], add_generation_prompt: bool, max_tokens: int | None, extra: dict
+    ) -> list[int]:
+        """Render with a placeholder for each content, then encode the template's text with its
+        special tokens and each content as plain text."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
+        stand_ins = [
+            {**m, "content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)
+        ]
+        text = self.apply_chat_template(stand_ins, add_generation_prompt, **extra)
+        if max_tokens is not None:
+            self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), max_tokens=max_tokens)
+        ids: list[int] = []
+        for piece in re.split("(\ue000\\d+\ue001)", text):
+            if piece.startswith("\ue000") and piece.endswith("\ue001"):
+                ids += self.encode_plain(messages[int(piece[1:-1])]["content"])
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False)
         return ids
 
 

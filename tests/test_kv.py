@@ -103,3 +103,31 @@ def test_revived_cached_blocks_count_against_free() -> None:
     assert m.allocate("b", 9, hit)
     assert m.pool.num_free_blocks == 0
     m.pool.check_invariant()
+
+
+def test_memory_touched_follows_usage_not_traffic() -> None:
+    """Many short requests, each with its own (cached) prompt: the pool reuses freed blocks and
+    keeps at most cache_reserve cached ones before touching fresh memory."""
+    pool = BlockPool(400, cache_reserve=10)
+    for i in range(1000):
+        blocks = pool.allocate(3)
+        parent = None
+        for j, b in enumerate(blocks):
+            parent = hash_block(parent, [i, j])
+            pool.cache(b, parent, [i, j])
+        pool.free(reversed(blocks))
+    pool.check_invariant()
+    assert pool.num_touched_blocks <= 3 + 10 + 3
+    assert pool.num_cached_free_blocks <= 10 + 3
+
+
+def test_cached_blocks_are_kept_while_under_the_reserve() -> None:
+    pool = BlockPool(8, cache_reserve=2)
+    a = pool.allocate(2)
+    for k, b in enumerate(a):
+        pool.cache(b, hash_block(None, [k]), [k])
+    pool.free(reversed(a))
+    # Two cached blocks, reserve 2: fresh memory is taken before any cached K/V is lost.
+    assert [b.block_id for b in pool.allocate(3)] == [2, 3, 4]
+    assert pool.num_cached_free_blocks == 2
+    pool.check_invariant()

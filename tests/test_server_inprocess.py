@@ -13,8 +13,7 @@ from fastapi.testclient import TestClient
 
 from kvserve.config import CacheConfig
 from kvserve.llm import LLM
-from kvserve.server.app import build_app
-from kvserve.server.settings import ServerSettings
+from kvserve.server.app import ServerSettings, build_app
 from server_harness import tiny_model_dir
 
 SETTINGS = ServerSettings(model_name="tiny")
@@ -70,7 +69,7 @@ def test_load_failure_is_reported(model_dir):
         assert client.post("/v1/completions", json=REQUEST).status_code == 503
 
 
-def dying_llm(model_dir, steps: int, message: str):
+def dying_llm(model_dir, steps: int, message: str, error: type[Exception] = RuntimeError):
     """A tiny LLM whose engine step raises after `steps` good steps."""
     llm = tiny_llm(model_dir)
     real_step, calls = llm.engine.step, []
@@ -78,20 +77,22 @@ def dying_llm(model_dir, steps: int, message: str):
     def failing_step():
         calls.append(1)
         if len(calls) > steps:
-            raise RuntimeError(message)
+            raise error(message)
         return real_step()
 
     llm.engine.step = failing_step
     return llm
 
 
-def test_engine_death_ends_requests_with_an_error_and_health_503(model_dir):
-    llm = dying_llm(model_dir, 2, "simulated kernel failure in /secret/path.py")
+# A ValueError raised inside a step is the engine's failure, not the client's bad input.
+@pytest.mark.parametrize("error", [RuntimeError, ValueError])
+def test_engine_death_ends_requests_with_an_error_and_health_503(model_dir, error):
+    llm = dying_llm(model_dir, 2, "simulated kernel failure in /secret/path.py", error)
     with TestClient(build_app(SETTINGS, llm=llm), raise_server_exceptions=False) as client:
         r = client.post("/v1/completions", json={**REQUEST, "max_tokens": 50, "ignore_eos": True})
-        assert r.status_code == 500
+        assert r.status_code == 503
         err = r.json()["error"]
-        assert err["type"] == "server_error" and err["code"] == "engine_dead"
+        assert err["type"] == "service_unavailable_error" and err["code"] == "engine_dead"
         assert "secret" not in r.text and "Traceback" not in r.text
         health = client.get("/health")
         assert health.status_code == 503 and health.json() == {"status": "dead"}
@@ -152,3 +153,33 @@ def test_no_pickle_on_any_path():
     for path in root.rglob("*.py"):
         source = path.read_text()
         assert "pickle" not in source and "torch.load(" not in source, path
+
+
+def test_a_stalled_engine_turns_health_503_and_recovers(model_dir):
+    """A step that makes no progress for longer than the stall timeout is not 'ready'."""
+    llm = tiny_llm(model_dir)
+    real_step, release = llm.engine.step, threading.Event()
+
+    def stuck_step():
+        release.wait(30)
+        return real_step()
+
+    llm.engine.step = stuck_step
+    settings = ServerSettings(model_name="tiny", stall_timeout=0.5)
+    with TestClient(build_app(settings, llm=llm)) as client:
+        assert client.get("/health").json() == {"status": "ready"}
+        done: list = []
+        worker = threading.Thread(target=lambda: done.append(client.post("/v1/completions", json=REQUEST)))
+        worker.start()
+        for _ in range(300):
+            health = client.get("/health")
+            if health.status_code == 503:
+                break
+            threading.Event().wait(0.02)
+        assert health.status_code == 503 and health.json() == {"status": "stalled"}
+        r = client.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "stalled"
+        release.set()
+        worker.join(30)
+        assert done[0].status_code == 200
+        assert client.get("/health").json() == {"status": "ready"}

@@ -20,9 +20,11 @@ def body(max_tokens: int, stream: bool, **kw) -> dict:
 
 
 async def read_stream(client: httpx.AsyncClient, started: asyncio.Event, **kw) -> tuple[int, str | None, bool]:
-    """(tokens received, last finish_reason or "error: <code>", saw [DONE]) of one streamed completion."""
+    """(tokens received, last finish_reason or "error: <code>", saw [DONE]) of one streamed completion.
+    Tokens are counted from each event's logprobs: a reader slower than the engine gets several
+    tokens in one event."""
     tokens, finish, done = 0, None, False
-    async with client.stream("POST", "/v1/completions", json=body(stream=True, **kw)) as r:
+    async with client.stream("POST", "/v1/completions", json=body(stream=True, logprobs=0, **kw)) as r:
         assert r.status_code == 200
         try:
             async for line in r.aiter_lines():
@@ -34,7 +36,7 @@ async def read_stream(client: httpx.AsyncClient, started: asyncio.Event, **kw) -
                         finish = f"error: {event['error']['code']}"
                         continue
                     choice = event["choices"][0]
-                    tokens += 1 if choice["text"] else 0
+                    tokens += len(choice["logprobs"]["tokens"]) if choice["logprobs"] else 0
                     finish = choice["finish_reason"] or finish
                     started.set()
         except httpx.RemoteProtocolError:  # the server cut the stream

@@ -76,7 +76,7 @@ CASES = [
     # malformed JSON
     ("malformed-json", C, b'{"prompt": "x",', 400, BAD, None),
     ("not-an-object", C, b'["prompt"]', 400, BAD, None),
-    ("nan-literal", C, b'{"prompt": "x", "temperature": NaN}', 400, BAD, None),
+    ("nan-literal", C, b'{"prompt": "x", "temperature": NaN}', 400, BAD, "temperature"),
     ("empty-body", CHAT, b"", 400, BAD, None),
     ("deep-nesting", C, b"[" * 100000 + b"]" * 100000, 400, BAD, None),
     # wrong types: strictly

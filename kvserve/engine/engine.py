@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
+from kvserve.errors import InvalidParam
 from kvserve.engine.output import append_token, make_output
 from kvserve.engine.request import Request, Sequence, SeqStatus
 from kvserve.engine.runner import ModelRunner, SeqChunk
@@ -18,7 +19,7 @@ from kvserve.engine.timeline import TimelineRecorder
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvserve.tokenizer import IncrementalDetokenizer, PromptTooLong, Tokenizer
 
 
 @dataclass
@@ -74,31 +75,37 @@ class LLMEngine:
         params.validate()
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
+                raise InvalidParam("prompt", "prompt must not be empty")
+            try:
+                ids = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+            except PromptTooLong:
+                raise InvalidParam(
+                    "prompt", f"prompt is more than {self.max_model_len} tokens but the context holds "
+                    f"{self.max_model_len}{self.context_note}: shorten the prompt"
+                ) from None
         else:
             ids = list(prompt)
             bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidParam("prompt", f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidParam("prompt", "prompt must not be empty")
         n = len(ids)
         if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
+            raise InvalidParam(
+                "prompt", f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
                 "shorten the prompt"
             )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens is {params.max_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
+            raise InvalidParam(
+                "max_tokens", f"max_tokens is {params.max_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
                 f"and the prompt takes {n}: max_tokens must be at most {self.max_model_len - n}"
             )
         total = n + (params.max_tokens or self.max_model_len - n)
         blocks = self.manager.blocks_needed(total)
         if blocks > self.manager.pool.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
+            raise InvalidParam(
+                "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
                 f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt"
             )
         return ids

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # (kind, start, end, seq index, tokens, batch sequences, batch tokens); unused fields are None.
 Event = tuple[str, float, "float | None", "int | None", "int | None", "int | None", "int | None"]
 _COUNTED = ("prefill", "recompute", "decode", "preempted")
+KEEP_FINISHED = 128  # finished requests whose timelines are kept
 # Histogram bucket upper edges, milliseconds (the last bucket is everything above).
 LATENCY_EDGES_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
@@ -71,7 +72,7 @@ class _Timeline:
 
 
 class TimelineRecorder:
-    def __init__(self, keep: int = 128, max_events: int = 1024, keep_steps: int = 120) -> None:
+    def __init__(self, keep: int = KEEP_FINISHED, max_events: int = 1024, keep_steps: int = 120) -> None:
         self.keep = keep
         self.max_events = max_events
         self.steps: deque[StepRecord] = deque(maxlen=keep_steps)

@@ -4,16 +4,19 @@ A block is in exactly one of three states:
   in use        ref_cnt > 0 (some sequence's block table holds it)
   cached, free  ref_cnt == 0, holds a hash: its K/V can be reused until it is evicted
   free          ref_cnt == 0, no hash
-Every block with ref_cnt == 0 sits in the free queue; allocation takes from its head, and a
-cached block taken that way is evicted (its hash forgotten). Freed blocks with a hash go to the
-tail (least recently used is evicted first); freed blocks without one go to the head, so
-uncached blocks are reused before any cached K/V is lost.
+Blocks never used yet wait in `fresh`; every freed block (ref_cnt back to 0) sits in the free
+queue. Freed blocks without a hash go to its head, with one to its tail (least recently used is
+evicted first). Allocation takes, in order: a freed uncached block (the most recently freed, whose
+memory is warm); the least recently used cached block while more than `cache_reserve` are
+cached; a fresh block; any cached block. Memory the pool has never touched stays untouched, so
+the process's resident memory follows what is used plus at most `cache_reserve` blocks of
+prefix cache, not the traffic it has ever seen.
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -36,28 +39,37 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, cache_reserve: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        # Cached blocks kept before fresh memory is touched: a quarter of the pool by default.
+        self.cache_reserve = max(1, num_blocks // 4) if cache_reserve is None else cache_reserve
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._fresh: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._num_cached_free = 0
         self._cached: dict[bytes, KVBlock] = {}
 
     # -- counts ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take now (free ones and evictable cached ones)."""
-        return len(self._free)
+        return len(self._free) + len(self._fresh)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(1 for i in self._free if self.blocks[i].block_hash is not None)
+        return self._num_cached_free
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever used: the pool's share of resident memory."""
+        return self.num_blocks - len(self._fresh)
 
     @property
     def usage(self) -> float:
@@ -70,27 +82,39 @@ class BlockPool:
         free = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is None)
         assert free + cached_free + in_use == self.num_blocks
         assert all(b.ref_cnt >= 0 for b in self.blocks)
-        assert set(self._free) == {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert set(self._free) | set(self._fresh) == {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert not set(self._free) & set(self._fresh)
+        assert self._num_cached_free == cached_free
         assert all(self._cached[b.block_hash] is b for b in self.blocks if b.block_hash is not None)
         assert len(self._cached) == sum(1 for b in self.blocks if b.block_hash is not None)
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[KVBlock]:
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {n} KV blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.blocks[self._free.popitem(last=False)[0]]
-            self._evict(block)
+            block = self._take()
+            if block.block_hash is not None:
+                self._num_cached_free -= 1
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def _take(self) -> KVBlock:
+        if self._free:
+            head = self.blocks[next(iter(self._free))]
+            if head.block_hash is None or self._num_cached_free > self.cache_reserve or not self._fresh:
+                return self.blocks[self._free.popitem(last=False)[0]]
+        return self.blocks[self._fresh.popleft()]
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take another reference (a prefix hit or a shared block); revives cached free blocks."""
         for b in blocks:
             if b.ref_cnt == 0:
                 del self._free[b.block_id]
+                self._num_cached_free -= b.block_hash is not None
             b.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -102,6 +126,8 @@ class BlockPool:
                 self._free[b.block_id] = None
                 if b.block_hash is None:
                     self._free.move_to_end(b.block_id, last=False)
+                else:
+                    self._num_cached_free += 1
 
     # -- prefix cache ---------------------------------------------------------------------
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:
@@ -126,3 +152,4 @@ class BlockPool:
         """Forget every cached block that no sequence holds."""
         for i in self._free:
             self._evict(self.blocks[i])
+        self._num_cached_free = 0

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, middleware, and the model load behind /health.
+"""The FastAPI app: its settings, the context every route shares, the API key check, the routes.
 
     app = build_app(ServerSettings(model_name="smollm2-135m"), load=lambda: LLM("smollm2-135m"))
 
@@ -8,29 +8,114 @@ is ready; with `llm`, the app is ready at once (tests, embedding in another prog
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.server.auth import APIKeyMiddleware
-from kvserve.server.chat_completions import create_chat_completion
-from kvserve.server.completions import create_completion
-from kvserve.server.context import ServerContext
+from kvserve.engine.engine import EngineStats
+from kvserve.sampling_params import MAX_LOGPROBS
+from kvserve.server.errors import APIError, from_invalid, install_handlers
 from kvserve.server import insight
-from kvserve.server.errors import APIError, from_value_error, install_handlers
+from kvserve.server.generation import EngineClient
+from kvserve.server.lifecycle import ServerState
+from kvserve.server.logprobs import TokenTexts
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.parsing import parse
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
-from kvserve.server.settings import ServerSettings
-from kvserve.server.validation import parse
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
 
 log = logging.getLogger("kvserve.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the HTTP layer needs to know (the engine has its own config)."""
+
+    model_name: str  # the name clients pass as "model" (and /v1/models lists)
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    api_key: str | None = None  # Bearer token for every route but /health and /metrics
+    allowed_origins: tuple[str, ...] = ()  # CORS stays off while empty
+    # Sequences that may wait beyond the engine's max_num_seqs running ones; more get 429.
+    max_queued_requests: int = 256
+    max_n: int = 8  # completions per request
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    max_request_share: float = 0.25  # of running + queued capacity, the most one request may hold
+    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token
+    max_body_bytes: int = 4 << 20  # 4 MiB: far more than any context's worth of text
+    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    stall_timeout: float = 60.0  # an engine step running longer turns /health 503 "stalled"
+    stream_stall_timeout: float = 60.0  # a stream whose client reads nothing this long is aborted
+    request_timeout: float | None = None  # whole-request limit in seconds; None: none
+    header_timeout: float = 10.0  # seconds a client has to send a request's headers
+    max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
+    special_tokens_in_messages: bool = False  # let chat content spell control tokens
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class ServerContext:
+    """What every route handler needs, in one object the app holds."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.state = ServerState(settings)
+        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests)
+        self.client = EngineClient(self.state, self.metrics)
+
+    def _stats(self) -> EngineStats | None:
+        return self.state.engine.stats() if self.state.engine is not None else None
+
+    async def parse(self, request: Request, model: type) -> object:
+        return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)
+
+    @functools.cached_property
+    def texts(self) -> TokenTexts:
+        """Token texts for logprobs (made once the model is loaded)."""
+        return TokenTexts(self.state.llm.tokenizer)
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return self.state.llm.tokenizer.special_token_ids
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but the open ones. A plain ASGI middleware (it
+    must not buffer streamed responses); the comparison is constant-time so the key cannot be
+    guessed byte by byte from response times."""
+
+    # The live page and its files hold nothing secret; the page sends the key on its API calls.
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/", "/static/index.html", "/static/app.js", "/static/app.css"})
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)  # OPTIONS: CORS preflights carry no credentials
+            return
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key: send Authorization: Bearer <key>" if not given else "invalid API key"
+        error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error.response()(scope, receive, send)
 
 
 def build_app(
@@ -54,12 +139,13 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if load is not None:
-            ctx.state.load_in_background(load, load_failed)
+            app.state.loader = ctx.state.load_in_background(load, load_failed)
         yield
         ctx.state.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    app.state.loader = None
     install_handlers(app)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -72,6 +158,9 @@ def build_app(
 
 
 def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    from kvserve.server.chat_completions import create_chat_completion
+    from kvserve.server.completions import create_completion
+
     settings, state = ctx.settings, ctx.state
 
     @app.post("/v1/completions")
@@ -92,25 +181,28 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         state.require_ready()
-        req = await parse(request, TokenizeRequest, settings)
+        req = await ctx.parse(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
-        tok = state.llm.tokenizer
+        limit = state.llm.max_model_len
         try:
             if req.messages is not None:
                 msgs = [m.for_template() for m in req.messages]
-                ids = await asyncio.to_thread(state.llm.encode_chat, msgs, req.add_generation_prompt)
+                ids = await ctx.client.encode_chat(msgs, req.add_generation_prompt)
             else:
-                ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
+                ids = await ctx.client.encode(req.prompt, req.add_special_tokens)
         except ValueError as e:
-            raise from_value_error(e, {"prompt": "messages"} if req.messages is not None else None) from None
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.llm.max_model_len}
+            raise from_invalid(e, {"prompt": "messages"} if req.messages is not None else None) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         state.require_ready()
-        req = await parse(request, DetokenizeRequest, settings)
-        vocab = state.llm.config.vocab_size
+        req = await ctx.parse(request, DetokenizeRequest)
+        vocab, limit = state.llm.config.vocab_size, state.llm.max_model_len
+        if len(req.tokens) > limit:
+            raise APIError(400, f"tokens: at most {limit} ids (the context length), got {len(req.tokens)}",
+                           param="tokens")
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
@@ -119,7 +211,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/health")
     async def health() -> Response:
         status, what = state.health()
-        return JSONResponse({"status": what}, status_code=status)
+        headers = {"Connection": "close"} if what == "draining" else None
+        return JSONResponse({"status": what}, status_code=status, headers=headers)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,24 +1,26 @@
 """POST /v1/chat/completions: a conversation rendered by the model's (sandboxed) chat template."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.context import ServerContext
-from kvserve.server.errors import APIError, from_value_error
+from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.parsing import check_limits, reject, sampling_params
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.streaming import respond, sse
-from kvserve.server.validation import check_limits, parse, reject, sampling_params
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerContext
 
 # The engine speaks of "prompt"; here the prompt is the conversation.
 _RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
@@ -27,25 +29,29 @@ _RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
 async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
     arrival = time.monotonic()
     ctx.state.require_ready()
-    req = await parse(request, ChatCompletionRequest, ctx.settings)
+    req = await ctx.parse(request, ChatCompletionRequest)
     reject(not req.messages, "messages", "must not be empty")
     reject(bool(req.tools), "tools", "are not supported (no tool calling)")
     reject(bool(req.logit_bias), "logit_bias", "is not supported")
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
-    check_limits(ctx.settings, req.n, req.top_logprobs, "top_logprobs")
+    check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(max_tokens, logprobs), renames)
     messages = [m.for_template() for m in req.messages]
-    llm = ctx.state.llm
+    admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
     try:
-        ids = await asyncio.to_thread(llm.encode_chat, messages, req.add_generation_prompt)
+        ids = await ctx.client.encode_chat(messages, req.add_generation_prompt)
         ids = (await ctx.client.tokenize([ids], params))[0]
     except ValueError as e:  # the template refused the messages, or the prompt does not fit
-        raise from_value_error(e, renames) from None
+        admission.release()
+        raise from_invalid(e, renames) from None
+    except BaseException:
+        admission.release()
+        raise
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
-    return await respond(request, ctx.state, job.num_seqs, req.stream, lambda: _stream(ctx, job, req),
+    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, final), **timeline_extension(ctx, job, req.kvserve)})
 
 

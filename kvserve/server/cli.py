@@ -28,8 +28,23 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-n", type=int, default=8, help="most completions per request (default: 8)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per token (default: 20)")
     g.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body in MiB (default: 4)")
+    g.add_argument("--max-prompts", type=int, default=64, help="most prompts in one /v1/completions request (default: 64)")
+    g.add_argument("--max-request-share", type=float, default=0.25,
+                   help="the largest share of running + queued capacity one request may hold (default: 0.25)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
+    g.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="an engine step running longer turns /health 503 \"stalled\" (default: 60)")
+    g.add_argument("--stream-stall-timeout", type=float, default=60.0,
+                   help="a stream whose client reads nothing for this long is aborted, its KV freed (default: 60)")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="stop any request running longer than this many seconds (default: no limit)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (default: 10)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections; one more is answered 503 and closed (default: 1024)")
+    g.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="let chat message content spell control tokens such as <|im_start|> (default: it is text)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
@@ -49,9 +64,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
 
     from kvserve.model.loader import resolve_model_path
-    from kvserve.server.app import build_app
-    from kvserve.server.drain import DrainingServer
-    from kvserve.server.settings import ServerSettings
+    from kvserve.server.app import ServerSettings, build_app
+    from kvserve.server.http import guarded_protocol
+    from kvserve.server.lifecycle import DrainingServer, exit_now
 
     resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     settings = ServerSettings(
@@ -63,8 +78,16 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
+        max_prompts=args.max_prompts,
+        max_request_share=args.max_request_share,
         max_body_bytes=int(args.max_body_mib * (1 << 20)),
         drain_timeout=args.drain_timeout,
+        stall_timeout=args.stall_timeout,
+        stream_stall_timeout=args.stream_stall_timeout,
+        request_timeout=args.request_timeout,
+        header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
+        special_tokens_in_messages=args.allow_special_tokens_in_messages,
     )
     failure: list[BaseException] = []
     server = None
@@ -76,13 +99,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     app = build_app(settings, load=lambda: _load(args), on_load_failure=on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=2, server_header=False)
+                            timeout_graceful_shutdown=2, server_header=False,
+                            http=guarded_protocol(settings.header_timeout, settings.max_connections))
     server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
     log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
              settings.model_name, settings.url)
     server.run()
     if failure:
         raise ValueError(f"the model failed to load: {failure[0]}")
+    loader = app.state.loader
+    if loader is not None and loader.is_alive():  # stopped while loading: torch's threads must not be torn down
+        exit_now("stopped while the model was loading")
     return 0
 
 
@@ -91,7 +118,9 @@ def _check_limits(args: argparse.Namespace) -> None:
 
     ranges = {"max_queued_requests": (0, None), "max_n": (1, None), "max_logprobs": (0, MAX_LOGPROBS),
               "max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "max_body_mib": (0.001, None),
-              "drain_timeout": (0, None)}
+              "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
+              "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
+              "max_connections": (1, None)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
         if value < low or (high is not None and value > high):

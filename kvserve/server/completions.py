@@ -5,38 +5,46 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.context import ServerContext
-from kvserve.server.errors import APIError, from_value_error
+from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.parsing import check_limits, reject, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
-from kvserve.server.validation import check_limits, parse, reject, sampling_params
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerContext
 
 
 async def create_completion(request: Request, ctx: ServerContext) -> Response:
     arrival = time.monotonic()
     ctx.state.require_ready()
-    req = await parse(request, CompletionRequest, ctx.settings)
+    req = await ctx.parse(request, CompletionRequest)
     reject(req.echo, "echo", "is not supported")
     reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
     reject(bool(req.logit_bias), "logit_bias", "is not supported")
-    check_limits(ctx.settings, req.n, req.logprobs, "logprobs")
+    check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs))
     prompts = _prompts(req.prompt)
+    admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
         ids = await ctx.client.tokenize(prompts, params)
     except ValueError as e:
-        raise from_value_error(e) from None
+        admission.release()
+        raise from_invalid(e) from None
+    except BaseException:
+        admission.release()
+        raise
     job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
-    return await respond(request, ctx.state, job.num_seqs, req.stream, lambda: _stream(ctx, job, req),
+    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: _collect(ctx, job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Mapping
 
@@ -16,23 +17,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.chat_template import ChatTemplateError
 from kvserve.server.protocol import MODELS, UNION_FIELDS
+
+log = logging.getLogger("kvserve.server")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
-
-# Names a ValueError message may start with (SamplingParams' "<param> must be ...", the engine's).
-_PARAM_NAMES = {f for f in SamplingParams.__dataclass_fields__} | {"prompt", "messages", "tokens"}
 
 
 class APIError(Exception):
@@ -71,14 +74,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
-def from_value_error(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
-    """A 400 from the engine's or SamplingParams' ValueError, naming the parameter it is about."""
+def from_invalid(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
+    """A 400 from an InvalidParam (it names its parameter) or a chat template's refusal."""
     message = str(e)
-    first = re.match(r"[a-z_]+", message)
-    param = first.group(0) if first and first.group(0) in _PARAM_NAMES else None
-    if message.startswith("the request needs") or message.startswith("the context is full"):
-        param = "max_tokens"
-    if message.startswith("the chat template"):
+    param = getattr(e, "param", None)
+    if isinstance(e, ChatTemplateError):
         param = "messages"
     if renames and param in renames:  # say the name the client used
         message = re.sub(rf"\b{param}\b", renames[param], message)
@@ -115,7 +115,15 @@ def _field_names() -> frozenset[str]:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
+            log.info("%s %s -> %d %s: %s", request.method, request.url.path, e.status, e.param or "-", e.message)
         return e.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, e: ClientDisconnect) -> JSONResponse:
+        # A body cut off by the client: one line, not a traceback; nobody reads the answer.
+        log.info("%s %s: the client disconnected before sending the whole body", request.method, request.url.path)
+        return APIError(400, "the request body was cut off before its end").response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:

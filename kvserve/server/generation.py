@@ -1,5 +1,6 @@
 """The server's side of the engine: tokenize off the event loop, run a request's prompts,
-observe latencies, and clean up on every way out.
+observe latencies, and clean up on every way out. Everything goes through the AsyncEngine
+(kvserve.engine.async_engine), the one object that talks to the engine's loop.
 
 A completion request may hold several prompts; each is one engine request, all of them share
 the engine's batch with everyone else's, and their outputs are merged as they come.
@@ -12,16 +13,18 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, StreamStalledError
+from kvserve.errors import InvalidParam
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.state import ServerState
+from kvserve.tokenizer import PromptTooLong
+from kvserve.server.lifecycle import ServerState
 
 
 def engine_dead() -> APIError:
-    return APIError(500, "the engine stopped after an internal error; the server must be restarted",
+    return APIError(503, "the engine stopped after an internal error; the server must be restarted",
                     code="engine_dead")
 
 
@@ -45,10 +48,27 @@ class EngineClient:
         self.metrics = metrics
 
     async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> list[list[int]]:
-        """Token ids of each prompt, checked against the context and the KV pool (ValueError if
-        not). On a thread: a long prompt must not hold up the event loop."""
-        validate = self.state.llm.engine.validate  # reads only the tokenizer and the pool's size
-        return await asyncio.to_thread(lambda: [validate(p, params) for p in prompts])
+        """Token ids of each prompt, checked against the context and the KV pool (InvalidParam if
+        not). On a worker thread; a long prompt is refused after about a context's worth of it."""
+        return await self.state.engine.validate_all(prompts, params)
+
+    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> list[int]:
+        """The conversation's prompt ids by the model's chat template, content kept as text."""
+        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        special = self.state.settings.special_tokens_in_messages
+        try:
+            return await asyncio.to_thread(lambda: tok.encode_chat(
+                messages, add_generation_prompt, max_tokens=limit, special_tokens_in_content=special, **extra))
+        except PromptTooLong:
+            raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
+                               "shorten the messages") from None
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        try:
+            return await asyncio.to_thread(tok.encode, text, add_special_tokens, limit)
+        except PromptTooLong:
+            raise InvalidParam("prompt", f"prompt is more than {limit} tokens, the context's length") from None
 
     async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, snapshot) after every engine step that changed one of the job's requests."""
@@ -104,6 +124,10 @@ class EngineClient:
         except EngineDeadError:
             reasons = ["error"] * job.params.n
             raise engine_dead() from None
+        except StreamStalledError as e:
+            raise APIError(408, str(e), code="client_too_slow") from None
+        except RequestTimeoutError as e:
+            raise APIError(504, str(e), code="request_timeout") from None
         finally:
             self.metrics.observe_finished(out.metrics if out else None, reasons, time.monotonic())
 

@@ -21,11 +21,12 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.timeline import KEEP_FINISHED
 
 from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvserve.server.context import ServerContext
+    from kvserve.server.app import ServerContext
     from kvserve.server.generation import Job
 
 
@@ -51,7 +52,7 @@ STATE_MIN_INTERVAL = 0.1  # seconds: the engine takes at most ten snapshots a se
 STATE_TIMEOUT = 30.0  # a step longer than this would be a stuck engine
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
-STATIC_FILES = ("index.html", "app.js", "app.css")  # also listed as open paths in auth.py
+STATIC_FILES = ("index.html", "app.js", "app.css")  # also open paths in app.py's APIKeyMiddleware
 
 
 class StateCache:
@@ -100,8 +101,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.state.require_ready()
         body = timeline(ctx, request_id)
         if body is None:
-            keep = ctx.state.llm.engine.timeline.keep
-            raise APIError(404, f"no timeline for request {request_id!r}: the server keeps the last {keep} "
+            raise APIError(404, f"no timeline for request {request_id!r}: the server keeps the last {KEEP_FINISHED} "
                            "finished requests; use the id of a response from this server", param="request_id",
                            code="not_found")
         return body

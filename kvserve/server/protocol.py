@@ -24,7 +24,7 @@ UNION_FIELDS = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

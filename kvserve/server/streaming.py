@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvserve.server.state import ServerState
+    from kvserve.server.lifecycle import Admission, ServerState
 
 log = logging.getLogger("kvserve.server")
 T = TypeVar("T")
@@ -90,10 +90,13 @@ class EventStream(Response):
         try:
             if await _first_of(pump, receive, self.tracked):
                 return  # the client left; nobody to tell
-            if pump.cancelled():  # cut off by the server
+            if pump.cancelled():  # cut off by the server (drain timeout, or a client that reads nothing)
                 if self._started:
-                    await send({"type": "http.response.body", "body": sse(cut_off().body()) + sse("[DONE]"),
-                                "more_body": False})
+                    last = {"type": "http.response.body", "body": sse(cut_off().body()) + sse("[DONE]"), "more_body": False}
+                    try:  # bounded: a client that reads nothing cannot hold this task
+                        await asyncio.wait_for(send(last), 1.0)
+                    except (asyncio.TimeoutError, OSError):
+                        log.info("a stream was cut off without its last event: its client is not reading")
                 else:
                     await cut_off().response()(scope, receive, send)
             elif pump.exception() is not None:
@@ -121,17 +124,17 @@ class EventStream(Response):
 async def respond(
     request: Request,
     state: ServerState,
-    num_seqs: int,
+    admission: Admission,
     stream: bool,
     events: Callable[[], AsyncIterator[bytes]],
     collect: Callable[[], Awaitable[T]],
     render: Callable[[T], dict],
 ) -> Response:
-    """Admit the work (or 429), then stream its events, or collect it and render the body.
+    """Stream the admitted work's events, or collect it and render the body; the admission is
+    released when the response is done, however it ends.
 
     A client that leaves before a whole answer is ready gets nothing, and its work is dropped.
     """
-    admission = state.admit(num_seqs)
     if stream:
         return EventStream(events(), admission.release, state.work)
     try:
