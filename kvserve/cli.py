@@ -1,4 +1,4 @@
-"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, route, up."""
+"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, route, up, kv-size, explain."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", type=Path, help="JSONL results (default: standard output)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
+    kv = sub.add_parser("kv-size", help="KV cache bytes per token, at a context, and in a memory budget (no weights loaded)")
+    kv.add_argument("model", help="a preset (llama-2-7b, llama-3-8b, ...), a config.json or its directory, or a .gguf file")
+    kv.add_argument("--context", type=int, default=None, help="tokens of context (default: the model's)")
+    kv.add_argument("--dtype", default="float16", help="KV cache element type: float32, bfloat16, float16, fp8 (default: float16)")
+    kv.add_argument("--weight-dtype", default=None, help="weights' element type, int8 and int4 included (default: --dtype)")
+    kv.add_argument("--memory", default=None, help="memory for weights + cache, e.g. 16GiB (default: this machine's available RAM)")
+    kv.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+    ex = sub.add_parser("explain", help="run one prompt and show each stage (tokens, prefill, decode, KV cache) with measured numbers")
+    _add_model_args(ex)
+    ex.add_argument("prompt")
+    ex.add_argument("--max-tokens", type=int, default=16)
+    ex.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
     try:
         from kvserve.server.cli import add_serve_parser
     except ImportError:  # the server extra is not installed
@@ -95,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.generate import run_generate
 
             return run_generate(args)
+        if args.command == "explain":
+            from kvserve.explain import run_explain
+
+            return run_explain(args)
+        if args.command == "kv-size":
+            from kvserve.kv.kv_size import run_kv_size
+
+            return run_kv_size(args)
         return args.func(args)
     except (KVServeError, ValueError, OSError) as e:
         # Errors the user can fix get one line, not a traceback.

@@ -2,7 +2,8 @@
 
 The engine (LLMEngine) belongs to that thread alone. Everything else talks to this object:
 `validate` (tokenize and check, on a worker thread: reads only the tokenizer and fixed sizes),
-`generate` (submit, then await outputs), `abort`, `stats`, `stalled`. Requests and aborts cross
+`generate` (submit, then await outputs), `abort`, `stats`, `stalled`, `timeline` (a request's
+record, through its own lock) and `state` (a snapshot of the engine taken on its thread). Requests and aborts cross
 into the thread through a queue and are applied between steps.
 
 Outputs cross back through one mailbox per request that holds at most one unread snapshot:
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.snapshot import engine_state
 from kvserve.errors import KVServeError
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -59,11 +61,27 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    tokenized_time: float  # when the prompt reached the engine as token ids
 
 
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _Snapshot:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+def _resolve(future: asyncio.Future, result: object) -> None:
+    if future.done():  # its caller gave up
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -133,7 +151,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Snapshot | None] = queue.Queue()
         self._mailboxes: dict[str, _Mailbox] = {}
         self._lock = threading.Lock()  # guards _mailboxes
         self._stats = engine.stats()
@@ -195,7 +213,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._mailboxes[rid] = box
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival))
+        self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival, time.monotonic()))
         limit = self.timeouts.request_timeout
         deadline = None if limit is None else arrival + limit
         finished = False
@@ -221,6 +239,19 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(_Abort(rid))
 
+    def timeline(self, request_id: str) -> dict | None:
+        """A recent request's timeline (see engine/timeline.py); safe from any thread."""
+        return self.engine.timeline.get(request_id)
+
+    async def state(self) -> dict:
+        """A snapshot of the engine (engine/snapshot.py), taken on the engine thread between steps."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running") from self.error
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._inbox.put(_Snapshot(loop, future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
@@ -230,7 +261,7 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------------
-    def _apply(self, cmd: _Add | _Abort | None) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Snapshot | None) -> None:
         if isinstance(cmd, _Add):
             with self._lock:
                 box = self._mailboxes.get(cmd.request_id)
@@ -238,10 +269,21 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids)
+                self.engine.timeline.mark(cmd.request_id, "tokenized", cmd.tokenized_time)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied
                 box.put(e)
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
+        elif isinstance(cmd, _Snapshot):
+            try:
+                state = engine_state(self.engine)
+            except Exception as e:  # noqa: BLE001 - a picture of the engine must not stop it
+                log.exception("engine snapshot failed")
+                state = e
+            try:
+                cmd.loop.call_soon_threadsafe(_resolve, cmd.future, state)
+            except RuntimeError:  # that event loop is closed
+                pass
 
     def _deliver(self, out: RequestOutput) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import EngineStalledError, InvalidParam
+from kvserve.engine.timeline import TimelineRecorder
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class LLMEngine:
         self.grammars = grammar.GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._generation_tokens = 0
+        self.timeline = TimelineRecorder()  # read from other threads through its lock
 
     # -- admission ------------------------------------------------------------------------
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -146,6 +148,7 @@ class LLMEngine:
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req
+        self.timeline.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; harmless for an unknown or finished one."""
@@ -157,6 +160,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self._finish(seq)
         req.metrics.finished_time = time.monotonic()
+        self.timeline.finish(req)
         return make_output(req, {})
 
     def has_unfinished_requests(self) -> bool:
@@ -169,7 +173,9 @@ class LLMEngine:
             if not sched.preempted:  # a step that only preempted may admit next time
                 self._check_progress()
             return []
+        started = time.monotonic()
         result = self.runner.execute(sched)
+        self.timeline.step(sched, started, time.monotonic())
         self.scheduler.update(sched)
         return self._update(result)
 
@@ -194,6 +200,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[rid]
+                self.timeline.finish(req)
             outputs.append(make_output(req, new))
         return outputs
 

@@ -26,6 +26,7 @@ from kvserve.engine.engine import EngineStats
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
+from kvserve.server import insight
 from kvserve.server.generation import EngineClient
 from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.lifecycle import ServerState
@@ -108,7 +109,9 @@ class APIKeyMiddleware:
     must not buffer streamed responses); the comparison is constant-time so the key cannot be
     guessed byte by byte from response times."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
+    # The live page and its files hold nothing secret; the page sends the key on its API calls.
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/", "/static/index.html", "/static/app.js",
+                            "/static/app.css"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -165,6 +168,7 @@ def build_app(
                            allow_headers=["Authorization", "Content-Type"])
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
+    insight.add_routes(app, ctx)
     return app
 
 

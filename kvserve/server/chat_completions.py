@@ -14,6 +14,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
+from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.parsing import check_limits, reject, sampling_params
 from kvserve.server.protocol import ChatCompletionRequest
@@ -56,7 +57,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         raise
     job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: _response(ctx, job, req, final))
+                         lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, req, final), **timeline_extension(ctx, job, req.kvserve)})
 
 
 async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
@@ -84,9 +85,10 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
 async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
     head = _head(job, ctx, "chat.completion.chunk")
 
-    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> bytes:
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+              extra: dict | None = None) -> bytes:
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}]})
+                                         "finish_reason": finish_reason}], **(extra or {})})
 
     final = None
     done: set[int] = set()
@@ -111,7 +113,8 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
                         rest, finish_reason = deltas[c.index].finish(c.finish_reason)
                         for delta in rest:
                             yield chunk(c.index, delta)
-                        yield chunk(c.index, {}, None, finish_reason)
+                        last = len(done) == job.params.n  # the final chunk carries the timeline if asked
+                        yield chunk(c.index, {}, None, finish_reason, timeline_extension(ctx, job, req.kvserve) if last else None)
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage([final])})
     except APIError as e:

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from kvserve.outputs import RequestOutput
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
+from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server import openai_compat
 from kvserve.server.parsing import check_limits, reject, sampling_params
@@ -47,7 +48,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
         raise
     job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda finals: _response(ctx, job, req, finals))
+                         lambda: _collect(ctx, job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -106,7 +107,8 @@ async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest) -> Async
                     if c.finished:
                         done.add(index)
                     choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
-                    yield sse({**head, "choices": [choice]})
+                    last = len(done) == job.num_seqs  # the final chunk carries the timeline if asked
+                    yield sse({**head, "choices": [choice], **(timeline_extension(ctx, job, req.kvserve) if last else {})})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": usage(finals)})
     except APIError as e:

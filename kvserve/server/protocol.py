@@ -50,6 +50,12 @@ class ResponseFormat(_Strict):
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
 
 
+class KVServeOptions(_Strict):
+    """kvserve's extension field `"kvserve": {...}` (docs/server.md)."""
+
+    timeline: bool = False  # the request's timeline in the final chunk (or the body)
+
+
 class _Sampling(_Strict):
     """Sampling fields shared by both endpoints: OpenAI's names, then the extras' common names."""
 
@@ -99,6 +105,7 @@ class _Sampling(_Strict):
 
     def ignored_fields(self) -> list[str]:
         return sorted(k for k in IGNORED_FIELDS if getattr(self, k, None) is not None)
+    kvserve: KVServeOptions | None = None
 
     @property
     def include_usage(self) -> bool:

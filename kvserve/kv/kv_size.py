@@ -1,0 +1,290 @@
+"""How much KV cache a model needs, worked out from its architecture alone (no weights loaded).
+
+Every token a model has read leaves one key and one value vector per layer and per KV head:
+
+    bytes per token = 2 (K and V) x layers x kv-heads x head-dim x bytes per element
+
+so the cache grows linearly with context, and grouped-query attention (fewer KV heads than
+query heads) shrinks it by heads / kv-heads against the same model with full multi-head
+attention. `kvserve kv-size MODEL` prints these figures for a built-in preset, a Hugging Face
+config.json (or its directory), or a GGUF file's metadata; kv_size() returns them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Bytes per element of the names --dtype accepts (fp8: vLLM-style 8-bit KV caches).
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+}
+KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "int8")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the cache and weight sizes depend on (Hugging Face config names)."""
+
+    name: str
+    source: str  # "preset", "config.json" or "gguf"
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_parameters: int | None = None  # exact when the source lists its tensors (GGUF)
+
+    @property
+    def parameters(self) -> int:
+        """The parameter count: the source's own, or a Llama-family decoder's from the shapes."""
+        if self.num_parameters is not None:
+            return self.num_parameters
+        h, d, ffn = self.hidden_size, self.head_dim, self.intermediate_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        layer = h * (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h  # qkv, o, gate/up/down, two norms
+        if self.attention_bias:
+            layer += q + 2 * kv
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+
+
+def _preset(name: str, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int, vocab: int, ctx: int,
+            head_dim: int = 128, tied: bool = False, bias: bool = False) -> Architecture:
+    return Architecture(name, "preset", layers, heads, kv_heads, head_dim, hidden, ffn, vocab, ctx, tied, bias)
+
+
+# The published config.json numbers of each model (the Hugging Face repository in the comment).
+PRESETS: dict[str, Architecture] = {p.name: p for p in (
+    _preset("llama-2-7b", 32, 32, 32, 4096, 11008, 32000, 4096),  # meta-llama/Llama-2-7b-hf
+    _preset("llama-2-70b", 80, 64, 8, 8192, 28672, 32000, 4096),  # meta-llama/Llama-2-70b-hf
+    _preset("llama-3-8b", 32, 32, 8, 4096, 14336, 128256, 8192),  # meta-llama/Meta-Llama-3-8B
+    _preset("llama-3-70b", 80, 64, 8, 8192, 28672, 128256, 8192),  # meta-llama/Meta-Llama-3-70B
+    _preset("mistral-7b", 32, 32, 8, 4096, 14336, 32000, 32768),  # mistralai/Mistral-7B-v0.1
+    _preset("qwen2.5-7b", 28, 28, 4, 3584, 18944, 152064, 32768, bias=True),  # Qwen/Qwen2.5-7B-Instruct
+    _preset("smollm2-135m", 30, 9, 3, 576, 1536, 49152, 8192, head_dim=64, tied=True),  # HuggingFaceTB/SmolLM2-135M
+)}
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '16 GB', '512MiB', '1e9' → bytes (GiB/MiB/KiB are powers of 2, GB/MB/KB of 10)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?i?b?)\s*", text.lower())
+    if m is None:
+        raise ValueError(f"memory must be a size like 16GiB, 512MiB or 24GB, got {text!r}")
+    unit = m.group(2).rstrip("b")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+    if unit not in scale:
+        raise ValueError(f"memory must be a size like 16GiB, 512MiB or 24GB, got {text!r}")
+    return int(float(m.group(1)) * scale[unit])
+
+
+def _from_config_json(path: Path) -> Architecture:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable JSON ({e})") from None
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
+    try:
+        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        return Architecture(
+            name=path.parent.name or path.stem, source="config.json",
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
+            vocab_size=int(cfg["vocab_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 0)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+    except KeyError as e:
+        raise ValueError(f"{path}: missing {e.args[0]!r}, which the KV size depends on") from None
+
+
+def _from_gguf(path: Path) -> Architecture:
+    from gguf import GGUFReader  # only its metadata is read; no tensor is decoded
+
+    from kvserve.model.gguf_file import open_gguf
+
+    reader: GGUFReader = open_gguf(path)
+
+    def get(key: str, default: Any = None) -> Any:
+        f = reader.get_field(key)
+        if f is None:
+            if default is None:
+                raise ValueError(f"{path}: GGUF metadata lacks {key!r}, which the KV size depends on")
+            return default
+        return f.contents()
+
+    arch = get("general.architecture")
+    heads, hidden = int(get(f"{arch}.attention.head_count")), int(get(f"{arch}.embedding_length"))
+    names = {t.name: t for t in reader.tensors}
+    embd = names.get("token_embd.weight")
+    return Architecture(
+        name=path.stem, source="gguf",
+        num_hidden_layers=int(get(f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(get(f"{arch}.attention.key_length", hidden // heads)),
+        hidden_size=hidden,
+        intermediate_size=int(get(f"{arch}.feed_forward_length", 4 * hidden)),
+        vocab_size=int(get(f"{arch}.vocab_size", int(embd.shape[-1]) if embd is not None else 0)),
+        max_position_embeddings=int(get(f"{arch}.context_length", 0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        num_parameters=sum(int(t.n_elements) for t in reader.tensors),
+    )
+
+
+def read_architecture(model: str | Path) -> Architecture:
+    """A preset name, a config.json (or its directory), or a .gguf file → Architecture."""
+    if isinstance(model, str) and model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        return _from_gguf(path) if magic == b"GGUF" else _from_config_json(path)
+    raise ValueError(
+        f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json, model "
+        "directory or .gguf file: name one of those"
+    )
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """The figures `kvserve kv-size` prints (all sizes in bytes)."""
+
+    model: str
+    source: str
+    dtype: str
+    dtype_bytes: float
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_token: int
+    context: int
+    cache_bytes: int  # at `context` tokens
+    mha_bytes_per_token: int  # the same model with one KV head per query head
+    gqa_saving: float  # mha_bytes_per_token / bytes_per_token
+    num_parameters: int
+    weight_dtype: str
+    weight_bytes: int
+    memory_bytes: int
+    free_for_cache_bytes: int  # memory left after the weights
+    max_tokens_in_memory: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_size(
+    model: str | Path | Architecture,
+    *,
+    context: int | None = None,
+    dtype: str = "float16",
+    memory: int | str | None = None,
+    weight_dtype: str | None = None,
+) -> KVSize:
+    """The KV cache of `model`: per token, at `context` tokens (default: the model's context),
+    against full multi-head attention, and how many tokens fit in `memory` bytes (default: this
+    machine's available RAM) after the weights (stored as `weight_dtype`, default `dtype`)."""
+    arch = model if isinstance(model, Architecture) else read_architecture(model)
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    weight_dtype = weight_dtype or dtype
+    if weight_dtype not in DTYPE_BYTES:
+        raise ValueError(f"weight dtype must be one of {', '.join(DTYPE_BYTES)}, got {weight_dtype!r}")
+    context = arch.max_position_embeddings if context is None else context
+    if context < 0:
+        raise ValueError(f"context must be a number of tokens >= 0, got {context}")
+    if memory is None:
+        from kvserve.kv.sizing import available_memory
+
+        memory = available_memory()
+    elif isinstance(memory, str):
+        memory = parse_bytes(memory)
+    elem = DTYPE_BYTES[dtype]
+    per_token = int(2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * elem)
+    mha = int(2 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * elem)
+    weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
+    free = max(0, memory - weights)
+    return KVSize(
+        model=arch.name, source=arch.source, dtype=dtype, dtype_bytes=elem,
+        num_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+        bytes_per_token=per_token, context=context, cache_bytes=per_token * context,
+        mha_bytes_per_token=mha, gqa_saving=mha / per_token,
+        num_parameters=arch.parameters, weight_dtype=weight_dtype, weight_bytes=weights,
+        memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token,
+    )
+
+
+def human(n: float) -> str:
+    """Bytes in binary units: 524288 → '512 KiB', 2147483648 → '2 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def _elem(x: float) -> str:
+    return f"{x:g}"
+
+
+def format_report(s: KVSize) -> str:
+    """The text `kvserve kv-size` prints."""
+    attn = "multi-head attention" if s.num_kv_heads == s.num_attention_heads else (
+        f"grouped-query attention, {s.num_attention_heads // s.num_kv_heads} query heads per KV head"
+        if s.num_attention_heads % s.num_kv_heads == 0 else "grouped-query attention")
+    lines = [
+        f"{s.model} ({s.source}): {s.num_layers} layers, {s.num_attention_heads} query heads, "
+        f"{s.num_kv_heads} KV heads ({attn}), head dim {s.head_dim}",
+        "",
+        f"KV cache per token ({s.dtype}):",
+        f"  2 (K and V) x {s.num_layers} layers x {s.num_kv_heads} kv-heads x {s.head_dim} head-dim "
+        f"x {_elem(s.dtype_bytes)} bytes = {s.bytes_per_token:,} bytes = {human(s.bytes_per_token)}",
+        f"At {s.context:,} tokens: {s.cache_bytes:,} bytes = {human(s.cache_bytes)} per sequence",
+    ]
+    if s.num_kv_heads == s.num_attention_heads:
+        lines.append("Full multi-head attention: this model already has one KV head per query head (no GQA saving)")
+    else:
+        lines.append(
+            f"With full multi-head attention ({s.num_attention_heads} kv-heads): {s.mha_bytes_per_token:,} bytes "
+            f"= {human(s.mha_bytes_per_token)} per token; GQA saves {s.gqa_saving:g}x "
+            f"({human(s.mha_bytes_per_token * s.context)} at {s.context:,} tokens)"
+        )
+    lines += [
+        "",
+        f"Weights: {s.num_parameters / 1e9:.3g} B parameters x {_elem(DTYPE_BYTES[s.weight_dtype])} bytes "
+        f"({s.weight_dtype}) = {human(s.weight_bytes)}",
+    ]
+    if s.free_for_cache_bytes == 0:
+        lines.append(f"In {human(s.memory_bytes)}: the weights alone do not fit; no room for any KV cache")
+    else:
+        lines.append(
+            f"In {human(s.memory_bytes)}: {human(s.free_for_cache_bytes)} left after the weights holds "
+            f"{s.max_tokens_in_memory:,} tokens of KV cache"
+            + (f" ({s.max_tokens_in_memory / s.context:.3g} sequences of {s.context:,})" if s.context else "")
+        )
+    return "\n".join(lines)
+
+
+def run_kv_size(args: Any) -> int:
+    """`kvserve kv-size` (arguments from cli.py)."""
+    s = kv_size(args.model, context=args.context, dtype=args.dtype, memory=args.memory, weight_dtype=args.weight_dtype)
+    print(json.dumps(s.to_json(), indent=2) if args.json else format_report(s))
+    return 0

@@ -1,0 +1,107 @@
+"""Routes that show what the engine does: a request's timeline, the engine's state, the page.
+
+    GET /v1/requests/{id}/timeline   the engine's record of a recent request (id as returned
+                                     in the response: chatcmpl-…, cmpl-…)
+    GET /v1/engine/state             block pool map, queues, recent steps, latency histograms,
+                                     prefix-cache hits (engine/snapshot.py); at most one snapshot
+                                     per STATE_MIN_INTERVAL however many pages poll it
+    GET /  and /static/…             the live page (server/static/), no external resources
+
+A generation request may also ask for its timeline in its final chunk (streamed) or in its body
+(not streamed) with the extension field `"kvserve": {"timeline": true}`; see docs/server.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.timeline import KEEP_FINISHED
+
+from kvserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerContext
+    from kvserve.server.generation import Job
+
+
+def timeline(ctx: ServerContext, request_id: str) -> dict[str, Any] | None:
+    """Every prompt's timeline of one HTTP request (engine ids are `<id>-<prompt index>`)."""
+    engine = ctx.state.engine
+    if engine is None:
+        return None
+    prompts = []
+    while (tl := engine.timeline(f"{request_id}-{len(prompts)}")) is not None:
+        prompts.append(tl)
+    return {"id": request_id, "object": "kvserve.timeline", "prompts": prompts} if prompts else None
+
+
+def timeline_extension(ctx: ServerContext, job: Job, wanted: Any) -> dict[str, Any]:
+    """The `kvserve` field of a final chunk or body: {} unless the request asked for it."""
+    if wanted is None or not wanted.timeline:
+        return {}
+    return {"kvserve": {"timeline": timeline(ctx, job.request_id)}}
+
+
+STATE_MIN_INTERVAL = 0.1  # seconds: the engine takes at most ten snapshots a second for the page
+STATE_TIMEOUT = 30.0  # a step longer than this would be a stuck engine
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+STATIC_FILES = ("index.html", "app.js", "app.css")  # also open paths in app.py's APIKeyMiddleware
+
+
+class StateCache:
+    """One engine snapshot shared by every caller within STATE_MIN_INTERVAL of it."""
+
+    def __init__(self) -> None:
+        self._at = 0.0
+        self._pending: asyncio.Future | None = None
+
+    async def get(self, ctx: ServerContext) -> dict[str, Any]:
+        if self._pending is None or (self._pending.done() and time.monotonic() - self._at > STATE_MIN_INTERVAL):
+            self._at = time.monotonic()
+            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.state.engine.state(), STATE_TIMEOUT))
+        return await asyncio.shield(self._pending)
+
+
+def _static(name: str) -> Response:
+    data = resources.files("kvserve.server").joinpath("static", name).read_bytes()
+    return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
+
+
+def add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    cache = StateCache()
+
+    @app.get("/v1/engine/state")
+    async def engine_state() -> dict:
+        ctx.state.require_ready()
+        try:
+            state = await cache.get(ctx)
+        except (EngineDeadError, TimeoutError):
+            raise APIError(503, "the engine is not answering: see /health", code="dead") from None
+        return {"model": ctx.settings.model_name, "max_model_len": ctx.state.llm.max_model_len, **state}
+
+    @app.get("/")
+    async def page() -> Response:
+        return _static("index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return _static(name)
+
+    @app.get("/v1/requests/{request_id}/timeline")
+    async def request_timeline(request_id: str) -> dict:
+        ctx.state.require_ready()
+        body = timeline(ctx, request_id)
+        if body is None:
+            raise APIError(404, f"no timeline for request {request_id!r}: the server keeps the last {KEEP_FINISHED} "
+                           "finished requests; use the id of a response from this server", param="request_id",
+                           code="not_found")
+        return body

@@ -1,0 +1,93 @@
+"""kvserve kv-size: KV cache figures against ones worked out by hand."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvserve.kv.kv_size import PRESETS, kv_size, parse_bytes
+from kvserve.model.loader import read_model_config
+
+KiB, GiB = 1024, 1024**3
+
+
+def test_llama_2_7b_fp16_is_512_kib_per_token() -> None:
+    s = kv_size("llama-2-7b", dtype="float16", context=4096, memory="16GiB")
+    assert s.bytes_per_token == 2 * 32 * 32 * 128 * 2 == 512 * KiB
+    assert s.cache_bytes == 2 * GiB  # 4096 tokens x 512 KiB
+    assert s.mha_bytes_per_token == s.bytes_per_token and s.gqa_saving == 1.0  # already MHA
+    # 6.74 B parameters (Meta's published count) x 2 bytes; what is left of 16 GiB holds the cache.
+    assert round(s.num_parameters / 1e9, 2) == 6.74
+    assert s.weight_bytes == s.num_parameters * 2
+    assert s.max_tokens_in_memory == (16 * GiB - s.weight_bytes) // (512 * KiB)
+
+
+def test_llama_3_8b_gqa_saves_4x() -> None:
+    s = kv_size("llama-3-8b", dtype="float16", context=1_000_000, memory="80GiB")
+    assert s.bytes_per_token == 128 * KiB
+    assert s.mha_bytes_per_token == 512 * KiB and s.gqa_saving == 4.0
+    assert s.cache_bytes == 1_000_000 * 128 * KiB
+    assert round(s.num_parameters / 1e9, 2) == 8.03
+
+
+@pytest.mark.parametrize(("name", "kib", "saving"), [
+    ("llama-2-70b", 320, 8.0), ("llama-3-70b", 320, 8.0), ("mistral-7b", 128, 4.0),
+    ("qwen2.5-7b", 56, 7.0), ("smollm2-135m", 22.5, 3.0),
+])
+def test_other_presets(name: str, kib: float, saving: float) -> None:
+    s = kv_size(name, dtype="bfloat16", memory=GiB)
+    assert s.bytes_per_token == kib * KiB and s.gqa_saving == saving
+
+
+def test_weights_larger_than_memory_leave_no_room() -> None:
+    s = kv_size("llama-3-70b", memory="24GiB", weight_dtype="int4")
+    assert s.weight_bytes > 24 * GiB and s.max_tokens_in_memory == 0
+
+
+def test_gguf_metadata_of_the_default_model(default_gguf) -> None:
+    s = kv_size(default_gguf, dtype="float32", memory="1GiB")
+    cfg = read_model_config(default_gguf)
+    assert (s.source, s.num_layers, s.num_kv_heads, s.head_dim) == ("gguf", 30, 3, 64)
+    assert s.bytes_per_token == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4 == 45 * KiB
+    assert s.context == cfg.max_position_embeddings == 8192
+    # The file lists its tensors, so the parameter count is exact and matches the preset's formula.
+    assert s.num_parameters == PRESETS["smollm2-135m"].parameters == 134_515_008
+
+
+def test_hf_config_json(tiny_llama_dir) -> None:
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    s = kv_size(tiny_llama_dir, dtype="float32", memory=GiB)  # a directory or its config.json
+    assert s == kv_size(tiny_llama_dir / "config.json", dtype="float32", memory=GiB)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert s.bytes_per_token == 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * hd * 4
+    assert s.source == "config.json" and s.gqa_saving == cfg["num_attention_heads"] / cfg["num_key_value_heads"]
+
+
+def test_parse_bytes_and_errors() -> None:
+    assert parse_bytes("16GiB") == 16 * GiB and parse_bytes("24 GB") == 24 * 10**9 and parse_bytes("512") == 512
+    with pytest.raises(ValueError, match="memory must be a size like 16GiB"):
+        parse_bytes("lots")
+    with pytest.raises(ValueError, match="neither a preset"):
+        kv_size("no-such-model")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        kv_size("llama-3-8b", dtype="int4")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve", "kv-size", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_spells_out_the_formula_and_json() -> None:
+    r = _cli("llama-3-8b", "--context", "1000000", "--memory", "80GiB")
+    assert r.returncode == 0, r.stderr
+    assert "2 (K and V) x 32 layers x 8 kv-heads x 128 head-dim x 2 bytes = 131,072 bytes = 128 KiB" in r.stdout
+    assert "At 1,000,000 tokens: 131,072,000,000 bytes = 122 GiB per sequence" in r.stdout
+    assert "GQA saves 4x" in r.stdout
+    r = _cli("llama-2-7b", "--json", "--memory", "16GiB")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["bytes_per_token"] == 524288 and got["context"] == 4096 and got["gqa_saving"] == 1.0
+    r = _cli("nope")
+    assert r.returncode == 2 and r.stderr.startswith("kvserve: error: 'nope' is neither a preset")
