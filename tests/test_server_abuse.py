@@ -97,6 +97,20 @@ def test_slow_loris_connections_are_closed_after_the_header_timeout(server):
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
+def test_half_sent_headers_on_a_kept_alive_connection_are_closed_too(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.settimeout(5)
+        first = b""
+        while b'"ready"}' not in first:
+            first += s.recv(4096)
+        assert first.startswith(b"HTTP/1.1 200")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the second request's head, half sent
+        t0 = time.monotonic()
+        assert s.recv(4096) == b""  # closed by the server
+        assert time.monotonic() - t0 < 4
+
+
 def test_connections_past_the_cap_get_503_and_are_closed(server):
     socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(40)]
     try:

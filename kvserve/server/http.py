@@ -60,13 +60,15 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
 
         def _headers_too_slow(self) -> None:
             self._header_timer = None
-            if self.cycle is None and not self.transport.is_closing():
+            # IDLE: h11 has not yet read a whole request head on this cycle (uvicorn keeps the
+            # previous cycle object around on keep-alive connections, so it cannot tell).
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 log.info("closed a connection that sent no complete request headers within %g s", header_timeout)
                 self.transport.close()
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None:  # the headers are in
+            if self.conn.their_state is not h11.IDLE:  # the request head is in
                 self._disarm_header_timer()
 
         def on_response_complete(self) -> None:
