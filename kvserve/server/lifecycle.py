@@ -221,6 +221,7 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._forced = False
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -237,8 +238,9 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(name)))
 
     def _cut_off_and_exit(self, name: str) -> None:
-        self.state.cancel_work()
-        asyncio.get_running_loop().call_later(0.3, exit_now, f"second {name} during the drain")
+        self._forced = True  # the drain must not start uvicorn's slower shutdown meanwhile
+        self.state.cancel_work()  # each stream gets its error event and [DONE] on this loop's next turns
+        asyncio.get_running_loop().call_later(0.2, exit_now, f"second {name} during the drain")
 
     async def _drain(self, name: str) -> None:
         self.state.begin_draining()
@@ -248,4 +250,5 @@ class DrainingServer(uvicorn.Server):
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.state.num_admitted_requests)
             self.state.cancel_work()
             await self.state.wait_idle(2.0)
-        self.should_exit = True
+        if not self._forced:
+            self.should_exit = True
