@@ -197,7 +197,9 @@ def test_llm_cli(server, tmp_path) -> None:
 
     reply = llm("-o", "json_object", "1", "-o", "max_tokens", "100", 'Reply in JSON: {"city": ..., "country": ...} for Paris.')
     assert isinstance(json.loads(reply), dict)
-    value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "100", "Invent a person."))
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    value = json.loads(llm("--schema", json.dumps(schema), "-o", "max_tokens", "100", "Invent a person."))
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
 
 
