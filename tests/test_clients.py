@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from enum import Enum
+from typing import Annotated
 
 import httpx
 import pytest
@@ -69,7 +70,7 @@ class Person(BaseModel):
     name: str = Field(max_length=30)
     age: int
     role: Role
-    tags: list[str] = Field(max_length=3)
+    tags: list[Annotated[str, Field(max_length=20)]] = Field(max_length=3)
     address: Address
 
 
@@ -78,7 +79,7 @@ def test_json_schema_nested_is_valid_over_20_seeded_samples(client) -> None:
     schema["additionalProperties"] = False
     r = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "Describe a fictional person."}], n=20, seed=42,
-        temperature=1.0, max_tokens=120,
+        temperature=1.0, max_tokens=150,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": schema}})
     assert len(r.choices) == 20
     for c in r.choices:
@@ -196,7 +197,9 @@ def test_llm_cli(server, tmp_path) -> None:
 
     reply = llm("-o", "json_object", "1", "-o", "max_tokens", "100", 'Reply in JSON: {"city": ..., "country": ...} for Paris.')
     assert isinstance(json.loads(reply), dict)
-    value = json.loads(llm("--schema", "name, age int", "-o", "max_tokens", "100", "Invent a person."))
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    value = json.loads(llm("--schema", json.dumps(schema), "-o", "max_tokens", "100", "Invent a person."))
     assert isinstance(value["name"], str) and isinstance(value["age"], int)
 
 
