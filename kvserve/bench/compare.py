@@ -27,17 +27,35 @@ from kvserve.bench.datasets import DatasetConfig, default_tokenizer, load_sample
 from kvserve.bench.serve import BenchConfig, run
 
 THREADS = 2
-CONCURRENCY = (1, 4, 16, 64)
-INPUT_LEN, OUTPUT_LEN = 128, 128
-PREFIX = dict(prefix_len=512, input_len=64, output_len=32, num_prefixes=4)  # the shared-prefix workload
-PREFIX_CONCURRENCY, PREFIX_PROMPTS = 8, 32
 CTX_PER_SLOT = 1024  # llama-server divides -c among its slots; every prompt here fits in 1024
 REPO = Path(__file__).resolve().parents[2]
 
 
-def num_prompts(concurrency: int) -> int:
-    """Two waves at each level, at least 8 requests: the whole run fits in ~20 minutes on 2 cores."""
-    return max(2 * concurrency, 8)
+@dataclass(frozen=True)
+class Plan:
+    """The workloads every contender gets: a concurrency sweep and a shared-prefix load."""
+
+    input_len: int = 128
+    output_len: int = 128
+    concurrency: tuple[int, ...] = (1, 4, 16, 64)
+    waves: int = 2  # requests per level: waves x concurrency, at least min_prompts
+    min_prompts: int = 8
+    prefix_len: int = 512
+    prefix_suffix: int = 64
+    prefix_output: int = 32
+    num_prefixes: int = 4
+    prefix_concurrency: int = 8
+    prefix_prompts: int = 32
+    name: str = "full"
+
+    def num_prompts(self, concurrency: int) -> int:
+        return max(self.waves * concurrency, self.min_prompts)
+
+
+FULL = Plan()  # ~20-25 min on a quiet 2-core machine, builds excluded
+# A smoke run of the whole pipeline (and what fits on a crowded machine): short prompts and outputs.
+QUICK = Plan(input_len=32, output_len=16, concurrency=(1, 4, 16), waves=1, min_prompts=2, prefix_len=128,
+             prefix_suffix=16, prefix_output=8, prefix_prompts=16, name="quick")
 
 
 @dataclass
@@ -48,11 +66,13 @@ class Workload:
     dataset: DatasetConfig
 
 
-def workloads() -> list[Workload]:
+def workloads(plan: Plan = FULL) -> list[Workload]:
     out = [Workload(f"random-c{c}", "random", c,
-                    DatasetConfig("random", num_prompts(c), INPUT_LEN, OUTPUT_LEN, seed=c)) for c in CONCURRENCY]
-    out.append(Workload(f"prefix-c{PREFIX_CONCURRENCY}", "prefix", PREFIX_CONCURRENCY,
-                        DatasetConfig("prefix", PREFIX_PROMPTS, seed=7, **PREFIX)))
+                    DatasetConfig("random", plan.num_prompts(c), plan.input_len, plan.output_len, seed=c))
+           for c in plan.concurrency]
+    prefix = DatasetConfig("prefix", plan.prefix_prompts, plan.prefix_suffix, plan.prefix_output, plan.prefix_len,
+                           plan.num_prefixes, seed=7)
+    out.append(Workload(f"prefix-c{plan.prefix_concurrency}", "prefix", plan.prefix_concurrency, prefix))
     return out
 
 
@@ -150,7 +170,7 @@ class Server:
         self._out.close()
 
 
-def results_dir(fresh: bool) -> Path:
+def results_dir(fresh: bool, plan: Plan) -> Path:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()
@@ -159,7 +179,7 @@ def results_dir(fresh: bool) -> Path:
                                cwd=REPO, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", ""
-    out = peers.cache_root() / "results" / (commit + ("-dirty" if dirty else ""))
+    out = peers.cache_root() / "results" / (commit + ("-dirty" if dirty else "")) / plan.name
     if fresh and out.exists():
         for f in out.rglob("*.json"):
             f.unlink()
@@ -199,12 +219,15 @@ def bench_contender(c: Contender, loads: list[Workload], out: Path, max_duration
                 if c.max_concurrency:
                     from dataclasses import replace
 
-                    dataset = replace(dataset, num_prompts=max(w.concurrency, 2) if w.kind == "random" else 8)
+                    dataset = replace(dataset, num_prompts=max(w.concurrency, 2) if w.kind == "random" else
+                                      w.concurrency)
                 cfg = BenchConfig(base_url=server.url, model=model, dataset=dataset, max_concurrency=w.concurrency,
                                   max_duration=max_duration, timeout=max_duration + 60, progress=True)
                 result = run(cfg, load_samples(dataset, _tokenizer()))
+                point = result.to_dict()
+                point["loadavg_1min"] = os.getloadavg()[0]  # a crowded machine shows here, not in the figures
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+                path.write_text(json.dumps(point, indent=2) + "\n")
             record["points"][w.key] = json.loads(path.read_text())
         if server is not None:
             server.stop()
@@ -212,6 +235,24 @@ def bench_contender(c: Contender, loads: list[Workload], out: Path, max_duration
         record["unavailable"] = str(e).splitlines()[0]
         status.write_text(json.dumps({"unavailable": record["unavailable"]}) + "\n")
         print(f"== {c.name}: not run: {record['unavailable']}", flush=True)
+    return record
+
+
+def saved_record(c: Contender, loads: list[Workload], out: Path) -> dict:
+    """A contender's record from the points saved so far (missing ones say so)."""
+    record: dict = {"name": c.name, "settings": c.settings, "weights": c.weights, "points": {}}
+    status = out / f"{_slug(c.name)}.status.json"
+    if status.exists():
+        record["unavailable"] = json.loads(status.read_text())["unavailable"]
+        return record
+    for w in loads:
+        path = out / _slug(c.name) / f"{w.key}.json"
+        if path.exists():
+            record["points"][w.key] = json.loads(path.read_text())
+        elif c.max_concurrency and w.concurrency > c.max_concurrency:
+            record["points"][w.key] = {"skipped": f"serves one request at a time: run up to concurrency {c.max_concurrency} only"}
+        else:
+            record["points"][w.key] = {"skipped": "not measured yet"}
     return record
 
 
@@ -235,15 +276,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh", action="store_true", help="measure again instead of resuming saved points")
     ap.add_argument("--only", default=None, help="comma-separated contender names to run (prefix match)")
     ap.add_argument("--max-duration", type=float, default=240.0, help="cap on one measured point, seconds")
+    ap.add_argument("--report-only", action="store_true", help="write the report from the saved points, measure nothing")
+    ap.add_argument("--quick", action="store_true", help="short prompts and outputs: a smoke run of the pipeline")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="where measured points are kept (default: ~/.cache/kvserve/peers/results/<commit>/<plan>)")
     args = ap.parse_args(argv)
     from kvserve.bench import limits, report
     from kvserve.model.loader import resolve_model_path
 
     t0 = time.time()
     gguf = resolve_model_path("smollm2-135m")
-    out = results_dir(args.fresh)
+    plan = QUICK if args.quick else FULL
+    out = results_dir(args.fresh, plan) if args.results is None else args.results
+    out.mkdir(parents=True, exist_ok=True)
     limits_path = out / "limits.json"
-    if not limits_path.exists():
+    if not limits_path.exists() and not args.report_only:
         print("== measuring this machine's limits (bandwidth, matmul)", flush=True)
         lim = limits.measure(THREADS)
         limits_path.write_text(json.dumps(lim.__dict__, indent=2) + "\n")
@@ -251,9 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     for c in contenders(gguf):
         if args.only and not any(c.name.lower().startswith(x.strip().lower()) for x in args.only.split(",")):
             continue
-        records.append(bench_contender(c, workloads(), out, args.max_duration))
+        if args.report_only:
+            records.append(saved_record(c, workloads(plan), out))
+            continue
+        records.append(bench_contender(c, workloads(plan), out, args.max_duration))
+        # After each contender, so an interrupted run still leaves a report of what it measured.
+        report.write(args.write, records, json.loads(limits_path.read_text()), gguf, time.time() - t0, plan)
     elapsed = time.time() - t0
-    report.write(args.write, records, json.loads(limits_path.read_text()), gguf, elapsed)
+    report.write(args.write, records, json.loads(limits_path.read_text()), gguf, elapsed, plan)
     print(f"== wrote {args.write} ({elapsed / 60:.1f} min; points in {out})", flush=True)
     return 0
 

@@ -9,7 +9,7 @@ and a measured tokens/s over it is the utilisation shown beside each figure.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ class MachineLimits:
     bandwidth_gbs: float  # a large float32 sum, best of several
     matmul_gflops: dict[str, float]  # dtype → GFLOP/s of an n³ matmul, best of several
     threads: int
+    matmul_n: dict[str, int] = field(default_factory=dict)  # dtype → the n measured
 
 
 def _best(fn, repeats: int) -> float:
@@ -44,10 +45,12 @@ def measure_matmul(dtype: torch.dtype, n: int = 1024, repeats: int = 3) -> float
 
 def measure(threads: int = 2) -> MachineLimits:
     torch.set_num_threads(threads)
-    flops = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-        flops[name] = measure_matmul(dtype)
-    return MachineLimits(measure_bandwidth(), flops, threads)
+    flops, sizes = {}, {}
+    # Half-precision matmul is emulated on CPUs without native support (minutes at n=1024): a smaller n.
+    for name, dtype, n in (("float32", torch.float32, 1024), ("bfloat16", torch.bfloat16, 256),
+                           ("float16", torch.float16, 256)):
+        flops[name], sizes[name] = measure_matmul(dtype, n), n
+    return MachineLimits(measure_bandwidth(), flops, threads, sizes)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ dependency (the `bench` extra).
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 from pathlib import Path
 
@@ -32,30 +33,31 @@ def _rows(records: list[dict], lim, formats) -> list[str]:
     from kvserve.bench import limits as L
 
     head = ("| contender | workload | conc. | ok / failed | output tok/s | total tok/s | TTFT p50 / p99 ms "
-            "| TPOT p50 ms | ITL p50 ms | E2EL p50 ms | of roofline |")
-    rows = [head, "|" + "---|" * 2 + "---:|" * 9]
+            "| TPOT p50 ms | ITL p50 ms | E2EL p50 ms | of roofline | load |")
+    rows = [head, "|" + "---|" * 2 + "---:|" * 10]
     for r in records:
         if r.get("unavailable"):
-            rows.append(f"| {r['name']} | — | — | — | — | — | — | — | — | — | not run: {r['unavailable']} |")
+            rows.append(f"| {r['name']} | — | — | — | — | — | — | — | — | — | not run: {r['unavailable']} | — |")
             continue
         for key, p in r["points"].items():
             kind, conc = key.rsplit("-c", 1)
             if "skipped" in p:
-                rows.append(f"| {r['name']} | {kind} | {conc} | — | — | — | — | — | — | — | skipped: {p['skipped']} |")
+                rows.append(f"| {r['name']} | {kind} | {conc} | — | — | — | — | — | — | — | {p['skipped']} | — |")
                 continue
             m = p["metrics"]
             roof = L.roofline_tps(lim, formats[r["weights"]], int(conc))
-            extra = f" ({p['unfinished']} cut at the time cap)" if p.get("unfinished") or p.get("not_sent") else ""
+            cut = p.get("unfinished", 0) + p.get("not_sent", 0)
+            extra = f" ({cut} cut by the time cap)" if cut else ""
             rows.append(
                 f"| {r['name']} | {kind} | {conc} | {m['completed']} / {m['failed']}{extra} "
                 f"| {_fmt(m['output_throughput'])} | {_fmt(m['total_token_throughput'])} "
                 f"| {_fmt(m['ttft']['median_ms'], 0)} / {_fmt(m['ttft']['percentiles_ms'].get('p99'), 0)} "
                 f"| {_fmt(m['tpot']['median_ms'])} | {_fmt(m['itl']['median_ms'])} | {_fmt(m['e2el']['median_ms'], 0)} "
-                f"| {100 * m['output_throughput'] / roof:.0f}% of {roof:,.0f} |")
+                f"| {100 * m['output_throughput'] / roof:.0f}% of {roof:,.0f} | {_fmt(p.get('loadavg_1min'))} |")
     return rows
 
 
-def _plots(records: list[dict], outdir: Path) -> list[str]:
+def _plots(records: list[dict], outdir: Path, plan) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,14 +78,14 @@ def _plots(records: list[dict], outdir: Path) -> list[str]:
     for ax, title, ylabel in ((axes[0], "Output tokens/s (higher is better)", "tokens/s"),
                               (axes[1], "Time to first token, median (lower is better)", "ms")):
         ax.set_xscale("log", base=2)
-        ax.set_xticks([1, 4, 16, 64], ["1", "4", "16", "64"])
+        ax.set_xticks(list(plan.concurrency), [str(c) for c in plan.concurrency])
         ax.set_xlabel("concurrent clients (closed loop)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("128-token prompts, 128 output tokens, 2 threads")
+    fig.suptitle(f"{plan.input_len}-token prompts, {plan.output_len} output tokens, 2 threads")
     fig.tight_layout()
     fig.savefig(outdir / "peers-concurrency.png", dpi=110)
     plt.close(fig)
@@ -102,7 +104,8 @@ def _plots(records: list[dict], outdir: Path) -> list[str]:
             ax.invert_yaxis()
             ax.grid(alpha=0.3, axis="x")
         axes[1].set_yticks(range(len(labels)), [""] * len(labels))
-        fig.suptitle("Shared prefixes: 4 prefixes of 512 tokens + 64 own tokens, 32 output tokens, 8 clients")
+        fig.suptitle(f"Shared prefixes: {plan.num_prefixes} prefixes of {plan.prefix_len} tokens + {plan.prefix_suffix} "
+                     f"own tokens, {plan.prefix_output} output tokens, {plan.prefix_concurrency} clients")
         fig.tight_layout()
         fig.savefig(outdir / "peers-prefix.png", dpi=110)
         plt.close(fig)
@@ -110,14 +113,13 @@ def _plots(records: list[dict], outdir: Path) -> list[str]:
     return names
 
 
-def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, doc: Path) -> str:
+def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, doc: Path, plan) -> str:
     from kvserve import cpu
-    from kvserve.bench import compare
     from kvserve.bench.limits import MachineLimits, roofline_tps
 
     lim = MachineLimits(**lim_dict)
     formats = _formats(records, gguf)
-    images = _plots(records, doc.parent / "benchmarks")
+    images = _plots(records, doc.parent / "benchmarks", plan)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [BEGIN, "", "## Serving, side by side with llama.cpp, vLLM and transformers", "",
              "Every contender serves the same model on loopback with 2 threads, one after another in one run, and "
@@ -126,18 +128,23 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
              "`vllm bench serve`: TTFT from send to the first text, TPOT = (E2EL - TTFT) / (tokens - 1), ITL "
              "between text chunks. \"of roofline\" is output tokens/s over the tighter of two ceilings measured "
              "below: the bytes of weights read per decode step against memory bandwidth (times the clients), "
-             "and 2 FLOP per parameter per token against the matmul peak.", "",
-             f"- command: `make bench-peers` (`python -m kvserve.bench.compare`); full run {elapsed_s / 60:.0f} min "
-             "here, builds excluded (cached in ~/.cache/kvserve/peers)",
+             "and 2 FLOP per parameter per token against the matmul peak. \"load\" is the machine's 1-minute load "
+             "average when the point ended: on 2 cores, anything above 2 means the contenders shared the CPU with "
+             "other work, and multi-threaded inference degrades far more than in proportion when its threads "
+             "wait for each other.", "",
+             f"- command: `make bench-peers{' ARGS=--quick' if plan.name == 'quick' else ''}` "
+             f"(`python -m kvserve.bench.compare`); this run took {elapsed_s / 60:.0f} min, builds excluded "
+             "(cached in ~/.cache/kvserve/peers)",
              f"- date: {date}",
-             f"- CPU: {cpu.describe()}; Python {platform.python_version()}",
+             f"- CPU: {cpu.describe()}; Python {platform.python_version()}; load average when this was written "
+             f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
              f"- model: SmolLM2-135M-Instruct, `{gguf.name}` for llama.cpp; kvserve reads the same file; vLLM and "
              "transformers read the Hugging Face directory `kvserve export` writes from it (float32 safetensors)",
-             f"- workloads: {compare.INPUT_LEN}-token random prompts, {compare.OUTPUT_LEN} output tokens, concurrency "
-             f"{', '.join(map(str, compare.CONCURRENCY))} with max(2 x concurrency, 8) requests each; shared prefix: "
-             f"{compare.PREFIX_PROMPTS} requests from {compare.PREFIX['num_prefixes']} prefixes of "
-             f"{compare.PREFIX['prefix_len']} tokens + {compare.PREFIX['input_len']} own tokens, "
-             f"{compare.PREFIX['output_len']} output tokens, {compare.PREFIX_CONCURRENCY} clients", "",
+             f"- workloads ({plan.name}): {plan.input_len}-token random prompts, {plan.output_len} output tokens, "
+             f"concurrency {', '.join(map(str, plan.concurrency))} with max({plan.waves} x concurrency, "
+             f"{plan.min_prompts}) requests each; shared prefix: {plan.prefix_prompts} requests from "
+             f"{plan.num_prefixes} prefixes of {plan.prefix_len} tokens + {plan.prefix_suffix} own tokens, "
+             f"{plan.prefix_output} output tokens, {plan.prefix_concurrency} clients", "",
              "Settings:", ""]
     lines += [f"- **{r['name']}**: {r['settings']}" for r in records]
     lines += ["", *_rows(records, lim, formats), ""]
@@ -145,7 +152,8 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
     lines += ["", "### This machine's limits", "",
               "| what | figure |", "|---|---:|",
               f"| memory bandwidth (a 256 MiB float32 sum, best of 5) | {lim.bandwidth_gbs:.1f} GB/s |"]
-    lines += [f"| {name} matmul 1024³, {lim.threads} threads | {g:.1f} GFLOP/s |" for name, g in lim.matmul_gflops.items()]
+    lines += [f"| {name} matmul {lim.matmul_n.get(name, 1024)}³, {lim.threads} threads | {g:.1f} GFLOP/s |"
+              for name, g in lim.matmul_gflops.items()]
     lines += ["", "| weights as held by | bytes read per decode step | one stream's ceiling | batch ceiling |",
               "|---|---:|---:|---:|"]
     shown = {"kvserve": "kvserve (its default dtype here)", "gguf": "llama.cpp (the GGUF as is)",
@@ -158,9 +166,9 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
     return "\n".join(lines)
 
 
-def write(doc: Path, records: list[dict], lim: dict, gguf: Path, elapsed_s: float) -> None:
+def write(doc: Path, records: list[dict], lim: dict, gguf: Path, elapsed_s: float, plan) -> None:
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    new = section(records, lim, gguf, elapsed_s, doc)
+    new = section(records, lim, gguf, elapsed_s, doc, plan)
     if BEGIN in text and END in text:
         before, rest = text.split(BEGIN, 1)
         after = rest.split(END, 1)[1]
