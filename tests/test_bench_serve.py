@@ -304,3 +304,27 @@ def test_export_gives_a_directory_kvserve_and_transformers_load_alike(tmp_path):
         assert ids[0].tolist() == llm.tokenizer.encode(prompt)
         got = hf.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, ids.shape[1]:].tolist()
         assert got == want
+
+
+# ------------------------------------------------------------------ the bench-peers report
+def test_report_rewrites_only_its_section(tmp_path, default_gguf):
+    pytest.importorskip("matplotlib")  # the `bench` extra
+    from kvserve.bench import compare, report
+
+    m = metrics.compute([RequestOutput(success=True, ttft=0.5, itl=[0.1] * 15, latency=2.0, output_tokens=16,
+                                       prompt_tokens=32, tokens_counted_by="usage")], duration_s=2.0)
+    point = {"metrics": __import__("dataclasses").asdict(m), "unfinished": 0, "not_sent": 0, "loadavg_1min": 1.5}
+    records = [{"name": "kvserve", "settings": "defaults", "weights": "kvserve",
+                "points": {w.key: point for w in compare.workloads(compare.QUICK)}},
+               {"name": "vLLM CPU", "settings": "-", "weights": "bfloat16", "unavailable": "not runnable on this CPU"}]
+    limits = {"bandwidth_gbs": 20.0, "matmul_gflops": {"float32": 100.0, "bfloat16": 1.0, "float16": 1.0}, "threads": 2}
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nhand-written\n\n{report.BEGIN}\nold figures\n{report.END}\n\nnotes after\n")
+    report.write(doc, records, limits, default_gguf, 60.0, compare.QUICK)
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nhand-written\n\n") and text.endswith(f"{report.END}\n\nnotes after\n")
+    assert "old figures" not in text and text.count(report.BEGIN) == 1
+    assert "| kvserve | random | 16 | 1 / 0 | 8.0 | 24.0 | 500 / 500 | 100.0 | 100.0 | 2,000 |" in text
+    assert "| vLLM CPU | — |" in text and "not run: not runnable on this CPU" in text
+    assert (tmp_path / "benchmarks" / "peers-concurrency.png").stat().st_size > 0
+    assert (tmp_path / "benchmarks" / "peers-prefix.png").stat().st_size > 0
