@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     out = results_dir(args.fresh, plan) if args.results is None else args.results
     out.mkdir(parents=True, exist_ok=True)
     limits_path = out / "limits.json"
+    # Time spent measuring, over every resumed run into this results folder (builds excluded).
+    spent = json.loads((out / "minutes.json").read_text())["measuring_minutes"] * 60 if (out / "minutes.json").exists() else 0.0
     if not limits_path.exists() and not args.report_only:
         print("== measuring this machine's limits (bandwidth, matmul)", flush=True)
         lim = limits.measure(THREADS)
@@ -303,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         records.append(bench_contender(c, workloads(plan), out, args.max_duration))
         # After each contender, so an interrupted run still leaves a report of what it measured.
-        report.write(args.write, records, json.loads(limits_path.read_text()), gguf, time.time() - t0, plan)
-    elapsed = time.time() - t0
+        report.write(args.write, records, json.loads(limits_path.read_text()), gguf, spent + time.time() - t0, plan)
+    elapsed = spent + (0.0 if args.report_only else time.time() - t0)
+    (out / "minutes.json").write_text(json.dumps({"measuring_minutes": elapsed / 60}) + "\n")
     report.write(args.write, records, json.loads(limits_path.read_text()), gguf, elapsed, plan)
     print(f"== wrote {args.write} ({elapsed / 60:.1f} min; points in {out})", flush=True)
     return 0

@@ -48,6 +48,10 @@ def _rows(records: list[dict], lim, formats) -> list[str]:
             roof = L.roofline_tps(lim, formats[r["weights"]], int(conc))
             cut = p.get("unfinished", 0) + p.get("not_sent", 0)
             extra = f" ({cut} cut by the time cap)" if cut else ""
+            if not m["completed"]:  # nothing to time: no figures rather than zeros
+                rows.append(f"| {r['name']} | {kind} | {conc} | 0 / {m['failed']}{extra} | — | — | — | — | — | — "
+                            f"| — | {_fmt(p.get('loadavg_1min'))} |")
+                continue
             rows.append(
                 f"| {r['name']} | {kind} | {conc} | {m['completed']} / {m['failed']}{extra} "
                 f"| {_fmt(m['output_throughput'])} | {_fmt(m['total_token_throughput'])} "
@@ -64,15 +68,19 @@ def _plots(records: list[dict], outdir: Path, plan) -> list[str]:
     import matplotlib.pyplot as plt
 
     outdir.mkdir(parents=True, exist_ok=True)
+    for old in outdir.glob("peers-*.png"):  # a figure this run cannot draw must not survive from the last
+        old.unlink()
     runs = [r for r in records if not r.get("unavailable")]
     names = []
+    drawn = 0
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in runs:
         pts = sorted((int(k.rsplit("-c", 1)[1]), p["metrics"]) for k, p in r["points"].items()
-                     if k.startswith("random") and "metrics" in p)
+                     if k.startswith("random") and p.get("metrics", {}).get("completed"))
         if not pts:
             continue
         xs = [c for c, _ in pts]
+        drawn += 1
         axes[0].plot(xs, [m["output_throughput"] for _, m in pts], marker="o", label=r["name"])
         axes[1].plot(xs, [m["ttft"]["median_ms"] for _, m in pts], marker="o", label=r["name"])
     for ax, title, ylabel in ((axes[0], "Output tokens/s (higher is better)", "tokens/s"),
@@ -87,12 +95,13 @@ def _plots(records: list[dict], outdir: Path, plan) -> list[str]:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{plan.input_len}-token prompts, {plan.output_len} output tokens, 2 threads")
     fig.tight_layout()
-    fig.savefig(outdir / "peers-concurrency.png", dpi=110)
+    if drawn:
+        fig.savefig(outdir / "peers-concurrency.png", dpi=110)
+        names.append("peers-concurrency.png")
     plt.close(fig)
-    names.append("peers-concurrency.png")
 
     prefix = [(r["name"], p["metrics"]) for r in runs for k, p in r["points"].items()
-              if k.startswith("prefix") and "metrics" in p]
+              if k.startswith("prefix") and p.get("metrics", {}).get("completed")]
     if prefix:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
         labels = [n for n, _ in prefix]
@@ -133,7 +142,7 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
              "other work, and multi-threaded inference degrades far more than in proportion when its threads "
              "wait for each other.", "",
              f"- command: `make bench-peers{' ARGS=--quick' if plan.name == 'quick' else ''}` "
-             f"(`python -m kvserve.bench.compare`); this run took {elapsed_s / 60:.0f} min, builds excluded "
+             f"(`python -m kvserve.bench.compare`); measuring took {elapsed_s / 60:.0f} min, builds excluded "
              "(cached in ~/.cache/kvserve/peers)",
              f"- date: {date}",
              f"- CPU: {cpu.describe()}; Python {platform.python_version()}; load average when this was written "
