@@ -9,7 +9,9 @@ TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
 
-.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-router clean
+BENCH_STAMP := $(VENV)/.kvserve-bench-installed
+
+.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-router clean
 
 setup: $(STAMP)
 
@@ -64,6 +66,16 @@ test-fast: setup
 
 bench: setup  ## offline throughput vs transformers; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.offline --write docs/benchmarks.md $(ARGS)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(BENCH_STAMP)
+
+# Sets up llama.cpp, vLLM CPU and a transformers server once each, cached in ~/.cache/kvserve/peers
+# (the llama.cpp build takes ~10 min on 2 cores); measured points are kept there too, so a rerun
+# after an interruption resumes (ARGS=--fresh measures all again).
+bench-peers: $(BENCH_STAMP)  ## kvserve vs llama.cpp, vLLM, transformers under streamed load; writes docs/benchmarks.md
+	$(PY) -m kvserve.bench.compare --write docs/benchmarks.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache

@@ -1,4 +1,4 @@
-"""The kvserve command: chat, generate (one prompt or a JSONL batch), serve, route, up, kv-size, explain."""
+"""The kvserve command: chat, generate, serve, route, up, kv-size, explain, export, bench serve."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--max-tokens", type=int, default=16)
     ex.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
+
+    exp = sub.add_parser("export", help="write a .gguf model as a Hugging Face directory (dequantized safetensors)")
+    exp.add_argument("gguf", help="a .gguf file or an alias (smollm2-135m)")
+    exp.add_argument("outdir", type=Path, help="the directory to write")
+    exp.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+
+    from kvserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     try:
         from kvserve.server.cli import add_serve_parser
     except ImportError:  # the server extra is not installed
@@ -117,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.kv.kv_size import run_kv_size
 
             return run_kv_size(args)
+        if args.command == "export":
+            from kvserve.llm import parse_dtype
+            from kvserve.model.export import export_hf
+
+            print(export_hf(args.gguf, args.outdir, parse_dtype(args.dtype)))
+            return 0
         return args.func(args)
     except (KVServeError, ValueError, OSError) as e:
         # Errors the user can fix get one line, not a traceback.

@@ -108,6 +108,22 @@ def make_tiny_hf_model(
     return model, directory
 
 
+def _add_default_vocab(writer: gguf.GGUFWriter) -> None:
+    from kvserve.tokenizer_gguf import read_gguf_metadata
+
+    for key, value in read_gguf_metadata(default_gguf_path()).items():
+        if not key.startswith("tokenizer.") or key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+            continue  # not the tokenizer, or written from the model's config already
+        if isinstance(value, list) and value and isinstance(value[0], int):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+
+
 def _ggml_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter: rows (j, j + d/2) of each head become neighbours (2j, 2j+1)."""
     half = w.shape[0] // n_head // 2
@@ -130,12 +146,14 @@ def write_tiny_gguf(
     *,
     embed_qtype: Q | None = None,
     write_vocab_size: bool = True,
+    with_vocab: bool = False,
 ) -> Path:
     """Write a tiny HF llama/qwen2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
-    linear scaling becomes metadata.
+    linear scaling becomes metadata. with_vocab copies the default model's tokenizer.* metadata
+    (its 49152-token vocabulary, merges, special ids and chat template) into the file.
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -165,6 +183,8 @@ def write_tiny_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     if write_vocab_size:
         writer.add_vocab_size(config.vocab_size)
+    if with_vocab:
+        _add_default_vocab(writer)
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
     writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
     if rope.get("rope_type") == "linear":

