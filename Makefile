@@ -35,10 +35,10 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
-KERNEL_TESTS ?= tests/test_kernels.py
+KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py
 test-isa: setup
-	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(KERNEL_TESTS)
-	KVSERVE_ISA=portable $(PY) -m pytest -q $(KERNEL_TESTS)
+	KVSERVE_ISA=avx2 $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
 
 # The oldest versions kvserve claims to work with: a second virtual environment where every runtime
 # dependency sits at exactly its floor in pyproject.toml (tests/floors/pins.py reads them from there,

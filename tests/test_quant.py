@@ -192,6 +192,7 @@ def llms():
             LLM(dtype="float32", quantization="none", cache=cache))
 
 
+@pytest.mark.slow
 def test_default_model_keeps_its_blocks(llms) -> None:
     q, f = llms
     assert isinstance(q.model.layers[0].gate_up, QuantizedLinear)
@@ -249,6 +250,7 @@ def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
     return math.exp(nll)
 
 
+@pytest.mark.slow
 def test_quantized_perplexity_within_two_percent_of_float(llms) -> None:
     q, f = llms
     ids = f.tokenizer.encode((HERE / "data" / "gettysburg.txt").read_text())
