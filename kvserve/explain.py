@@ -134,7 +134,8 @@ def explain(
     cfg, model = llm.config, llm.model
     d, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, ffn = cfg.hidden_size, cfg.intermediate_size
-    embed_bytes = model.embed.numel() * model.embed.element_size()
+    embed = model.embed  # a tensor, or GGUF blocks kept quantized
+    embed_bytes = embed.nbytes if not isinstance(embed, torch.Tensor) else embed.numel() * embed.element_size()
     e = Explanation(
         model=llm.model_name, dtype=str(llm.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
         prompt_ids=ids, pieces=[_piece(llm, t) for t in ids],

@@ -93,10 +93,10 @@ def test_a_second_signal_during_the_drain_exits_at_once_and_ends_streams_with_an
     rc = server.proc.wait(10)
     took = time.monotonic() - t0
     reader.join(10)
+    log = server.log()
     server.stop()
     assert rc == 0
     assert took < 3, f"the second signal took {took:.1f} s"
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutdown", events[-3:]
-    log = server.log()
     assert "second SIGTERM during the drain" in log
     assert not any(bad in log for bad in BAD_SIGNS), log
