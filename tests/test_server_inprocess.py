@@ -183,3 +183,25 @@ def test_a_stalled_engine_turns_health_503_and_recovers(model_dir):
         worker.join(30)
         assert done[0].status_code == 200
         assert client.get("/health").json() == {"status": "ready"}
+
+
+def test_a_request_past_the_request_timeout_is_stopped_with_504(model_dir):
+    llm = tiny_llm(model_dir)
+    real_step = llm.engine.step
+
+    def slow_step():
+        threading.Event().wait(0.05)
+        return real_step()
+
+    llm.engine.step = slow_step
+    settings = ServerSettings(model_name="tiny", request_timeout=0.5)
+    with TestClient(build_app(settings, llm=llm)) as client:
+        r = client.post("/v1/completions", json={**REQUEST, "max_tokens": 200, "ignore_eos": True})
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "request_timeout" and "--request-timeout" in r.json()["error"]["message"]
+        assert client.post("/v1/completions", json=REQUEST).status_code == 200  # the server carries on
+        for _ in range(200):  # the timed-out request's blocks go back to the pool
+            if llm.manager.pool.num_used_blocks == 0:
+                break
+            threading.Event().wait(0.02)
+        assert llm.manager.pool.num_used_blocks == 0

@@ -113,7 +113,7 @@ def contenders(gguf: Path) -> list[Contender]:
 
     threads = {"OMP_NUM_THREADS": str(THREADS)}
     return [
-        Contender("kvserve", "its defaults: `kvserve serve` (dtype auto, max-num-seqs 64, prefix caching on)",
+        Contender("kvserve", "its defaults: `kvserve serve` (quantization auto: the GGUF's blocks as stored, float32 activations; max-num-seqs 64, prefix caching on)",
                   "kvserve", kvserve_setup, env=threads),
         Contender(f"llama.cpp llama-server ({peers.LLAMA_CPP_PYTHON})",
                   f"`-t {THREADS} -tb {THREADS} -np <concurrency> -c <concurrency>x{CTX_PER_SLOT}` (one slot per "

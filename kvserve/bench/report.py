@@ -25,8 +25,10 @@ def _formats(records: list[dict], gguf: Path) -> dict[str, object]:
 
     g = L.gguf_format(gguf)
     kv_dtype = str(default_dtype()).removeprefix("torch.")
+    # kvserve's default (quantization "auto") keeps a GGUF's quantized blocks, as llama.cpp does.
+    kvserve = g if gguf.suffix == ".gguf" else L.dense_format(g.num_params, kv_dtype)
     return {"gguf": g, "float32": L.dense_format(g.num_params, "float32"),
-            "bfloat16": L.dense_format(g.num_params, "bfloat16"), "kvserve": L.dense_format(g.num_params, kv_dtype)}
+            "bfloat16": L.dense_format(g.num_params, "bfloat16"), "kvserve": kvserve}
 
 
 def _rows(records: list[dict], lim, formats) -> list[str]:
@@ -165,7 +167,7 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
               for name, g in lim.matmul_gflops.items()]
     lines += ["", "| weights as held by | bytes read per decode step | one stream's ceiling | batch ceiling |",
               "|---|---:|---:|---:|"]
-    shown = {"kvserve": "kvserve (its default dtype here)", "gguf": "llama.cpp (the GGUF as is)",
+    shown = {"kvserve": "kvserve (its default: the GGUF's blocks as stored)", "gguf": "llama.cpp (the GGUF as is)",
              "bfloat16": "vLLM CPU (bfloat16)", "float32": "transformers (float32)"}
     for key, label in shown.items():
         f = formats[key]

@@ -10,7 +10,9 @@ they are decoded). Two quirks of llama.cpp's converter are undone here:
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,17 @@ class _Reader(GGUFReader):
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """Open and parse a GGUF file; any damage becomes one ModelFormatError line."""
+    """Open and parse a GGUF file; any damage becomes one ModelFormatError line.
+
+    Parsing takes most of a second for a 49k-token vocabulary, and one load reads the file for
+    its config, tensors, tokenizer and sampling defaults: the last two files parsed are kept
+    (keyed by path, size and modification time), so a load parses its file once."""
+    st = os.stat(path)
+    return _open_gguf(Path(path).resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
