@@ -34,6 +34,20 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def _calls(bodies: list[str]) -> list | None:
+    """Each JSON body as a call, or None if any is not one (then the reply is plain text)."""
+    calls = []
+    for body in bodies:
+        try:
+            call = _call_from_json(json.loads(body))
+        except json.JSONDecodeError:
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def _call_from_json(obj: Any) -> ToolCall | None:
     """{"name": str, "arguments"|"parameters": object|str} → ToolCall; anything else → None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -66,29 +80,15 @@ _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished reply. Without a well-formed call the text is all content."""
     if HERMES_OPEN in text:
-        calls = []
-        for body in _HERMES_BLOCK.findall(text + (HERMES_CLOSE if text.count(HERMES_OPEN) > text.count(HERMES_CLOSE) else "")):
-            try:
-                call = _call_from_json(json.loads(body))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
+        calls = _calls(_HERMES_BLOCK.findall(text + (HERMES_CLOSE if text.count(HERMES_OPEN) > text.count(HERMES_CLOSE) else "")))
+        if calls is None:
+            return text, []
         content = text[: text.index(HERMES_OPEN)].strip()
         return (content or None), calls
     stripped = text.strip().removeprefix(PYTHON_TAG).strip()
     if stripped.startswith("{"):  # Llama 3.x: the reply is the call(s)
-        calls = []
-        for part in _split_top_level(stripped):
-            try:
-                call = _call_from_json(json.loads(part))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
-        return None, calls
+        calls = _calls(_split_top_level(stripped))
+        return (text, []) if calls is None else (None, calls)
     return text, []
 
 
