@@ -3,7 +3,8 @@
     app = build_router_app(RouterSettings(replicas=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
 
 /v1/* (completions, chat, models, anything a replica serves), /tokenize and /detokenize go to a
-replica (kvserve/router/proxy.py); any other path is the router's own 404, in the same OpenAI
+replica (kvserve/router/proxy.py); `/` is a live page of the replicas and the routing decisions
+(kvserve/router/page.py); any other path is the router's own 404, in the same OpenAI
 error body a kvserve server sends.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.router.admin import add_admin_routes
+from kvserve.router.page import add_page_routes
 from kvserve.router.proxy import proxy
 from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
@@ -77,6 +79,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
         return Response(body, media_type=content_type)
 
     add_admin_routes(app, state)
+    add_page_routes(app, state)  # / : replicas, loads and routing decisions, live
 
     async def forward(request: Request) -> Response:
         return await proxy(request, state)

@@ -84,6 +84,7 @@ class Attempt:
         state.policy.routed(decision, req)
         state.metrics.requests.labels(self.replica.url).inc()
         state.metrics.decisions.labels(state.settings.policy.name, decision.outcome).inc()
+        state.record(self.replica.url, decision.outcome, decision.matched_tokens, req.path)
         if decision.source is not None:
             state.metrics.matched.observe(decision.matched_tokens)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import httpx
 
@@ -19,6 +20,7 @@ from kvserve.router.settings import RouterSettings
 from kvserve.router.upstream import make_client
 
 log = logging.getLogger("kvserve.router")
+KEEP_DECISIONS = 50  # routing decisions the page at / shows (bounded memory)
 
 
 class RetryBudget:
@@ -50,6 +52,8 @@ class RouterState:
         self.index: KVIndex | None = None
         self.policy: Policy = make_policy(settings.policy, None)
         self.active = 0  # requests the router is answering
+        self.decisions: deque[dict] = deque(maxlen=KEEP_DECISIONS)  # oldest first
+        self._decided = 0
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
@@ -93,6 +97,12 @@ class RouterState:
         except TimeoutError:
             return False
         return True
+
+    def record(self, replica_url: str, outcome: str, matched_tokens: int, path: str) -> None:
+        """One routing decision, for the page at / (GET /router/state)."""
+        self._decided += 1
+        self.decisions.append({"n": self._decided, "time": round(time.time(), 3), "replica": replica_url,
+                               "outcome": outcome, "matched_tokens": matched_tokens, "path": path})
 
     # -- replicas joining and leaving -------------------------------------------------------
     async def add(self, url: str) -> tuple[Replica, bool]:
