@@ -58,7 +58,9 @@ def test_every_runtime_dependency_is_at_its_floor():
 # -- the default model: gguf, numpy, tokenizers, jinja2, tqdm -------------------------------------
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM()
+    # The float path: the safetensors directory below holds the same weights dequantized, so a
+    # server on it must answer token for token the same (the quantized default has its own tests).
+    return LLM(dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="module")
