@@ -10,21 +10,11 @@ Its cost is bounded: one pass over the replicas and a fixed-size ring of decisio
 from __future__ import annotations
 
 import time
-from importlib import resources
 
 from fastapi import FastAPI
-from fastapi.responses import Response
 
 from kvserve.router.state import RouterState
-from kvserve.server.errors import APIError
-from kvserve.server.insight import STATIC_TYPES
-
-STATIC_FILES = ("index.html", "app.js", "app.css")
-
-
-def _static(name: str) -> Response:
-    data = resources.files("kvserve.router").joinpath("static", name).read_bytes()
-    return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
+from kvserve.server.insight import add_static_page
 
 
 def add_page_routes(app: FastAPI, state: RouterState) -> None:
@@ -35,12 +25,4 @@ def add_page_routes(app: FastAPI, state: RouterState) -> None:
                 "active": state.active, "draining": state.draining,
                 "replicas": [r.describe(now) for r in state.replicas], "decisions": list(state.decisions)}
 
-    @app.get("/")
-    async def page() -> Response:
-        return _static("index.html")
-
-    @app.get("/static/{name}")
-    async def static(name: str) -> Response:
-        if name not in STATIC_FILES:
-            raise APIError(404, f"no static file {name!r}", code="not_found")
-        return _static(name)
+    add_static_page(app, "kvserve.router")

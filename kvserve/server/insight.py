@@ -69,9 +69,22 @@ class StateCache:
         return await asyncio.shield(self._pending)
 
 
-def _static(name: str) -> Response:
-    data = resources.files("kvserve.server").joinpath("static", name).read_bytes()
-    return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
+def add_static_page(app: FastAPI, package: str) -> None:
+    """GET / and /static/{name}: the page shipped in `package`'s static/ folder (server or router)."""
+
+    def serve(name: str) -> Response:
+        data = resources.files(package).joinpath("static", name).read_bytes()
+        return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
+
+    @app.get("/")
+    async def page() -> Response:
+        return serve("index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return serve(name)
 
 
 def add_routes(app: FastAPI, ctx: ServerContext) -> None:
@@ -86,15 +99,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(503, "the engine is not answering: see /health", code="dead") from None
         return {"model": ctx.settings.model_name, "max_model_len": ctx.state.llm.max_model_len, **state}
 
-    @app.get("/")
-    async def page() -> Response:
-        return _static("index.html")
-
-    @app.get("/static/{name}")
-    async def static(name: str) -> Response:
-        if name not in STATIC_FILES:
-            raise APIError(404, f"no static file {name!r}", code="not_found")
-        return _static(name)
+    add_static_page(app, "kvserve.server")
 
     @app.get("/v1/requests/{request_id}/timeline")
     async def request_timeline(request_id: str) -> dict:
