@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.model import quant
 
 
 clock = time.perf_counter  # --clock cpu: time.process_time
@@ -102,7 +103,7 @@ def breakdown(llm: LLM, batch: int, context: int, reps: int) -> dict[str, float]
                                model.ops.add_rms_norm(x.clone(), x, lw.post_norm, 1e-5))),
         "RoPE + KV store": each_layer(lambda lw, cache: model.ops.rope_and_store(qkv, cos, sin, cache, slots, H)),
         "SiLU * up": each_layer(lambda lw, cache: model.ops.silu_mul(gu.clone())),
-        "embedding + RoPE tables + final norm": lambda: (torch.nn.functional.embedding(ids, model.embed),
+        "embedding + RoPE tables + final norm": lambda: (quant.embedding(ids, model.embed, model.dtype),
                                                          model.rope(torch.full((batch,), context - 1)),
                                                          model.ops.add_rms_norm(x.clone(), x, model.norm, 1e-5)),
         "LM head": lambda: model.logits(x),
