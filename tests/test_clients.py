@@ -213,6 +213,10 @@ def test_readme_examples_finish(server, client) -> None:
     body = json.loads(re.search(r"-d '(\{.*?capital of France.*?\})'", readme).group(1))
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    # The same question at the server's default sampling, 16 seeded samples: most name Paris.
+    r = httpx.post(server.url + "/v1/chat/completions", json=body | {"n": 16, "seed": 7}, timeout=300)
+    answers = [c["message"]["content"] for c in r.json()["choices"]]
+    assert sum("Paris" in a for a in answers) >= 12, answers
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=NAME, stream=True, max_tokens=64,
         messages=[{"role": "user", "content": "Explain quantum computing like I'm ten."}]) if c.choices]
