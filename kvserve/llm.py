@@ -37,6 +37,7 @@ from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogits
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.sizing import allocate_kv_pool, size_kv_pool
+from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
 from kvserve.outputs import RequestOutput
@@ -154,6 +155,7 @@ class LLM:
         )
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches
+        gguf_file.forget()  # config, weights and tokenizer are read: the parsed file is not needed again
         self.load_seconds = time.perf_counter() - t0
         log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,
                  str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)

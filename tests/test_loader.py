@@ -437,3 +437,24 @@ def test_unsupported_quantization_type(tmp_path: Path) -> None:
         read_model_config(path)
     msg = _one_line(err, str(path), "token_embd.weight", "IQ2_XXS", "supported:")
     assert all(t in msg for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"))
+
+
+def test_a_loaded_model_keeps_no_parsed_file_and_still_reads_its_mapped_weights() -> None:
+    """After a load the parsed GGUF (vocabulary fields, ~45 MB) is dropped and the mapped pages
+    released; weights read in place from the file still give the same logits as before."""
+    from kvserve import LLM
+    from kvserve.model import gguf_file
+
+    llm = LLM(DEFAULT_MODEL, quantization="auto")
+    assert gguf_file._open_gguf.cache_info().currsize == 0 and len(gguf_file._READERS) == 0
+    ids = llm.tokenizer.encode("The capital of France is")
+    first = llm.prefill(ids)
+    reader = open_gguf(resolve_model_path(DEFAULT_MODEL))  # parse again, then release its pages once more
+    gguf_file.forget()
+    second = llm.prefill(ids)
+    assert first[1] == second[1]
+    assert torch.equal(llm.model.embed.blocks, torch.from_numpy(
+        np.asarray(reader.get_tensor(next(i for i, t in enumerate(reader.tensors) if t.name == "token_embd.weight")).data)
+        .reshape(llm.model.embed.blocks.shape)))
+    first[0].close()
+    second[0].close()

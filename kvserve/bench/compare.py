@@ -170,6 +170,25 @@ class Server:
         self._out.close()
 
 
+def resident_mib(pid: int) -> tuple[float, float]:
+    """(resident now, peak resident) in MiB of a server and every process under it (vLLM forks
+    its engine): VmRSS and VmHWM from /proc, summed over the tree. (0, 0) where /proc is absent."""
+    now = peak = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        now += int(fields.get("VmRSS", "0 kB").split()[0])
+        peak += int(fields.get("VmHWM", "0 kB").split()[0])
+    return now / 1024, peak / 1024
+
+
 def results_dir(fresh: bool, plan: Plan) -> Path:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
@@ -226,6 +245,7 @@ def bench_contender(c: Contender, loads: list[Workload], out: Path, max_duration
                 result = run(cfg, load_samples(dataset, _tokenizer()))
                 point = result.to_dict()
                 point["loadavg_1min"] = os.getloadavg()[0]  # a crowded machine shows here, not in the figures
+                point["rss_mib"], point["peak_rss_mib"] = resident_mib(server.proc.pid)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(point, indent=2) + "\n")
             record["points"][w.key] = json.loads(path.read_text())

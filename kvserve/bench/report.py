@@ -19,6 +19,14 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return "—" if x is None else f"{x:,.{digits}f}"
 
 
+def _resident(point: dict) -> str:
+    """The server's resident memory when the point ended, and its peak so far (points measured
+    before this column existed have none)."""
+    if not point.get("rss_mib"):
+        return "—"
+    return f"{point['rss_mib']:,.0f} ({point['peak_rss_mib']:,.0f})"
+
+
 def _formats(records: list[dict], gguf: Path) -> dict[str, object]:
     from kvserve.bench import limits as L
     from kvserve.llm import default_dtype
@@ -35,16 +43,16 @@ def _rows(records: list[dict], lim, formats) -> list[str]:
     from kvserve.bench import limits as L
 
     head = ("| contender | workload | conc. | ok / failed | output tok/s | total tok/s | TTFT p50 / p99 ms "
-            "| TPOT p50 ms | ITL p50 ms | E2EL p50 ms | of roofline | load |")
-    rows = [head, "|" + "---|" * 2 + "---:|" * 10]
+            "| TPOT p50 ms | ITL p50 ms | E2EL p50 ms | of roofline | resident MiB (peak) | load |")
+    rows = [head, "|" + "---|" * 2 + "---:|" * 11]
     for r in records:
         if r.get("unavailable"):
-            rows.append(f"| {r['name']} | — | — | — | — | — | — | — | — | — | not run: {r['unavailable']} | — |")
+            rows.append(f"| {r['name']} | — | — | — | — | — | — | — | — | — | not run: {r['unavailable']} | — | — |")
             continue
         for key, p in r["points"].items():
             kind, conc = key.rsplit("-c", 1)
             if "skipped" in p:
-                rows.append(f"| {r['name']} | {kind} | {conc} | — | — | — | — | — | — | — | {p['skipped']} | — |")
+                rows.append(f"| {r['name']} | {kind} | {conc} | — | — | — | — | — | — | — | {p['skipped']} | — | — |")
                 continue
             m = p["metrics"]
             roof = L.roofline_tps(lim, formats[r["weights"]], int(conc))
@@ -52,14 +60,15 @@ def _rows(records: list[dict], lim, formats) -> list[str]:
             extra = f" ({cut} cut by the time cap)" if cut else ""
             if not m["completed"]:  # nothing to time: no figures rather than zeros
                 rows.append(f"| {r['name']} | {kind} | {conc} | 0 / {m['failed']}{extra} | — | — | — | — | — | — "
-                            f"| — | {_fmt(p.get('loadavg_1min'))} |")
+                            f"| — | {_resident(p)} | {_fmt(p.get('loadavg_1min'))} |")
                 continue
             rows.append(
                 f"| {r['name']} | {kind} | {conc} | {m['completed']} / {m['failed']}{extra} "
                 f"| {_fmt(m['output_throughput'])} | {_fmt(m['total_token_throughput'])} "
                 f"| {_fmt(m['ttft']['median_ms'], 0)} / {_fmt(m['ttft']['percentiles_ms'].get('p99'), 0)} "
                 f"| {_fmt(m['tpot']['median_ms'])} | {_fmt(m['itl']['median_ms'])} | {_fmt(m['e2el']['median_ms'], 0)} "
-                f"| {100 * m['output_throughput'] / roof:.0f}% of {roof:,.0f} | {_fmt(p.get('loadavg_1min'))} |")
+                f"| {100 * m['output_throughput'] / roof:.0f}% of {roof:,.0f} | {_resident(p)} "
+                f"| {_fmt(p.get('loadavg_1min'))} |")
     return rows
 
 
@@ -139,7 +148,10 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
              "`vllm bench serve`: TTFT from send to the first text, TPOT = (E2EL - TTFT) / (tokens - 1), ITL "
              "between text chunks. \"of roofline\" is output tokens/s over the tighter of two ceilings measured "
              "below: the bytes of weights read per decode step against memory bandwidth (times the clients), "
-             "and 2 FLOP per parameter per token against the matmul peak. \"load\" is the machine's 1-minute load "
+             "and 2 FLOP per parameter per token against the matmul peak. \"resident MiB\" is the server's "
+             "resident memory (VmRSS, its child processes included) when the point ended, and in brackets its "
+             "peak so far (VmHWM); llama-server starts anew for each concurrency (slots = clients), kvserve and "
+             "vLLM serve every level from one process. \"load\" is the machine's 1-minute load "
              "average when the point ended: on 2 cores, anything above 2 means the contenders shared the CPU with "
              "other work, and multi-threaded inference degrades far more than in proportion when its threads "
              "wait for each other.", "",

@@ -10,9 +10,12 @@ they are decoded). Two quirks of llama.cpp's converter are undone here:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import mmap
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,23 @@ def open_gguf(path: Path) -> GGUFReader:
     return _open_gguf(Path(path).resolve(), st.st_size, st.st_mtime_ns)
 
 
+def forget() -> None:
+    """Drop the parsed files kept by open_gguf: once a model is loaded its metadata (a 49k-token
+    vocabulary parsed into numpy fields, ~45 MB) is not read again. The file's mapped pages are
+    released too: tensors that were copied (fused q/k/v, gate/up) leave their source pages resident
+    otherwise; those still in use (weights read in place) come back from the page cache on first
+    touch. So resident memory counts each weight once."""
+    for reader in list(_READERS.values()):
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise: pages just stay
+            reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+    _READERS.clear()
+    _open_gguf.cache_clear()
+
+
+# The readers open_gguf still holds (weakly: the cache above decides how long they live).
+_READERS: weakref.WeakValueDictionary[Path, GGUFReader] = weakref.WeakValueDictionary()
+
+
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
     with open(path, "rb") as f:
@@ -88,7 +108,8 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
         )
     try:
         # "c" (copy-on-write) maps the file writable in-process, so torch can wrap it warning-free.
-        return _Reader(path, "c")
+        reader = _READERS[path] = _Reader(path, "c")
+        return reader
     except Exception as e:  # gguf/numpy raise ValueError, IndexError, KeyError... on damage
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelFormatError(
