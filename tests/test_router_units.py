@@ -119,16 +119,32 @@ def test_cache_aware_prefers_the_prefix_until_loads_are_imbalanced_beyond_both_t
     a, b = _replicas(0, 0)
     policy.tree(a).insert(text)
     assert policy.choose([a, b], req).outcome == "prefix_hit" and policy.choose([a, b], req).replica is a
-    a.outstanding_tokens, b.outstanding_tokens = 1900, 950  # 950 apart: under the absolute threshold
+    a.outstanding_work, b.outstanding_work = 1900, 950  # 950 apart: under the absolute threshold
     assert policy.choose([a, b], req).replica is a
-    a.outstanding_tokens, b.outstanding_tokens = 5000, 3000  # far apart but under 2x
+    a.outstanding_work, b.outstanding_work = 5000, 3000  # far apart but under 2x
     assert policy.choose([a, b], req).replica is a
-    a.outstanding_tokens, b.outstanding_tokens = 5000, 2000  # beyond both
+    a.outstanding_work, b.outstanding_work = 5000, 2000  # beyond both
     d = policy.choose([a, b], req)
     assert (d.replica, d.outcome) == (b, "load_fallback")
+    a.outstanding_work, b.outstanding_work = 1000, 0  # many prompt tokens, all cached: little work
+    a.outstanding_tokens, b.outstanding_tokens = 50_000, 0
+    assert policy.choose([a, b], req).replica is a
     fresh = parse_request("/v1/completions", b'{"prompt": "Something else entirely, never sent before"}')
-    a.outstanding_tokens = b.outstanding_tokens = 0
+    a.outstanding_work = b.outstanding_work = 0
     assert policy.choose([a, b], fresh).outcome == "no_match"
+
+
+def test_a_request_counts_its_uncached_prompt_and_output_as_work_until_released():
+    r = Replica("http://r0", state=HEALTHY)
+    hit = r.start(prompt_tokens=1000, max_tokens=32, matched=960)
+    miss = r.start(prompt_tokens=1000, max_tokens=32, matched=0)
+    assert (r.outstanding_tokens, r.outstanding_work) == (2064, 40 + 32 + 1000 + 32)
+    hit.produced(30)
+    assert (r.outstanding_tokens, r.outstanding_work) == (2034, 40 + 2 + 1032)
+    hit.release()
+    miss.release()
+    miss.release()  # once only
+    assert (r.outstanding_tokens, r.outstanding_work, r.in_flight) == (0, 0, 0)
 
 
 def test_retry_budget_allows_a_burst_then_a_share_of_requests():

@@ -16,7 +16,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: replicas' published blocks (precise), text sent (approximate), or "
                         f"precise where available (auto, the default)")
     p.add_argument("--balance-abs-tokens", type=int, default=_P.balance_abs_tokens,
-                   help=f"cache_aware: outstanding-token gap beyond which load wins (default: {_P.balance_abs_tokens})")
+                   help=f"cache_aware: gap in outstanding work (uncached prompt + output tokens) beyond which load wins (default: {_P.balance_abs_tokens})")
     p.add_argument("--balance-rel", type=float, default=_P.balance_rel,
                    help=f"cache_aware: load ratio beyond which load wins (default: {_P.balance_rel})")
     p.add_argument("--min-match-tokens", type=int, default=_P.min_match_tokens,

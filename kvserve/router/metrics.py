@@ -27,13 +27,17 @@ class _ReplicaCollector(Collector):
         tokens = GaugeMetricFamily("kvserve_router_outstanding_tokens",
                                    "Prompt plus remaining max_tokens of requests in flight, per replica.",
                                    labels=["replica"])
+        work = GaugeMetricFamily("kvserve_router_outstanding_work",
+                                 "Uncached prompt tokens plus remaining max_tokens of requests in flight, per replica.",
+                                 labels=["replica"])
         healthy = GaugeMetricFamily("kvserve_router_replica_healthy", "1 if the replica passes its health checks.",
                                     labels=["replica"])
         for r in self._replicas():
             in_flight.add_metric([r.url], r.in_flight)
             tokens.add_metric([r.url], r.outstanding_tokens)
+            work.add_metric([r.url], r.outstanding_work)
             healthy.add_metric([r.url], 1.0 if r.state == HEALTHY else 0.0)
-        yield from (in_flight, tokens, healthy)
+        yield from (in_flight, tokens, work, healthy)
 
 
 class RouterMetrics:

@@ -7,6 +7,8 @@ power_of_two  the less loaded of two picked at random: near least_load, without 
 cache_aware   the replica holding the longest prefix of the prompt, unless the loads are
               imbalanced beyond both thresholds (then the least loaded); "holds" is precise (the
               replica's published block hashes) or approximate (a prefix tree of the text sent).
+              Its load is outstanding work: the tokens a replica must still compute, so prompt
+              tokens it was expected to find cached do not count (a hit costs almost nothing).
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ class Decision:
 
 def _load(r: Replica) -> tuple[int, int]:
     return r.outstanding_tokens, r.in_flight
+
+
+def _work(r: Replica) -> tuple[int, int]:
+    return r.outstanding_work, r.in_flight
 
 
 class Policy:
@@ -65,14 +71,15 @@ class RoundRobin(Policy):
 class LeastLoad(Policy):
     name = "least_load"
 
-    def __init__(self) -> None:
+    def __init__(self, load=_load) -> None:
         self._turn = itertools.count()
+        self._key = load
 
     def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
         # Ties (e.g. all idle) go round, so an idle fleet still spreads its requests.
         start = next(self._turn) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        return Decision(min(rotated, key=_load), self.name)
+        return Decision(min(rotated, key=self._key), self.name)
 
 
 class PowerOfTwo(Policy):
@@ -95,7 +102,7 @@ class CacheAware(Policy):
         self.settings = settings
         self.index = index if settings.cache_source != "approximate" else None
         self.trees: dict[Replica, PrefixTree] = {}
-        self._least = LeastLoad()
+        self._least = LeastLoad(_work)
 
     def tree(self, r: Replica) -> PrefixTree:
         if r not in self.trees:
@@ -103,7 +110,7 @@ class CacheAware(Policy):
         return self.trees[r]
 
     def imbalanced(self, candidates: list[Replica]) -> bool:
-        loads = [r.outstanding_tokens for r in candidates]
+        loads = [r.outstanding_work for r in candidates]
         hi, lo = max(loads), min(loads)
         return hi - lo > self.settings.balance_abs_tokens and hi > self.settings.balance_rel * lo
 
@@ -124,7 +131,7 @@ class CacheAware(Policy):
         if len(candidates) > 1 and self.imbalanced(candidates):
             m = matches.get(least, (0, None, None))
             return Decision(least, "load_fallback", m[0], m[1], m[2])
-        best = max(candidates, key=lambda r: (matches[r][0] if matches else 0, r is least, -r.outstanding_tokens))
+        best = max(candidates, key=lambda r: (matches[r][0] if matches else 0, r is least, -r.outstanding_work))
         tokens, source, hashes = matches.get(best, (0, None, None))
         if tokens < max(1, self.settings.min_match_tokens):
             m = matches.get(least, (0, None, None))

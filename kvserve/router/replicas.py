@@ -22,6 +22,7 @@ class Load:
     replica: Replica
     prompt_tokens: int
     remaining: int  # output tokens still to come
+    uncached: int = 0  # prompt tokens the replica is expected to compute (not in its prefix cache)
     done: bool = False
 
     def produced(self, n: int) -> None:
@@ -29,12 +30,14 @@ class Load:
         n = min(n, self.remaining)
         self.remaining -= n
         self.replica.outstanding_tokens -= n
+        self.replica.outstanding_work -= n
 
     def release(self) -> None:
         if not self.done:
             self.done = True
             self.replica.in_flight -= 1
             self.replica.outstanding_tokens -= self.prompt_tokens + self.remaining
+            self.replica.outstanding_work -= self.uncached + self.remaining
 
 
 @dataclass(eq=False)
@@ -49,6 +52,9 @@ class Replica:
     wait_until: float = 0.0  # a 429's Retry-After
     in_flight: int = 0
     outstanding_tokens: int = 0
+    # The work those requests still cost: prompt tokens not expected in its prefix cache, plus
+    # output still to come (a prefix hit is nearly free to prefill; cache_aware balances this).
+    outstanding_work: int = 0
     requests: int = 0
     errors: int = 0
     matched_tokens: int = 0  # prompt tokens the router expected to find in its cache
@@ -68,12 +74,14 @@ class Replica:
     def start(self, prompt_tokens: int, max_tokens: int, matched: int) -> Load:
         self.in_flight += 1
         self.requests += 1
+        uncached = prompt_tokens - min(matched, prompt_tokens)
         self.outstanding_tokens += prompt_tokens + max_tokens
+        self.outstanding_work += uncached + max_tokens
         self.prompt_tokens += prompt_tokens
         self.matched_tokens += matched
         if self.open_until:
             self.trial = True
-        return Load(self, prompt_tokens, max_tokens)
+        return Load(self, prompt_tokens, max_tokens, uncached)
 
     # -- the circuit breaker -------------------------------------------------------------
     def request_failed(self, settings: RouterSettings, why: str) -> None:
@@ -112,7 +120,7 @@ class Replica:
             "breaker": "open" if self.open_until > now else "half_open" if self.open_until else "closed",
             "retry_after_s": round(max(0.0, self.wait_until - now), 3),
             "in_flight": self.in_flight, "outstanding_tokens": self.outstanding_tokens,
-            "requests": self.requests, "errors": self.errors,
+            "outstanding_work": self.outstanding_work, "requests": self.requests, "errors": self.errors,
             "cache_hit_rate": round(self.matched_tokens / self.prompt_tokens, 4) if self.prompt_tokens else None,
             "last_error": self.last_error, **self.extra,
         }

@@ -18,7 +18,8 @@ class PolicySettings:
     # when it publishes them and the router can load its tokenizer, else the text it was sent.
     cache_source: str = "auto"
     # Loads are imbalanced (the least loaded replica wins, prefix or not) when the busiest and the
-    # idlest replica differ by more than balance_abs_tokens outstanding tokens AND the busiest has
+    # idlest replica differ by more than balance_abs_tokens of outstanding work (uncached prompt
+    # tokens plus output still to come: replicas.py) AND the busiest has
     # more than balance_rel times the idlest's. Both must hold: a small absolute gap is noise, and
     # a large gap between two busy replicas costs less than recomputing a long prefix.
     balance_abs_tokens: int = 4096
