@@ -65,23 +65,33 @@ def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[np.ndarray
 
 
 def check_kernels() -> str:
-    """Every type, odd shapes, batch 1..300, on the ISA level this process runs at."""
+    """Every type, odd shapes, batch 1..300, on the ISA level this process runs at. The kernels
+    work in tiles (4 weight rows for one activation row, 2 x 4 for batches; scales 8 blocks at a
+    time), so the shapes include row counts and batches that leave partial tiles and columns of
+    1, 3, 8 and 17 blocks (a partial group of 8, a full one, both)."""
     assert quant_matmul.available()
     g = torch.Generator().manual_seed(0)
     for qtype in TYPES:
         per = GGML_QUANT_SIZES[qtype][0]
-        for rows, cols in ((1, per), (37, 3 * per), (130, 2 * per if per == 256 else 544)):
+        for rows, cols in ((1, per), (37, 3 * per), (7, 8 * per if per == 32 else per), (130, 2 * per if per == 256 else 544)):
             blocks = random_blocks(qtype, rows, cols, seed=rows)
             flat = torch.from_numpy(blocks).reshape(-1)
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
             assert torch.equal(quant_matmul.dequantize_rows(flat, int(qtype), rows, cols), exact), qtype.name
-            for T in (1, 2, 5, 17, 64, 300):
+            for T in (1, 2, 3, 5, 6, 17, 64, 300):
                 x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
                 x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
                 y = quant_matmul.matmul(flat, int(qtype), rows, cols, x).double().numpy()
                 ref, bound = reference(blocks, qtype, x)
                 worst = (np.abs(y - ref) / bound).max()
                 assert worst <= 1.0, f"{qtype.name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
+            # A row's result does not depend on the batch it came in: the same bits alone, in a
+            # tile's remainder and inside full tiles.
+            x = torch.randn(11, cols, generator=g)
+            together = quant_matmul.matmul(flat, int(qtype), rows, cols, x)
+            for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
+                part = quant_matmul.matmul(flat, int(qtype), rows, cols, x[lo:hi])
+                assert torch.equal(part, together[lo:hi]), f"{qtype.name} {rows}x{cols} rows {lo}:{hi}"
     w = torch.randn(37, 300, generator=g).bfloat16()
     x = torch.randn(5, 300, generator=g)
     exact = x.double() @ w.double().T
