@@ -5,14 +5,19 @@
  * row r (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; layouts as ggml's block_* structs and gguf-py's
  * dequantize, which tests/test_quant.py checks them against).
  *
- * The activations are quantized first, per 32 consecutive values, to int8 with one float scale
- * and the integer sums of each half (act_block). Every weight type's 32 values then meet one
- * act_block in an integer dot product: weight codes as unsigned bytes (4-, 5- or 6-bit; Q8_0's
- * signed bytes through the sign trick) times int8 activations, summed in int32 (AVX2 maddubs +
- * madd, AVX-512 VNNI dpbusd where compiled for it, plain C otherwise); offsets (Q4_0's -8,
- * Q6_K's -32) and minimums (Q4_1, Q4_K, Q5_K) are applied once per block through the sums.
- * One activation format for all types (not ggml's Q8_K for K-quants) costs one float multiply
- * per 32 weights and keeps the activation error the same for every type.
+ * The activations are quantized first, per 32 consecutive values, to int8 with one float scale d,
+ * its product with the integer sum s = d * sum(q) (ggml's q8_1), and the sums of each half.
+ * Every weight type's 32 values then meet one activation block in an integer dot product: weight
+ * codes as unsigned bytes (4-, 5- or 6-bit; Q8_0's signed bytes through the sign trick) times
+ * int8 activations, summed in int32 (AVX2 maddubs + madd, AVX-512 VNNI dpbusd where compiled for
+ * it, plain C otherwise); offsets (Q4_0's -8, Q6_K's -32) and minimums (Q4_1, Q4_K, Q5_K) are
+ * applied through the sums. One activation format for all types (not ggml's Q8_K for K-quants)
+ * keeps the activation error the same for every type.
+ *
+ * The SIMD paths work in register tiles (see tile()): a weight block is decoded once for 4
+ * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
+ * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
+ * convert and one FMA per block and row pair; one horizontal sum per output at the end.
  *
  * Also: rows of quantized blocks dequantized to float32 (the embedding lookup, and the large-batch
  * path, where BLAS on a dequantized copy beats the integer kernel), and a GEMV over bfloat16
@@ -174,17 +179,16 @@ static inline __m256i lanes_below(int n) { return _mm256_cmpgt_epi32(_mm256_set1
 static inline __m256 load_n(const float *p, int n, __m256i mask) { return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask); }
 
 /* f16 scale d (and Q4_1's minimum m, the next 2 bytes) of n <= 8 consecutive blocks bs bytes apart.
- * Plain loads paired in 64-bit registers, not a gather: a gather stalls on the first touch of
- * weights that stream from memory (the LM head ran 3x slower with one). */
+ * Plain loads paired in 64-bit registers: cheaper here than a gather, which also stalled on the
+ * first touch of weights that stream from memory. */
 KV_INLINE void block_scales(const uint8_t *w, int bs, int n, __m256 *d, __m256 *m) {
-    uint32_t v[8];
-    if (n == 8) {
-        for (int j = 0; j < 8; j++) memcpy(&v[j], w + j * bs, 4);
-    } else {
-        for (int j = 0; j < 8; j++) v[j] = 0;
-        for (int j = 0; j < n; j++) memcpy(&v[j], w + j * bs, 4);
+    uint64_t v[4] = {0, 0, 0, 0};
+    for (int j = 0; j < 8; j++) {
+        uint32_t x = 0;
+        if (j < n) memcpy(&x, w + j * bs, 4);
+        v[j / 2] |= (uint64_t)x << (32 * (j & 1));
     }
-    const __m256i raw = _mm256_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5], (int)v[6], (int)v[7]);
+    const __m256i raw = _mm256_setr_epi64x((long long)v[0], (long long)v[1], (long long)v[2], (long long)v[3]);
     /* per 128-bit lane: the four d's, then the four m's; then d0..d7 in the low half, m0..m7 high */
     const __m256i split = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
                                                                     0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
