@@ -512,11 +512,13 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
  * One OpenMP region per call (a decode step makes ~120 calls): the activations are quantized
  * (spread over the threads when there are several rows), then each thread takes a contiguous
  * range of 16-row chunks. Calls too small to repay waking a second thread run on one.
- * Returns 0, or -1 for an unknown type or a cols that is not a whole number of blocks. */
+ * Returns 0, -1 for an unknown type or a cols that is not a whole number of blocks, -2 when out
+ * of memory. */
 int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, const float *x, long T, float *y,
                          int nthreads) {
     const int bb = block_bytes(qtype);
     if (bb == 0 || cols % block_values(qtype) != 0) return -1;
+    if (T <= 0 || rows <= 0) return 0;
     const long nb = cols / 32;
     const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
     /* one allocation: q (32-byte aligned), d, s, h */
