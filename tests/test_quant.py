@@ -228,11 +228,13 @@ def _greedy(llm, prompt: str) -> list[int]:
 def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
     q, f = llms
     same = [_greedy(q, p) == _greedy(f, p) for p in PROMPTS]
-    # Measured on the AVX2 Zen 3: 7 of 8 prompts give the same 8 tokens (6 of 8 the same 16; the
-    # other: a near-tie at the first token). int8 activations are a slightly different model
-    # (llama.cpp's too), so a continuation may part after a near-tie.
+    # int8 activations are a slightly different model (llama.cpp's too), so a continuation may
+    # part after a near-tie. Measured on the AVX2 Zen 3: 5 of 8 prompts give the same 8 tokens
+    # since these chat prompts' prefill (under 128 rows) runs the integer kernel too; it was 7 of
+    # 8 while prefills from 48 rows on used the float weights (then the prefill equalled the float
+    # path's). Quality is the perplexity test's job: there the two paths are within 1%.
     print(f"greedy agreement: {sum(same)}/{len(same)} prompts, {GREEDY_TOKENS} tokens each")
-    assert sum(same) >= 6
+    assert sum(same) >= 5
 
 
 def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
