@@ -65,23 +65,33 @@ def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[np.ndarray
 
 
 def check_kernels() -> str:
-    """Every type, odd shapes, batch 1..300, on the ISA level this process runs at."""
+    """Every type, odd shapes, batch 1..300, on the ISA level this process runs at. The kernels
+    work in tiles (4 weight rows for one activation row, 2 x 4 for batches; scales 8 blocks at a
+    time), so the shapes include row counts and batches that leave partial tiles and columns of
+    1, 3, 8 and 17 blocks (a partial group of 8, a full one, both)."""
     assert quant_matmul.available()
     g = torch.Generator().manual_seed(0)
     for qtype in TYPES:
         per = GGML_QUANT_SIZES[qtype][0]
-        for rows, cols in ((1, per), (37, 3 * per), (130, 2 * per if per == 256 else 544)):
+        for rows, cols in ((1, per), (37, 3 * per), (7, 8 * per if per == 32 else per), (130, 2 * per if per == 256 else 544)):
             blocks = random_blocks(qtype, rows, cols, seed=rows)
             flat = torch.from_numpy(blocks).reshape(-1)
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
             assert torch.equal(quant_matmul.dequantize_rows(flat, int(qtype), rows, cols), exact), qtype.name
-            for T in (1, 2, 5, 17, 64, 300):
+            for T in (1, 2, 3, 5, 6, 17, 64, 300):
                 x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
                 x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
                 y = quant_matmul.matmul(flat, int(qtype), rows, cols, x).double().numpy()
                 ref, bound = reference(blocks, qtype, x)
                 worst = (np.abs(y - ref) / bound).max()
                 assert worst <= 1.0, f"{qtype.name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
+            # A row's result does not depend on the batch it came in: the same bits alone, in a
+            # tile's remainder and inside full tiles.
+            x = torch.randn(11, cols, generator=g)
+            together = quant_matmul.matmul(flat, int(qtype), rows, cols, x)
+            for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
+                part = quant_matmul.matmul(flat, int(qtype), rows, cols, x[lo:hi])
+                assert torch.equal(part, together[lo:hi]), f"{qtype.name} {rows}x{cols} rows {lo}:{hi}"
     w = torch.randn(37, 300, generator=g).bfloat16()
     x = torch.randn(5, 300, generator=g)
     exact = x.double() @ w.double().T
@@ -129,7 +139,8 @@ def test_quantized_linear_small_and_large_batches_and_bias() -> None:
     bias = torch.randn(w.shape[0], generator=g)
     lin = QuantizedLinear(w, bias)
     assert lin.nbytes == blocks.size + bias.numel() * 4
-    for T in (1, quant.BLAS_FROM_ROWS - 1, quant.BLAS_FROM_ROWS, 300):
+    switch = quant.blas_from_rows(Q.Q4_K)
+    for T in (1, switch - 1, switch, 300):
         x = torch.randn(T, 256, generator=g)
         ref, bound = reference(blocks, Q.Q4_K, x)
         y = lin(x).double().numpy() - bias.double().numpy()
@@ -217,11 +228,13 @@ def _greedy(llm, prompt: str) -> list[int]:
 def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
     q, f = llms
     same = [_greedy(q, p) == _greedy(f, p) for p in PROMPTS]
-    # Measured on the AVX2 Zen 3: 7 of 8 prompts give the same 8 tokens (6 of 8 the same 16; the
-    # other: a near-tie at the first token). int8 activations are a slightly different model
-    # (llama.cpp's too), so a continuation may part after a near-tie.
+    # int8 activations are a slightly different model (llama.cpp's too), so a continuation may
+    # part after a near-tie. Measured on the AVX2 Zen 3: 5 of 8 prompts give the same 8 tokens
+    # since these chat prompts' prefill (under 128 rows) runs the integer kernel too; it was 7 of
+    # 8 while prefills from 48 rows on used the float weights (then the prefill equalled the float
+    # path's). Quality is the perplexity test's job: there the two paths are within 1%.
     print(f"greedy agreement: {sum(same)}/{len(same)} prompts, {GREEDY_TOKENS} tokens each")
-    assert sum(same) >= 6
+    assert sum(same) >= 5
 
 
 def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
@@ -229,7 +242,7 @@ def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
     model runs its integer kernels (larger steps dequantize and would equal the float path)."""
     from kvserve.model.attention import AttentionMetadata
 
-    assert chunk < quant.BLAS_FROM_ROWS
+    assert chunk < min(quant.blas_from_rows(Q.Q4_1), quant.blas_from_rows(Q.Q8_0))
     bs = llm.manager.block_size
     assert llm.manager.allocate("ppl", len(ids))
     try:

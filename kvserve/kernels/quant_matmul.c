@@ -5,14 +5,19 @@
  * row r (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; layouts as ggml's block_* structs and gguf-py's
  * dequantize, which tests/test_quant.py checks them against).
  *
- * The activations are quantized first, per 32 consecutive values, to int8 with one float scale
- * and the integer sums of each half (act_block). Every weight type's 32 values then meet one
- * act_block in an integer dot product: weight codes as unsigned bytes (4-, 5- or 6-bit; Q8_0's
- * signed bytes through the sign trick) times int8 activations, summed in int32 (AVX2 maddubs +
- * madd, AVX-512 VNNI dpbusd where compiled for it, plain C otherwise); offsets (Q4_0's -8,
- * Q6_K's -32) and minimums (Q4_1, Q4_K, Q5_K) are applied once per block through the sums.
- * One activation format for all types (not ggml's Q8_K for K-quants) costs one float multiply
- * per 32 weights and keeps the activation error the same for every type.
+ * The activations are quantized first, per 32 consecutive values, to int8 with one float scale d,
+ * its product with the integer sum s = d * sum(q) (ggml's q8_1), and the sums of each half.
+ * Every weight type's 32 values then meet one activation block in an integer dot product: weight
+ * codes as unsigned bytes (4-, 5- or 6-bit; Q8_0's signed bytes through the sign trick) times
+ * int8 activations, summed in int32 (AVX2 maddubs + madd, AVX-512 VNNI dpbusd where compiled for
+ * it, plain C otherwise); offsets (Q4_0's -8, Q6_K's -32) and minimums (Q4_1, Q4_K, Q5_K) are
+ * applied through the sums. One activation format for all types (not ggml's Q8_K for K-quants)
+ * keeps the activation error the same for every type.
+ *
+ * The SIMD paths work in register tiles (see tile()): a weight block is decoded once for 4
+ * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
+ * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
+ * convert and one FMA per block and row pair; one horizontal sum per output at the end.
  *
  * Also: rows of quantized blocks dequantized to float32 (the embedding lookup, and the large-batch
  * path, where BLAS on a dequantized copy beats the integer kernel), and a GEMV over bfloat16
@@ -35,12 +40,6 @@
 
 /* GGML type ids (gguf GGMLQuantizationType) */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
-
-typedef struct {
-    float d;        /* x ~= d * q */
-    int16_t s[2];   /* sum of q[0..15], q[16..31] */
-    int8_t q[32];
-} act_block;
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -89,26 +88,70 @@ static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     }
 }
 
-/* ---- activations → act_blocks ------------------------------------------------------------ */
-static void quantize_row(const float *x, act_block *a, int nb) {
-    for (int b = 0; b < nb; b++, x += 32) {
+/* ---- activations → int8 blocks ------------------------------------------------------------ */
+/* Activation row t, block b (32 values) is stored as arrays, so that the scales of 8 consecutive
+ * blocks load as one vector: q (32 int8), d (x ~= d * q), s = d * sum(q) (the minimum and
+ * offset terms of Q4_0/Q4_1/Q4_K/Q5_K in one multiply, as ggml's q8_1 does), and h, the integer
+ * sums of each half (Q6_K has one scale per 16 values). Index: t * nb + b. */
+typedef struct {
+    int8_t *q;
+    float *d, *s;
+    int16_t *h;
+    long nb;
+} acts;
+
+static void quantize_row(const float *x, const acts *A, long t) {
+    for (long b = 0, o = t * A->nb; b < A->nb; b++, o++, x += 32) {
+#ifdef KV_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+        __m256i q[4]; /* round to nearest even, as lrintf below */
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        const __m256i lo = _mm256_add_epi32(q[0], q[1]), hi = _mm256_add_epi32(q[2], q[3]);
+        /* packs interleave the 128-bit lanes; the permute puts the 32 values back in order */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(A->q + 32 * o), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m256i hs = _mm256_hadd_epi32(lo, hi); /* lanes: lo lo hi hi | lo lo hi hi */
+        hs = _mm256_hadd_epi32(hs, hs);
+        const __m128i h2 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+        const int s0 = _mm_cvtsi128_si32(h2), s1 = _mm_extract_epi32(h2, 1);
+#else
         float amax = 0.f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
         const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
         int s0 = 0, s1 = 0;
         for (int i = 0; i < 32; i++) {
             const int q = (int)lrintf(x[i] * id);
-            a[b].q[i] = (int8_t)q;
+            A->q[32 * o + i] = (int8_t)q;
             if (i < 16) s0 += q; else s1 += q;
         }
-        a[b].d = d;
-        a[b].s[0] = (int16_t)s0;
-        a[b].s[1] = (int16_t)s1;
+#endif
+        A->d[o] = d;
+        A->s[o] = d * (float)(s0 + s1);
+        A->h[2 * o] = (int16_t)s0;
+        A->h[2 * o + 1] = (int16_t)s1;
     }
 }
 
-/* ---- one weight row · one activation row ------------------------------------------------- */
-/* Each returns sum over the row; nb = number of 32-value activation blocks (cols / 32). */
+/* ---- tiles: RW weight rows × RT activation rows ------------------------------------------- */
+/* tile(): y[k * ldy + i] = weight row i · activation row t0 + k, for i < RW, k < RT. Each weight
+ * block is decoded once for the RT activation rows and each activation block loaded once for
+ * the RW weight rows (RW = 4, RT = 1 when decoding one token; 2 × 4 for batches). Per 8 blocks
+ * (a K-quant's 8 sub-blocks), the weight scales are turned into float vectors at once and
+ * multiplied by the 8 activation scales; the minimum / offset terms (m · d_a · sum q_a) are one
+ * vector FMA per 8 blocks. Per block and row pair: the integer dot, one convert, one FMA.
+ * Every (i, k) sum runs the same operations in the same order whatever the tile, so a row's
+ * result does not depend on the batch it came in. */
+#define RWMAX 4
+#define RTMAX 4
+#define KV_INLINE static inline __attribute__((always_inline))
+/* tile loops unrolled before the accumulator arrays are split into registers */
+#define KV_UNROLL _Pragma("GCC unroll 4")
 
 #ifdef KV_AVX2
 static inline float hsum(__m256 v) {
@@ -122,271 +165,377 @@ static inline __m256 dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
 #else
-    const __m256i p16 = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
 }
-static inline __m256i load_act(const act_block *a) { return _mm256_loadu_si256((const __m256i *)a->q); }
-static inline __m256i nibbles16(const uint8_t *qs) { /* 16 bytes → 32 codes: lows, then highs */
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+/* 16 bytes → 32 codes (low nibbles, then high): both 128-bit lanes get the bytes, the high lane
+ * shifted by 4 (64-bit shifts: bits that cross into a neighbour byte are masked off). */
+static inline __m256i nibbles16(const uint8_t *qs) {
+    const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
-#endif
+static inline __m256i lanes_below(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+/* n <= 8 floats, lanes past n zero (never read past the row) */
+static inline __m256 load_n(const float *p, int n, __m256i mask) { return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask); }
 
-/* dot_<type>(w, a, as, nb, nt, y): y[k] = row w · activation row a + k*as, for k < nt <= NT.
- * The AVX2 paths decode each weight block once for all nt activation rows (nt is a constant
- * where they are inlined, so the accumulators stay in registers); the plain C paths loop. */
-#define NT 4
-#define KV_INLINE static inline __attribute__((always_inline))
-
-#ifndef KV_AVX2
-static float dot1_q8_0(const uint8_t *w, const act_block *a, int nb) {
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++, w += 34) {
-        const int8_t *q = (const int8_t *)(w + 2);
-        int isum = 0;
-        for (int i = 0; i < 32; i++) isum += q[i] * a[b].q[i];
-        sum += f16_to_f32(w) * a[b].d * (float)isum;
+/* f16 scale d (and Q4_1's minimum m, the next 2 bytes) of n <= 8 consecutive blocks bs bytes apart.
+ * Plain loads paired in 64-bit registers: cheaper here than a gather, which also stalled on the
+ * first touch of weights that stream from memory. */
+KV_INLINE void block_scales(const uint8_t *w, int bs, int n, __m256 *d, __m256 *m) {
+    uint64_t v[4] = {0, 0, 0, 0};
+    for (int j = 0; j < 8; j++) {
+        uint32_t x = 0;
+        if (j < n) memcpy(&x, w + j * bs, 4);
+        v[j / 2] |= (uint64_t)x << (32 * (j & 1));
     }
-    return sum;
+    const __m256i raw = _mm256_setr_epi64x((long long)v[0], (long long)v[1], (long long)v[2], (long long)v[3]);
+    /* per 128-bit lane: the four d's, then the four m's; then d0..d7 in the low half, m0..m7 high */
+    const __m256i split = _mm256_shuffle_epi8(raw, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                    0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i both = _mm256_permute4x64_epi64(split, _MM_SHUFFLE(3, 1, 2, 0));
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(both));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(both, 1));
 }
 
-static float dot1_q4(const uint8_t *w, const act_block *a, int nb, int has_min) {
-    const int bs = has_min ? 20 : 18;
-    float sum = 0.f;
-    for (int b = 0; b < nb; b++, w += bs) {
-        const uint8_t *qs = w + bs - 16;
-        int isum = 0;
-        for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * a[b].q[i] + (qs[i] >> 4) * a[b].q[i + 16];
-        const float d = f16_to_f32(w) * a[b].d, xs = (float)(a[b].s[0] + a[b].s[1]);
-        sum += d * (float)isum + (has_min ? f16_to_f32(w + 2) * a[b].d * xs : -8.f * d * xs);
-    }
-    return sum;
+/* The rows two tiles ahead, a group's share at a time (rows are contiguous, so this is
+ * one stream): the hardware prefetcher loses track of RW interleaved rows that stream from
+ * memory (the LM head at one token ran at a third of the bandwidth without this). _mm_prefetch
+ * was dropped by GCC 12 here; the builtin is kept. */
+static inline void prefetch_next(const uint8_t *w, size_t rb, int RW, int group_bytes, long g) {
+    const uint8_t *p = w + 2 * RW * rb + (size_t)g * RW * group_bytes;
+    for (int o = 0; o < RW * group_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-static float dot1_q45_k(const uint8_t *w, const act_block *a, int nb, int five) {
-    const int bs = five ? 176 : 144;
-    float sum = 0.f;
-    for (int sb = 0; sb < nb / 8; sb++, w += bs, a += 8) {
-        uint8_t sc[8], mn[8];
-        k_scale_min(w + 4, sc, mn);
-        const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
-        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *q = qs + 32 * (j / 2);
-            const int shift = 4 * (j & 1);
-            int isum = 0;
-            for (int l = 0; l < 32; l++) {
-                int code = (q[l] >> shift) & 15;
-                if (five) code |= ((qh[l] >> j) & 1) << 4;
-                isum += code * a[j].q[l];
+/* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m) */
+KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const int bs = block_bytes(t);
+    const long nb = A->nb;
+    __m256 acc[RWMAX][RTMAX];
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    for (long g = 0; g < nb; g += 8) {
+        const int n = nb - g < 8 ? (int)(nb - g) : 8;
+        const __m256i mask = lanes_below(n);
+        float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
+        prefetch_next(w, rb, RW, 8 * bs, g / 8);
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
+            __m256 d, m;
+            block_scales(w + i * rb + g * bs, bs, n, &d, &m);
+            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const long o = (t0 + k) * nb + g;
+                _mm256_store_ps(scl[i][k], _mm256_mul_ps(d, load_n(A->d + o, n, mask)));
+                if (t != T_Q8_0) acc[i][k] = _mm256_fmadd_ps(m, load_n(A->s + o, n, mask), acc[i][k]);
             }
-            sum += d * sc[j] * a[j].d * (float)isum - dmin * mn[j] * a[j].d * (float)(a[j].s[0] + a[j].s[1]);
+        }
+        for (int j = 0; j < n; j++) {
+            __m256i u[RWMAX], sg[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const uint8_t *b = w + i * rb + (g + j) * bs;
+                if (t == T_Q8_0) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */
+                    sg[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
+                    u[i] = _mm256_sign_epi8(sg[i], sg[i]);
+                } else {
+                    u[i] = nibbles16(b + bs - 16);
+                }
+            }
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(A->q + 32 * ((t0 + k) * nb + g + j)));
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const __m256 p = dot_u8s8(u[i], t == T_Q8_0 ? _mm256_sign_epi8(qa, sg[i]) : qa);
+                    acc[i][k] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scl[i][k][j]), acc[i][k]);
+                }
+            }
         }
     }
-    return sum;
-}
-
-static float dot1_q6_k(const uint8_t *w, const act_block *a, int nb) {
-    float sum = 0.f;
-    for (int sb = 0; sb < nb / 8; sb++, w += 210, a += 8) {
-        const uint8_t *ql = w, *qh = w + 128;
-        const int8_t *sc = (const int8_t *)(w + 192);
-        float s = 0.f;
-        for (int j = 0; j < 8; j++) {
-            const int h = j / 4, g = j % 4;
-            int isum[2] = {0, 0};
-            for (int l = 0; l < 32; l++) {
-                const int lo = (ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 15;
-                const int hi = (qh[32 * h + l] >> (2 * g)) & 3;
-                isum[l / 16] += ((lo | (hi << 4)) - 32) * a[j].q[l];
-            }
-            s += a[j].d * (float)(sc[2 * j] * isum[0] + sc[2 * j + 1] * isum[1]);
-        }
-        sum += f16_to_f32(w + 208) * s;
-    }
-    return sum;
-}
-#endif
-
-KV_INLINE void dot_q8_0(const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
-#ifdef KV_AVX2
-    /* Two accumulators per activation row (even and odd blocks): one FMA chain would make a
-     * single row wait on the FMA latency at every block. */
-    __m256 acc[2][NT];
-    for (int k = 0; k < nt; k++) acc[0][k] = acc[1][k] = _mm256_setzero_ps();
-#define Q8_0_BLOCK(P)                                                                                     \
-    {                                                                                                    \
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2)), qa = _mm256_sign_epi8(q, q);    \
-        const float dw = f16_to_f32(w);                                                                  \
-        for (int k = 0; k < nt; k++) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */ \
-            const act_block *ab = a + k * as + b;                                                        \
-            const __m256i p16 = _mm256_maddubs_epi16(qa, _mm256_sign_epi8(load_act(ab), q));             \
-            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));           \
-            acc[P][k] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * ab->d), acc[P][k]);                       \
-        }                                                                                                \
-        b++, w += 34;                                                                                    \
-    }
-    int b = 0;
-    while (b + 2 <= nb) {
-        Q8_0_BLOCK(0)
-        Q8_0_BLOCK(1)
-    }
-    if (b < nb) Q8_0_BLOCK(0)
-#undef Q8_0_BLOCK
-    for (int k = 0; k < nt; k++) y[k] = hsum(_mm256_add_ps(acc[0][k], acc[1][k]));
-#else
-    for (int k = 0; k < nt; k++) y[k] = dot1_q8_0(w, a + k * as, nb);
-#endif
-}
-
-/* Q4_0 (offset 8) and Q4_1 (minimum m): codes 0..15, low nibbles are values 0..15. */
-KV_INLINE void dot_q4(const uint8_t *w, const act_block *a, long as, int nb, int has_min, int nt, float *y) {
-#ifdef KV_AVX2
-    const int bs = has_min ? 20 : 18;
-    __m256 acc[2][NT];  /* even and odd blocks, as in dot_q8_0 */
-    float corr[NT];
-    for (int k = 0; k < nt; k++) acc[0][k] = acc[1][k] = _mm256_setzero_ps(), corr[k] = 0.f;
-#define Q4_BLOCK(P)                                                                                    \
-    {                                                                                                 \
-        const __m256i q = nibbles16(w + bs - 16);                                                     \
-        const float dw = f16_to_f32(w), mw = has_min ? f16_to_f32(w + 2) : -8.f * dw;                 \
-        for (int k = 0; k < nt; k++) {                                                                \
-            const act_block *ab = a + k * as + b;                                                     \
-            acc[P][k] = _mm256_fmadd_ps(dot_u8s8(q, load_act(ab)), _mm256_set1_ps(dw * ab->d), acc[P][k]); \
-            corr[k] += mw * ab->d * (float)(ab->s[0] + ab->s[1]);                                     \
-        }                                                                                             \
-        b++, w += bs;                                                                                 \
-    }
-    int b = 0;
-    while (b + 2 <= nb) {
-        Q4_BLOCK(0)
-        Q4_BLOCK(1)
-    }
-    if (b < nb) Q4_BLOCK(0)
-#undef Q4_BLOCK
-    for (int k = 0; k < nt; k++) y[k] = hsum(_mm256_add_ps(acc[0][k], acc[1][k])) + corr[k];
-#else
-    for (int k = 0; k < nt; k++) y[k] = dot1_q4(w, a + k * as, nb, has_min);
-#endif
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
  * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
  * sub-block 2c in its low nibbles and 2c+1 in its high nibbles. x = d*sc*q - dmin*m. */
-KV_INLINE void dot_q45_k(const uint8_t *w, const act_block *a, long as, int nb, int five, int nt, float *y) {
-#ifdef KV_AVX2
-    const int bs = five ? 176 : 144;
-    __m256 acc[NT];
-    float corr[NT];
-    for (int k = 0; k < nt; k++) acc[k] = _mm256_setzero_ps(), corr[k] = 0.f;
+KV_INLINE void tile_q45_k(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const int five = t == T_Q5_K, bs = five ? 176 : 144;
+    const long nb = A->nb;
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    for (int sb = 0; sb < nb / 8; sb++, w += bs) {
-        uint8_t sc[8], mn[8];
-        k_scale_min(w + 4, sc, mn);
-        const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
-        const uint8_t *qs = w + (five ? 48 : 16);
-        const __m256i hb = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+    __m256 acc[RWMAX][RTMAX];
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    for (long sb = 0; sb < nb / 8; sb++) {
+        float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
+        prefetch_next(w, rb, RW, bs, sb);
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
+            const uint8_t *b = w + i * rb + sb * bs;
+            uint8_t sc[8], mn[8];
+            k_scale_min(b + 4, sc, mn);
+            const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+            const __m256 m = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const long o = (t0 + k) * nb + 8 * sb;
+                _mm256_store_ps(scl[i][k], _mm256_mul_ps(d, _mm256_loadu_ps(A->d + o)));
+                acc[i][k] = _mm256_fnmadd_ps(m, _mm256_loadu_ps(A->s + o), acc[i][k]);
+            }
+        }
         for (int j = 0; j < 8; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
-            __m256i q = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
-            if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, j), one), 4));
-            const float dj = d * sc[j], mj = dmin * mn[j];
-            for (int k = 0; k < nt; k++) {
-                const act_block *ab = a + k * as + 8 * sb + j;
-                acc[k] = _mm256_fmadd_ps(dot_u8s8(q, load_act(ab)), _mm256_set1_ps(dj * ab->d), acc[k]);
-                corr[k] += mj * ab->d * (float)(ab->s[0] + ab->s[1]);
+            __m256i u[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const uint8_t *b = w + i * rb + sb * bs;
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(b + (five ? 48 : 16) + 32 * (j / 2)));
+                u[i] = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                if (five) {
+                    const __m256i hb = _mm256_loadu_si256((const __m256i *)(b + 16));
+                    u[i] = _mm256_or_si256(u[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, j), one), 4));
+                }
+            }
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(A->q + 32 * ((t0 + k) * nb + 8 * sb + j)));
+                KV_UNROLL
+                for (int i = 0; i < RW; i++)
+                    acc[i][k] = _mm256_fmadd_ps(dot_u8s8(u[i], qa), _mm256_broadcast_ss(&scl[i][k][j]), acc[i][k]);
             }
         }
     }
-    for (int k = 0; k < nt; k++) y[k] = hsum(acc[k]) - corr[k];
-#else
-    for (int k = 0; k < nt; k++) y[k] = dot1_q45_k(w, a + k * as, nb, five);
-#endif
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
 /* Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16] (one per 16
  * values), d (f16, last). Value e = 128h + 32g + l (h half, g group 0..3, l 0..31): low bits are
  * nibble g/2 of ql[64h + 32(g%2) + l], high bits are bits 2g..2g+1 of qh[32h + l]; x = d*sc*(q-32).
- * Codes go to maddubs unsigned (0..63); the -32 is taken off through the activation sums. */
-KV_INLINE void dot_q6_k(const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
-#ifdef KV_AVX2
-    __m256 acc[NT];
-    float corr[NT];
-    for (int k = 0; k < nt; k++) acc[k] = _mm256_setzero_ps(), corr[k] = 0.f;
+ * Codes go to maddubs unsigned (0..63); the -32 is taken off through the activation half sums. */
+KV_INLINE void tile_q6_k(const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const long nb = A->nb;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-    for (int sb = 0; sb < nb / 8; sb++, w += 210) {
-        const uint8_t *ql = w, *qh = w + 128;
-        const int8_t *sc = (const int8_t *)(w + 192);
-        const float d = f16_to_f32(w + 208);
+    __m256 acc[RWMAX][RTMAX];
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    for (long sb = 0; sb < nb / 8; sb++) {
+        float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
+        prefetch_next(w, rb, RW, 210, sb);
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
+            const uint8_t *b = w + i * rb + sb * 210;
+            const __m256 d = _mm256_set1_ps(f16_to_f32(b + 208));
+            const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const long o = (t0 + k) * nb + 8 * sb;
+                const __m256 dd = _mm256_mul_ps(d, _mm256_loadu_ps(A->d + o));
+                _mm256_store_ps(scl[i][k], dd);
+                /* per sub-block: sc[2j] * h0 + sc[2j+1] * h1, times 32 d d_a */
+                const __m256 hs = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * o)), sc));
+                acc[i][k] = _mm256_fnmadd_ps(_mm256_mul_ps(dd, _mm256_set1_ps(32.f)), hs, acc[i][k]);
+            }
+        }
         for (int j = 0; j < 8; j++) {
             const int h = j / 4, g = j % 4;
-            const __m256i l4 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32 * (g % 2)));
-            const __m256i h2 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-            const __m256i lo = _mm256_and_si256(g < 2 ? l4 : _mm256_srli_epi16(l4, 4), m4);
-            const __m256i q = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h2, 2 * g), m2), 4));
-            const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-            for (int k = 0; k < nt; k++) {
-                const act_block *ab = a + k * as + 8 * sb + j;
-                const __m256i p16 = _mm256_maddubs_epi16(q, load_act(ab));
-                const float da = d * ab->d;
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, scales)), _mm256_set1_ps(da), acc[k]);
-                corr[k] += 32.f * da * (float)(sc[2 * j] * ab->s[0] + sc[2 * j + 1] * ab->s[1]);
+            __m256i u[RWMAX], scales[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const uint8_t *b = w + i * rb + sb * 210;
+                const __m256i l4 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (g % 2)));
+                const __m256i h2 = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+                const __m256i lo = _mm256_and_si256(g < 2 ? l4 : _mm256_srli_epi16(l4, 4), m4);
+                u[i] = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h2, 2 * g), m2), 4));
+                const int8_t *sc = (const int8_t *)(b + 192);
+                scales[i] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+            }
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const __m256i qa = _mm256_loadu_si256((const __m256i *)(A->q + 32 * ((t0 + k) * nb + 8 * sb + j)));
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u[i], qa), scales[i]));
+                    acc[i][k] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scl[i][k][j]), acc[i][k]);
+                }
             }
         }
     }
-    for (int k = 0; k < nt; k++) y[k] = hsum(acc[k]) - corr[k];
-#else
-    for (int k = 0; k < nt; k++) y[k] = dot1_q6_k(w, a + k * as, nb);
-#endif
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
-KV_INLINE void dot_rows_nt(int t, const uint8_t *w, const act_block *a, long as, int nb, int nt, float *y) {
+KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     switch (t) {
-    case T_Q8_0: dot_q8_0(w, a, as, nb, nt, y); return;
-    case T_Q4_0: dot_q4(w, a, as, nb, 0, nt, y); return;
-    case T_Q4_1: dot_q4(w, a, as, nb, 1, nt, y); return;
-    case T_Q4_K: dot_q45_k(w, a, as, nb, 0, nt, y); return;
-    case T_Q5_K: dot_q45_k(w, a, as, nb, 1, nt, y); return;
-    default: dot_q6_k(w, a, as, nb, nt, y); return;
+    case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_K: tile_q45_k(T_Q4_K, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_K: tile_q45_k(T_Q5_K, w, rb, A, t0, RW, RT, y, ldy); return;
+    default: tile_q6_k(w, rb, A, t0, RW, RT, y, ldy); return;
     }
 }
-/* Two instances: NT activation rows at a time, and one (the rest, and decoding one token). */
-static void dot_rows_4(int t, const uint8_t *w, const act_block *a, long as, int nb, float *y) {
-    dot_rows_nt(t, w, a, as, nb, NT, y);
+
+#else /* plain C: one weight row · one activation row at a time */
+
+static float dot1_q8_0(const uint8_t *w, const acts *A, long o) {
+    float sum = 0.f;
+    for (long b = 0; b < A->nb; b++, w += 34) {
+        const int8_t *q = (const int8_t *)(w + 2), *a = A->q + 32 * (o + b);
+        int isum = 0;
+        for (int i = 0; i < 32; i++) isum += q[i] * a[i];
+        sum += f16_to_f32(w) * A->d[o + b] * (float)isum;
+    }
+    return sum;
 }
-static void dot_rows_1(int t, const uint8_t *w, const act_block *a, int nb, float *y) {
-    dot_rows_nt(t, w, a, 0, nb, 1, y);
+
+static float dot1_q4(const uint8_t *w, const acts *A, long o, int has_min) {
+    const int bs = has_min ? 20 : 18;
+    float sum = 0.f;
+    for (long b = 0; b < A->nb; b++, w += bs) {
+        const uint8_t *qs = w + bs - 16;
+        const int8_t *a = A->q + 32 * (o + b);
+        int isum = 0;
+        for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * a[i] + (qs[i] >> 4) * a[i + 16];
+        const float d = f16_to_f32(w), m = has_min ? f16_to_f32(w + 2) : -8.f * d;
+        sum += d * A->d[o + b] * (float)isum + m * A->s[o + b];
+    }
+    return sum;
+}
+
+static float dot1_q45_k(const uint8_t *w, const acts *A, long o, int five) {
+    const int bs = five ? 176 : 144;
+    float sum = 0.f;
+    for (long sb = 0; sb < A->nb / 8; sb++, w += bs) {
+        uint8_t sc[8], mn[8];
+        k_scale_min(w + 4, sc, mn);
+        const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
+        const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
+        for (int j = 0; j < 8; j++) {
+            const long ob = o + 8 * sb + j;
+            const uint8_t *q = qs + 32 * (j / 2);
+            const int8_t *a = A->q + 32 * ob;
+            const int shift = 4 * (j & 1);
+            int isum = 0;
+            for (int l = 0; l < 32; l++) {
+                int code = (q[l] >> shift) & 15;
+                if (five) code |= ((qh[l] >> j) & 1) << 4;
+                isum += code * a[l];
+            }
+            sum += d * sc[j] * A->d[ob] * (float)isum - dmin * mn[j] * A->s[ob];
+        }
+    }
+    return sum;
+}
+
+static float dot1_q6_k(const uint8_t *w, const acts *A, long o) {
+    float sum = 0.f;
+    for (long sb = 0; sb < A->nb / 8; sb++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        float s = 0.f;
+        for (int j = 0; j < 8; j++) {
+            const long ob = o + 8 * sb + j;
+            const int8_t *a = A->q + 32 * ob;
+            const int h = j / 4, g = j % 4;
+            int isum[2] = {0, 0};
+            for (int l = 0; l < 32; l++) {
+                const int lo = (ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 15;
+                const int hi = (qh[32 * h + l] >> (2 * g)) & 3;
+                isum[l / 16] += ((lo | (hi << 4)) - 32) * a[l];
+            }
+            s += A->d[ob] * (float)(sc[2 * j] * isum[0] + sc[2 * j + 1] * isum[1]);
+        }
+        sum += f16_to_f32(w + 208) * s;
+    }
+    return sum;
+}
+
+static float dot1(int t, const uint8_t *w, const acts *A, long o) {
+    switch (t) {
+    case T_Q8_0: return dot1_q8_0(w, A, o);
+    case T_Q4_0: return dot1_q4(w, A, o, 0);
+    case T_Q4_1: return dot1_q4(w, A, o, 1);
+    case T_Q4_K: return dot1_q45_k(w, A, o, 0);
+    case T_Q5_K: return dot1_q45_k(w, A, o, 1);
+    default: return dot1_q6_k(w, A, o);
+    }
+}
+
+KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = dot1(t, w + i * rb, A, (t0 + k) * A->nb);
+}
+#endif
+
+/* The tile shapes used, each compiled with its RW and RT as constants (accumulators in registers). */
+#define TILE(RW, RT)                                                                                          \
+    static void tile_##RW##x##RT(int t, const uint8_t *w, size_t rb, const acts *A, long t0, float *y, long ldy) { \
+        tile(t, w, rb, A, t0, RW, RT, y, ldy);                                                                \
+    }
+TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TILE(2, 4) TILE(1, 4)
+#undef TILE
+typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
+
+/* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
+ * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile). */
+static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
+    static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
+    static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
+    long r = r0;
+    if (T == 1)
+        for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
+    for (; r < r1; r += 2) {
+        const tile_fn *f = r + 2 <= r1 ? by2 : by1;
+        for (long t0 = 0; t0 < T; t0 += 4) {
+            const int nt = T - t0 < 4 ? (int)(T - t0) : 4;
+            f[nt](t, w + r * rb, rb, A, t0, y + t0 * rows + r, rows);
+        }
+    }
 }
 
 /* y[T, rows] = x[T, cols] · W^T, W given as rows × (cols / block_values) blocks of type `qtype`.
- * Returns 0, or -1 for an unknown type or a cols that is not a whole number of blocks. */
+ * One OpenMP region per call (a decode step makes ~120 calls): the activations are quantized
+ * (spread over the threads when there are several rows), then each thread takes a contiguous
+ * range of 16-row chunks. Calls too small to repay waking a second thread run on one.
+ * Returns 0, -1 for an unknown type or a cols that is not a whole number of blocks, -2 when out
+ * of memory. */
 int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, const float *x, long T, float *y,
                          int nthreads) {
     const int bb = block_bytes(qtype);
     if (bb == 0 || cols % block_values(qtype) != 0) return -1;
-    const int nb = (int)(cols / 32);
-    const size_t row_bytes = (size_t)(cols / block_values(qtype)) * bb;
-    act_block *act = malloc(sizeof(act_block) * nb * T);
-    if (act == NULL) return -2;
-#pragma omp parallel for num_threads(nthreads) if (T * cols >= 16384)
-    for (long t = 0; t < T; t++) quantize_row(x + t * cols, act + t * nb, nb);
-    /* Rows in chunks of 16 per thread step; each weight row is decoded once per NT activation rows. */
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long r0 = 0; r0 < rows; r0 += 16) {
-        const long r1 = r0 + 16 < rows ? r0 + 16 : rows;
-        float out[NT];
-        for (long r = r0; r < r1; r++) {
-            long t = 0;
-            for (; t + NT <= T; t += NT) {
-                dot_rows_4(qtype, w + r * row_bytes, act + t * nb, nb, nb, out);
-                for (int k = 0; k < NT; k++) y[(t + k) * rows + r] = out[k];
-            }
-            for (; t < T; t++) dot_rows_1(qtype, w + r * row_bytes, act + t * nb, nb, y + t * rows + r);
-        }
+    if (T <= 0 || rows <= 0) return 0;
+    const long nb = cols / 32;
+    const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
+    /* one allocation: q (32-byte aligned), d, s, h */
+    const size_t n = (size_t)(T * nb), bytes = (n * 44 + 31) / 32 * 32;
+    char *buf = aligned_alloc(32, bytes);
+    if (buf == NULL) return -2;
+    const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb};
+    const long chunks = (rows + 15) / 16;
+#pragma omp parallel num_threads(nthreads) if (rows * nb * T >= 8192)
+    {
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) quantize_row(x + t * cols, &A, t);
+#pragma omp for schedule(static)
+        for (long c = 0; c < chunks; c++)
+            row_range(qtype, w, rb, &A, T, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y, rows);
     }
-    free(act);
+    free(buf);
     return 0;
 }
 

@@ -38,8 +38,10 @@ def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tens
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be float32 [T, {cols}], got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    _lib().kvserve_quant_matmul(qtype, blocks.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
-                                torch.get_num_threads())
+    rc = _lib().kvserve_quant_matmul(qtype, blocks.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
+                                     torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"quant_matmul: no memory for {x.shape[0]} x {cols} quantized activations")
     return y
 
 

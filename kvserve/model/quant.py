@@ -6,8 +6,11 @@ holds a tensor's blocks exactly as the file stores them (uint8 [out, bytes per r
 independent, so q/k rows can be reordered and q/k/v fused by moving bytes). QuantizedLinear
 multiplies with them through kernels/quant_matmul.c (activations quantized to int8 per 32
 values, integer dot products) for small batches, and for large ones dequantizes row tiles to
-float32 and uses BLAS, which is faster once the weight is reused by enough rows (see
-`BLAS_FROM_ROWS`). The embedding table dequantizes only the rows it looks up, and a tied LM head
+float32 and uses BLAS, which is faster once the weight is reused by enough rows. Where the switch
+lies was measured per shape (`BLAS_FROM_ROWS`): dequantizing is a fixed cost per call that
+sgemm's cheaper rows must repay, so it comes late for 4-bit blocks (slow to expand, fast integer
+dot: ~128 rows for the model's Q4_1 layers) and early for the Q8_0 LM head (cheap to expand, a
+dearer integer dot: ~40 rows). The embedding table dequantizes only the rows it looks up, and a tied LM head
 multiplies with the same blocks.
 
 `quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
@@ -34,11 +37,22 @@ KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, 
 # Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
-# From this many activation rows on, dequantizing to float32 and using BLAS beats the integer
-# kernel on the AVX2 Zen 3 (docs/benchmarks.md): the integer dot products do ~1 multiply-add
-# per byte-lane per instruction, sgemm far more once each weight is reused by many rows.
-BLAS_FROM_ROWS = 48
+# From this many activation rows on, QuantizedLinear dequantizes row tiles to float32 and uses
+# sgemm instead of the integer kernel. Measured per shape on the AVX2 Zen 3, one thread
+# (docs/benchmarks.md, "A tighter AVX2 kernel"): the crossover is where dequantizing the whole
+# weight once (a fixed cost) is repaid by sgemm's lower cost per activation row. For the Q4_1
+# layers (576→1536, 1536→576, 576→960) the 4-bit blocks are slow to expand and the integer
+# kernel stays ahead up to ~128 rows (B=64: 1.2-1.4x faster); for the Q8_0 LM head (49152 rows)
+# expanding is cheap and Q8_0's integer dot costs more per row (sign fix-ups), so sgemm wins from
+# ~40 rows (B=32: integer 1.1x faster; B=48: sgemm 1.06x). K-quants expand like Q4_1.
+BLAS_FROM_ROWS: dict[Q, int] = {Q.Q8_0: 40}
+BLAS_FROM_ROWS_OTHERWISE = 128
 BLAS_TILE_ROWS = 2048  # weight rows dequantized at a time: bounds the float copy (4.5 MB at 576 wide)
+
+
+def blas_from_rows(qtype: Q) -> int:
+    """Activation rows from which QuantizedLinear uses sgemm over dequantized tiles."""
+    return BLAS_FROM_ROWS.get(qtype, BLAS_FROM_ROWS_OTHERWISE)
 
 
 def check_quantization(quantization: str) -> str:
@@ -107,6 +121,7 @@ class QuantizedLinear:
         self.bias = bias
         self._flat = weight.blocks.contiguous().reshape(-1)
         self._qtype = int(weight.qtype)
+        self._blas_from = blas_from_rows(weight.qtype)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +130,7 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
         xf = x.float()
-        if x.shape[0] < BLAS_FROM_ROWS:
+        if x.shape[0] < self._blas_from:
             y = quant_matmul.matmul(self._flat, self._qtype, out, cols, xf)
         else:
             y = torch.empty(x.shape[0], out)
