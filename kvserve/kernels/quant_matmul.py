@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +44,26 @@ def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tens
     if rc == -2:
         raise MemoryError(f"quant_matmul: no memory for {x.shape[0]} x {cols} quantized activations")
     return y
+
+
+def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """matmul for one weight, checked and bound once: a decode step calls each weight's kernel
+    once per layer, and the per-call checks and lookups of `matmul` cost as much as a small
+    layer's arithmetic. blocks must stay alive and unchanged while the result is used."""
+    _check(blocks, qtype, rows, cols)
+    fn, wptr = _lib().kvserve_quant_matmul, blocks.data_ptr()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != cols:
+            raise ValueError(f"x must be float32 [T, {cols}], got {x.dtype} {tuple(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        if fn(qtype, wptr, rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()) == -2:
+            raise MemoryError(f"quant_matmul: no memory for {x.shape[0]} x {cols} quantized activations")
+        return y
+
+    return run
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids: torch.Tensor | None = None) -> torch.Tensor:

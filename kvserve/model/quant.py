@@ -121,7 +121,11 @@ class QuantizedLinear:
         self.bias = bias
         self._flat = weight.blocks.contiguous().reshape(-1)
         self._qtype = int(weight.qtype)
-        self._blas_from = blas_from_rows(weight.qtype)
+        # Without the kernels (make_linear dequantizes on load then; this is for direct use) every
+        # call takes the dequantize + BLAS path.
+        kernels = quant_matmul.available()
+        self._blas_from = blas_from_rows(weight.qtype) if kernels else 0
+        self._matmul = quant_matmul.prepare(self._flat, self._qtype, *weight.shape) if kernels else None
 
     @property
     def nbytes(self) -> int:
@@ -129,9 +133,9 @@ class QuantizedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
-        xf = x.float()
+        xf = x if x.dtype is torch.float32 else x.float()
         if x.shape[0] < self._blas_from:
-            y = quant_matmul.matmul(self._flat, self._qtype, out, cols, xf)
+            y = self._matmul(xf)
         else:
             y = torch.empty(x.shape[0], out)
             for r0 in range(0, out, BLAS_TILE_ROWS):
@@ -139,7 +143,7 @@ class QuantizedLinear:
                 torch.mm(xf, self.weight.dequantize(ids).t(), out=y[:, r0 : r0 + ids.numel()])
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype)
+        return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
 class ConcatLinear:
