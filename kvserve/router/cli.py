@@ -85,7 +85,7 @@ def make_server(settings: RouterSettings, access_log: bool = False):
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
                             timeout_graceful_shutdown=2, server_header=False,
                             limit_concurrency=2 * settings.max_concurrent_requests + 64, h11_max_incomplete_event_size=64 << 10)
-    return RouterServer(config, app.state.router)
+    return RouterServer(config, app.state)
 
 
 def run_route(args: argparse.Namespace) -> int:
