@@ -21,8 +21,9 @@ import math
 import random
 import time
 
-import httpx
+import aiohttp
 from starlette.responses import Response
+from yarl import URL
 from starlette.types import Receive, Scope, Send
 
 from kvserve.router.policies import Decision
@@ -33,7 +34,7 @@ from kvserve.server.errors import APIError, ErrorResponse
 
 log = logging.getLogger("kvserve.router")
 
-# Hop-by-hop headers (RFC 9110 §7.6.1) and those httpx or the router set anew.
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the HTTP client or the router set anew.
 _DROP_REQUEST = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                            b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
 _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
@@ -159,11 +160,14 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
     state.budget.on_request()
     prompt_tokens = (state.index.prompt_tokens(req) if state.index else None) or req.estimated_prompt_tokens()
     max_tokens = (req.max_tokens if req.max_tokens is not None else s.default_max_tokens) * req.n
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
     client = scope.get("client")
-    headers.append((b"x-forwarded-for", client[0].encode("latin-1") if client else b""))
-    query = scope.get("query_string", b"").decode("latin-1")
-    url_tail = scope["path"] + (f"?{query}" if query else "")
+    headers.append(("x-forwarded-for", client[0] if client else ""))
+    # The target as the client sent it (still percent-encoded), forwarded untouched.
+    query = scope.get("query_string", b"")
+    url_tail = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1") + (
+        f"?{query.decode('latin-1')}" if query else "")
+    method, data = scope["method"], body or None
     tried: set[Replica] = set()
     last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # a 429/503 to pass on
     for attempt_no in range(s.max_retries + 1):
@@ -177,25 +181,24 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         attempt = Attempt(state, state.policy.choose(candidates, req), req, prompt_tokens, max_tokens)
         replica = attempt.replica
         tried.add(replica)
-        upstream_req = state.client.build_request(scope["method"], replica.url + url_tail, headers=headers,
-                                                  content=body)
         try:
-            upstream = await state.client.send(upstream_req, stream=True)
-        except httpx.TimeoutException as e:
+            upstream = await state.session.request(method, URL(replica.url + url_tail, encoded=True),
+                                                   headers=headers, data=data, allow_redirects=False)
+        except TimeoutError as e:  # aiohttp's are TimeoutErrors too
             attempt.failed("timeout", f"{type(e).__name__}: {e}")
-            if not isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+            if not isinstance(e, aiohttp.ConnectionTimeoutError):  # connecting, or waiting for the pool
                 break  # the replica may be working on it: sending it again doubles the load
             reason = "connect"
-        except httpx.TransportError as e:
+        except (aiohttp.ClientError, OSError) as e:
             attempt.failed("connect", f"{type(e).__name__}: {e}")
             reason = "connect"
         except BaseException:  # cancelled: the client left while the replica was connecting
             attempt.end()
             raise
         else:
-            if upstream.status_code not in _RETRY_STATUS:
-                if upstream.status_code >= 500:
-                    attempt.failed("status", f"answered {upstream.status_code}")
+            if upstream.status not in _RETRY_STATUS:
+                if upstream.status >= 500:
+                    attempt.failed("status", f"answered {upstream.status}")
                 else:
                     replica.request_succeeded()
                 state.metrics.first_byte.observe(time.perf_counter() - arrival)
@@ -204,16 +207,16 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
             if wait:
                 replica.wait_until = time.monotonic() + min(wait, 60.0)
             try:
-                last = (upstream.status_code, upstream.headers.raw, await upstream.aread())
-            except httpx.HTTPError:
+                last = (upstream.status, list(upstream.raw_headers), await upstream.read())
+            except (aiohttp.ClientError, TimeoutError, OSError):
                 last = None
             finally:
-                await upstream.aclose()
+                upstream.close()
             state.metrics.child(state.metrics.errors, replica.url, "status").inc()
-            if upstream.status_code == 503:
+            if upstream.status == 503:
                 replica.request_failed(s, "answered 503")
             attempt.end()
-            reason = str(upstream.status_code)
+            reason = str(upstream.status)
         if attempt_no < s.max_retries and state.replicas.eligible(tried):
             if not state.budget.try_spend():
                 log.warning("retry budget spent: not retrying %s", scope["path"])
@@ -243,14 +246,14 @@ class RelayResponse(Response):
     does the same for a replica that stopped answering.
     """
 
-    def __init__(self, upstream: httpx.Response, attempt: Attempt, state: RouterState) -> None:
+    def __init__(self, upstream: aiohttp.ClientResponse, attempt: Attempt, state: RouterState) -> None:
         self.upstream = upstream
         self.attempt = attempt
         self.state = state
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         d = attempt.decision
-        self.raw_headers = [(k, v) for k, v in upstream.headers.raw if k.lower() not in _DROP_RESPONSE]
+        self.raw_headers = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _DROP_RESPONSE]
         self.raw_headers += [(b"x-kvserve-replica", attempt.replica.url.encode()),
                              (b"x-kvserve-route", d.outcome.encode()),
                              (b"x-kvserve-prefix-match", str(d.matched_tokens).encode())]
@@ -303,7 +306,7 @@ class RelayResponse(Response):
             self.attempt.replica.streams.discard(self)
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
-            await self.upstream.aclose()  # a client that left: the replica sees it and aborts
+            self.upstream.close()  # a client that left: the replica sees it and aborts
             self.attempt.end()
             self.state.end()
 
@@ -312,7 +315,7 @@ class RelayResponse(Response):
         self.started = True
         load, tail, is_sse = self.attempt.load, b"", self.is_sse
         try:
-            async for chunk in self.upstream.aiter_raw():
+            async for chunk in self.upstream.content.iter_any():
                 if is_sse:  # pass whole events only; count them as tokens produced
                     data = tail + chunk if tail else chunk
                     cut = data.rfind(b"\n\n") + 2
@@ -325,8 +328,8 @@ class RelayResponse(Response):
                         chunk, tail = data[:cut], data[cut:]
                     load.produced(chunk.count(b"data: "))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
-            kind = "timeout" if isinstance(e, httpx.TimeoutException) else "midstream"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            kind = "timeout" if isinstance(e, TimeoutError) else "midstream"
             why = f"the replica {self.attempt.replica.url} failed mid-answer ({type(e).__name__})"
             self.attempt.failed(kind, why)
             log.warning("%s", why)
