@@ -32,8 +32,11 @@ def http_options(max_head_bytes: int) -> dict[str, Any]:
             super().on_headers_complete()
 
         def data_received(self, data: bytes) -> None:
+            # Counted only while one head goes on across reads: a read that also holds the end of
+            # the previous request (a pipelined body) is not the head's. So: limit + one read.
+            was_in_head = self._in_head
             super().data_received(data)
-            if self._in_head and not self.transport.is_closing():
+            if was_in_head and self._in_head and not self.transport.is_closing():
                 self._head_bytes += len(data)
                 if self._head_bytes > max_head_bytes:
                     self.logger.info("a request head over %d bytes: connection closed", max_head_bytes)
