@@ -2,6 +2,7 @@
 retries / Retry-After / circuit breaker against small real HTTP servers on loopback."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -161,14 +162,15 @@ class Upstream:
     to answer 429 or 503 on demand)."""
 
     def __init__(self) -> None:
-        self.status, self.headers, self.calls = 200, {}, 0
+        self.status, self.headers, self.calls, self.seen = 200, {}, 0, None
 
         async def health(request: Request) -> JSONResponse:
             return JSONResponse({"status": "ready"})
 
         async def completions(request: Request) -> JSONResponse:
             self.calls += 1
-            await request.body()
+            self.seen = (request.scope["raw_path"], request.scope["query_string"], request.headers.get("x-note"),
+                         await request.body())
             return JSONResponse({"error": {"message": f"status {self.status}", "type": "x", "param": None,
                                            "code": None}} if self.status != 200 else {"ok": True},
                                 status_code=self.status, headers=self.headers)
@@ -249,3 +251,25 @@ def test_no_healthy_replica_is_a_503_with_an_openai_body():
 def test_router_settings_defaults_are_sane():
     s = RouterSettings()
     assert s.unhealthy_after >= 1 and s.healthy_after >= 1 and 0 < s.retry_budget_ratio < 1
+
+
+def test_requests_pass_through_exactly_and_an_oversized_head_is_refused(upstreams):
+    ok = upstreams[0]
+    router = RouterThread([ok.url], "round_robin")
+    try:
+        with router.client() as c:
+            body = b'{"prompt": "x"}'
+            r = c.post("/v1/completions?user=a%20b&x=%2F", content=body, headers={"x-note": "n" * 30000})
+        assert r.status_code == 200 and r.json() == {"ok": True}
+        assert ok.seen == (b"/v1/completions", b"user=a%20b&x=%2F", "n" * 30000, body)
+        # A request head past 64 KiB, sent in two parts: refused, the connection closed.
+        with socket.create_connection(("127.0.0.1", router.settings.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40000)
+            time.sleep(0.2)
+            s.sendall(b"a" * 40000)
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 400 ") and ok.calls == 1
+    finally:
+        router.stop()

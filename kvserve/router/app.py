@@ -6,6 +6,10 @@
 replica (kvserve/router/proxy.py); `/` is a live page of the replicas and the routing decisions
 (kvserve/router/page.py); any other path is the router's own 404, in the same OpenAI
 error body a kvserve server sends.
+
+The proxied paths skip FastAPI: RouterApp, the ASGI entry, hands them to proxy.handle directly,
+since FastAPI's routing and its middleware's wrappers around every send() cost more than the
+rest of the router on a streamed token. The router's own pages stay on FastAPI.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.router.admin import add_admin_routes
 from kvserve.router.page import add_page_routes
-from kvserve.router.proxy import proxy
+from kvserve.router.proxy import handle
 from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
@@ -30,6 +34,7 @@ from kvserve.server.errors import APIError, install_handlers
 
 log = logging.getLogger("kvserve.router")
 PROXIED_METHODS = ["GET", "POST", "DELETE"]
+PROXIED_PATHS = ("/tokenize", "/detokenize")  # and /v1/*, POST only
 
 
 class HeaderLimit:
@@ -48,7 +53,23 @@ class HeaderLimit:
         await self.app(scope, receive, send)
 
 
-def build_router_app(settings: RouterSettings) -> FastAPI:
+class RouterApp:
+    """The ASGI entry: proxied requests straight to the proxy, everything else to FastAPI."""
+
+    def __init__(self, api: FastAPI, state: RouterState) -> None:
+        self.api = api
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path, method = scope["path"], scope["method"]
+            if (method in PROXIED_METHODS and path.startswith("/v1/")) or (method == "POST" and path in PROXIED_PATHS):
+                await handle(scope, receive, send, self.state)
+                return
+        await self.api(scope, receive, send)
+
+
+def build_router_app(settings: RouterSettings) -> RouterApp:
     state = RouterState(settings)
 
     @asynccontextmanager
@@ -81,13 +102,14 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     add_admin_routes(app, state)
     add_page_routes(app, state)  # / : replicas, loads and routing decisions, live
 
-    async def forward(request: Request) -> Response:
-        return await proxy(request, state)
+    async def forward(request: Request) -> Response:  # RouterApp sends these past FastAPI
+        raise AssertionError("proxied paths are handled by RouterApp")
 
+    # Declared so that FastAPI answers a proxied path's other methods 405, not 404.
     app.add_api_route("/v1/{path:path}", forward, methods=PROXIED_METHODS, include_in_schema=False)
-    for path in ("/tokenize", "/detokenize"):
+    for path in PROXIED_PATHS:
         app.add_api_route(path, forward, methods=["POST"], include_in_schema=False)
-    return app
+    return RouterApp(app, state)
 
 
 class RouterServer(uvicorn.Server):

@@ -79,13 +79,14 @@ def make_server(settings: RouterSettings, access_log: bool = False):
     import uvicorn
 
     from kvserve.router.app import RouterServer, build_router_app
+    from kvserve.router.http import http_options
 
     app = build_router_app(settings)
     # uvicorn's own connection cap is a backstop past the router's 503 (max_concurrent_requests).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
                             timeout_graceful_shutdown=2, server_header=False,
-                            limit_concurrency=2 * settings.max_concurrent_requests + 64, h11_max_incomplete_event_size=64 << 10)
-    return RouterServer(config, app.state.router)
+                            limit_concurrency=2 * settings.max_concurrent_requests + 64, **http_options(64 << 10))
+    return RouterServer(config, app.state)
 
 
 def run_route(args: argparse.Namespace) -> int:

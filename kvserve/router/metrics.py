@@ -61,6 +61,16 @@ class RouterMetrics:
         self.rejected = Counter("kvserve_router_rejected", "Requests answered by the router itself, by status.",
                                 ["status"], registry=r)
         r.register(_ReplicaCollector(replicas))
+        self.rejected_503 = self.rejected.labels("503")
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """metric.labels(*labels), looked up once: labels() takes a lock and builds keys each call."""
+        key = (id(metric), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -6,6 +6,10 @@ dropped and replaced by an error event, so a client's parser never sees half of 
 that dies mid-answer ends the client's stream at once (the connection closes) or after
 `read_timeout` of silence. A client that leaves closes the upstream request, so the replica
 aborts the work.
+
+The app calls `handle` straight from its ASGI entry (kvserve/router/app.py): no framework
+routing, middleware or Request object on the way, since the router's own latency is added to
+every request's time to first token and to every streamed token.
 """
 from __future__ import annotations
 
@@ -17,9 +21,9 @@ import math
 import random
 import time
 
-import httpx
-from starlette.requests import Request
+import aiohttp
 from starlette.responses import Response
+from yarl import URL
 from starlette.types import Receive, Scope, Send
 
 from kvserve.router.policies import Decision
@@ -30,11 +34,11 @@ from kvserve.server.errors import APIError, ErrorResponse
 
 log = logging.getLogger("kvserve.router")
 
-# Hop-by-hop headers (RFC 9110 §7.6.1) and those httpx or the router set anew.
-_DROP_REQUEST = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                           "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
-_DROP_RESPONSE = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                            "trailer", "transfer-encoding", "upgrade", "server", "date"})
+# Hop-by-hop headers (RFC 9110 §7.6.1) and those the HTTP client or the router set anew.
+_DROP_REQUEST = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                           b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length"})
+_DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                            b"trailer", b"transfer-encoding", b"upgrade", b"server", b"date"})
 _RETRY_STATUS = (429, 503)
 
 
@@ -43,19 +47,28 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+class ClientLeft(Exception):
+    """The client disconnected before sending the whole body."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     too_large = APIError(413, f"the request body is larger than the router's limit of {limit} bytes",
                          code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientLeft
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -82,8 +95,8 @@ class Attempt:
         self.replica: Replica = decision.replica
         self.load: Load = self.replica.start(prompt_tokens, max_tokens, decision.matched_tokens)
         state.policy.routed(decision, req)
-        state.metrics.requests.labels(self.replica.url).inc()
-        state.metrics.decisions.labels(state.settings.policy.name, decision.outcome).inc()
+        state.metrics.child(state.metrics.requests, self.replica.url).inc()
+        state.metrics.child(state.metrics.decisions, state.settings.policy.name, decision.outcome).inc()
         state.record(self.replica.url, decision.outcome, decision.matched_tokens, req.path)
         if decision.source is not None:
             state.metrics.matched.observe(decision.matched_tokens)
@@ -94,43 +107,67 @@ class Attempt:
             self.state.policy.finished(self.decision)
 
     def failed(self, kind: str, why: str) -> None:
-        self.state.metrics.errors.labels(self.replica.url, kind).inc()
+        self.state.metrics.child(self.state.metrics.errors, self.replica.url, kind).inc()
         self.replica.request_failed(self.state.settings, why)
         self.end()
 
 
-async def proxy(request: Request, state: RouterState) -> Response:
+async def handle(scope: Scope, receive: Receive, send: Send, state: RouterState) -> None:
+    """One proxied request, as an ASGI app; the router's own failures answer OpenAI error bodies."""
+    try:
+        response = await proxy(scope, receive, state)
+    except APIError as e:
+        if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
+            log.info("%s %s -> %d: %s", scope["method"], scope["path"], e.status, e.message)
+        response = e.response()
+    except ClientLeft:  # nobody reads the answer; one line, not a traceback
+        log.info("%s %s: the client disconnected before sending the whole body", scope["method"], scope["path"])
+        response = APIError(400, "the request body was cut off before its end").response()
+    except Exception:
+        log.exception("%s %s failed", scope["method"], scope["path"])
+        response = APIError(500, "internal server error (see the server log)").response()
+    await response(scope, receive, send)
+
+
+async def proxy(scope: Scope, receive: Receive, state: RouterState) -> Response:
     arrival = time.perf_counter()
     s = state.settings
+    if len(scope["headers"]) > s.max_headers:
+        raise APIError(431, f"the request has {len(scope['headers'])} headers, more than the router's "
+                       f"limit of {s.max_headers}", code="headers_too_large")
     if state.draining:
         raise APIError(503, "the router is shutting down: send the request elsewhere", code="draining",
                        headers={"Connection": "close"})
     if state.active >= s.max_concurrent_requests:
-        state.metrics.rejected.labels("503").inc()
+        state.metrics.rejected_503.inc()
         raise APIError(503, f"the router is at its limit of {s.max_concurrent_requests} concurrent requests: "
                        "retry after a moment", code="router_busy", headers={"Retry-After": "1"})
     state.begin()
     try:
-        body = await read_body(request, s.max_body_bytes)
-        req = parse_request(request.url.path, body)
+        body = await read_body(scope, receive, s.max_body_bytes)
+        req = parse_request(scope["path"], body)
         if state.index is not None:
             await state.index.prepare(req)
-        return await _send(request, state, req, body, arrival)
+        return await _send(scope, state, req, body, arrival)
     except BaseException:
         state.end()
         raise
 
 
-async def _send(request: Request, state: RouterState, req: RoutedRequest, body: bytes, arrival: float) -> Response:
+async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: bytes, arrival: float) -> Response:
     """Try replicas until one answers (or the retries run out); state.end() once the answer ends."""
     s = state.settings
     state.budget.on_request()
     prompt_tokens = (state.index.prompt_tokens(req) if state.index else None) or req.estimated_prompt_tokens()
     max_tokens = (req.max_tokens if req.max_tokens is not None else s.default_max_tokens) * req.n
-    headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in _DROP_REQUEST]
-    client_host = request.client.host if request.client else ""
-    headers.append((b"x-forwarded-for", client_host.encode("latin-1")))
-    url_tail = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST]
+    client = scope.get("client")
+    headers.append(("x-forwarded-for", client[0] if client else ""))
+    # The target as the client sent it (still percent-encoded), forwarded untouched.
+    query = scope.get("query_string", b"")
+    url_tail = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1") + (
+        f"?{query.decode('latin-1')}" if query else "")
+    method, data = scope["method"], body or None
     tried: set[Replica] = set()
     last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # a 429/503 to pass on
     for attempt_no in range(s.max_retries + 1):
@@ -144,25 +181,24 @@ async def _send(request: Request, state: RouterState, req: RoutedRequest, body: 
         attempt = Attempt(state, state.policy.choose(candidates, req), req, prompt_tokens, max_tokens)
         replica = attempt.replica
         tried.add(replica)
-        upstream_req = state.client.build_request(request.method, replica.url + url_tail, headers=headers,
-                                                  content=body)
         try:
-            upstream = await state.client.send(upstream_req, stream=True)
-        except httpx.TimeoutException as e:
+            upstream = await state.session.request(method, URL(replica.url + url_tail, encoded=True),
+                                                   headers=headers, data=data, allow_redirects=False)
+        except TimeoutError as e:  # aiohttp's are TimeoutErrors too
             attempt.failed("timeout", f"{type(e).__name__}: {e}")
-            if not isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+            if not isinstance(e, aiohttp.ConnectionTimeoutError):  # connecting, or waiting for the pool
                 break  # the replica may be working on it: sending it again doubles the load
             reason = "connect"
-        except httpx.TransportError as e:
+        except (aiohttp.ClientError, OSError) as e:
             attempt.failed("connect", f"{type(e).__name__}: {e}")
             reason = "connect"
         except BaseException:  # cancelled: the client left while the replica was connecting
             attempt.end()
             raise
         else:
-            if upstream.status_code not in _RETRY_STATUS:
-                if upstream.status_code >= 500:
-                    attempt.failed("status", f"answered {upstream.status_code}")
+            if upstream.status not in _RETRY_STATUS:
+                if upstream.status >= 500:
+                    attempt.failed("status", f"answered {upstream.status}")
                 else:
                     replica.request_succeeded()
                 state.metrics.first_byte.observe(time.perf_counter() - arrival)
@@ -171,29 +207,29 @@ async def _send(request: Request, state: RouterState, req: RoutedRequest, body: 
             if wait:
                 replica.wait_until = time.monotonic() + min(wait, 60.0)
             try:
-                last = (upstream.status_code, upstream.headers.raw, await upstream.aread())
-            except httpx.HTTPError:
+                last = (upstream.status, list(upstream.raw_headers), await upstream.read())
+            except (aiohttp.ClientError, TimeoutError, OSError):
                 last = None
             finally:
-                await upstream.aclose()
-            state.metrics.errors.labels(replica.url, "status").inc()
-            if upstream.status_code == 503:
+                upstream.close()
+            state.metrics.child(state.metrics.errors, replica.url, "status").inc()
+            if upstream.status == 503:
                 replica.request_failed(s, "answered 503")
             attempt.end()
-            reason = str(upstream.status_code)
+            reason = str(upstream.status)
         if attempt_no < s.max_retries and state.replicas.eligible(tried):
             if not state.budget.try_spend():
-                log.warning("retry budget spent: not retrying %s", request.url.path)
+                log.warning("retry budget spent: not retrying %s", scope["path"])
                 break
-            state.metrics.retries.labels(replica.url, reason).inc()
+            state.metrics.child(state.metrics.retries, replica.url, reason).inc()
     state.end()
     if last is not None:  # every replica tried said 429 or 503: the client sees the last one's own answer
         status, raw, content = last
-        keep = [(k, v) for k, v in raw if k.decode("latin-1").lower() not in _DROP_RESPONSE | {"content-length"}]
+        keep = [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE | {b"content-length"}]
         response = Response(content, status_code=status)
         response.raw_headers = [*keep, (b"content-length", str(len(content)).encode())]
         return response
-    state.metrics.rejected.labels("503").inc()
+    state.metrics.rejected_503.inc()
     if not tried and any(r.state == "healthy" and not r.removed for r in state.replicas):
         wait = min((r.wait_until for r in state.replicas), default=0.0) - time.monotonic()
         return APIError(429, "every replica asked to wait (429): retry later", code="too_many_requests",
@@ -203,71 +239,97 @@ async def _send(request: Request, state: RouterState, req: RoutedRequest, body: 
 
 
 class RelayResponse(Response):
-    """The replica's answer, relayed as it arrives; cleans up in every case (see module doc)."""
+    """The replica's answer, relayed as it arrives; cleans up in every case (see module doc).
 
-    def __init__(self, upstream: httpx.Response, attempt: Attempt, state: RouterState) -> None:
+    The relay runs on the request's own task; a small watcher task cancels it when the client
+    leaves (uvicorn's send() is silent then, and a replica may be silent for long), and abort()
+    does the same for a replica that stopped answering.
+    """
+
+    def __init__(self, upstream: aiohttp.ClientResponse, attempt: Attempt, state: RouterState) -> None:
         self.upstream = upstream
         self.attempt = attempt
         self.state = state
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         d = attempt.decision
-        self.raw_headers = [(k, v) for k, v in upstream.headers.raw if k.decode("latin-1").lower() not in _DROP_RESPONSE]
+        self.raw_headers = [(k, v) for k, v in upstream.raw_headers if k.lower() not in _DROP_RESPONSE]
         self.raw_headers += [(b"x-kvserve-replica", attempt.replica.url.encode()),
                              (b"x-kvserve-route", d.outcome.encode()),
                              (b"x-kvserve-prefix-match", str(d.matched_tokens).encode())]
         self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         self.started = False
-        self.lost: str | None = None
-        self._relay: asyncio.Future | None = None
+        self.lost: str | None = None  # why abort() ended the relay
+        self._left = False  # the client disconnected
+        self._task: asyncio.Task | None = None  # the relay's, while it runs
+
+    def _stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
 
     def abort(self, why: str) -> None:
         """The replica stopped answering: end the client's answer now (health checks call this)."""
-        if self._relay is not None and not self._relay.done():
+        if self._task is not None:
             self.lost = why
-            self._relay.cancel()
+            self._stop()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._left = True
+        self._stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        relay = self._relay = asyncio.ensure_future(self._pump(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        self._task = asyncio.current_task()
+        watch = asyncio.ensure_future(self._watch(receive))
         self.attempt.replica.streams.add(self)
         try:
-            await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if relay.cancelled() and self.lost is not None:
+            try:
+                await self._pump(send)
+            except asyncio.CancelledError:
+                if self._task is not None:
+                    raise  # not by _stop(): cancelled from elsewhere (the server stopping)
+                asyncio.current_task().uncancel()
+            except OSError:
+                pass  # a non-SSE answer cut short: the client sees the connection cut, not a false ending
+            self._task = None
+            if self.lost is not None:
                 self.attempt.failed("timeout", self.lost)
                 log.warning("%s: its answer in flight is ended", self.lost)
                 if self.started and self.is_sse:
                     await send({"type": "http.response.body", "more_body": False,
                                 "body": sse(APIError(503, self.lost + ": retry the request", code="replica_failed").body())
                                 + sse("[DONE]")})
-            elif relay.done() and relay.exception() is not None and not isinstance(relay.exception(), OSError):
-                raise relay.exception()
         finally:
+            self._task = None
             self.attempt.replica.streams.discard(self)
-            for task in (relay, watch):
-                task.cancel()
-            await asyncio.gather(relay, watch, return_exceptions=True)
-            await self.upstream.aclose()  # a client that left: the replica sees it and aborts
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            self.upstream.close()  # a client that left: the replica sees it and aborts
             self.attempt.end()
             self.state.end()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self.started = True
-        load, tail = self.attempt.load, b""
+        load, tail, is_sse = self.attempt.load, b"", self.is_sse
         try:
-            async for chunk in self.upstream.aiter_raw():
-                if self.is_sse:  # pass whole events only; count them as tokens produced
+            async for chunk in self.upstream.content.iter_any():
+                if is_sse:  # pass whole events only; count them as tokens produced
                     data = tail + chunk if tail else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut == 1:
                         tail = data
                         continue
-                    chunk, tail = data[:cut], data[cut:]
+                    if cut == len(data):
+                        chunk, tail = data, b""
+                    else:
+                        chunk, tail = data[:cut], data[cut:]
                     load.produced(chunk.count(b"data: "))
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as e:
-            kind = "timeout" if isinstance(e, httpx.TimeoutException) else "midstream"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            kind = "timeout" if isinstance(e, TimeoutError) else "midstream"
             why = f"the replica {self.attempt.replica.url} failed mid-answer ({type(e).__name__})"
             self.attempt.failed(kind, why)
             log.warning("%s", why)
@@ -277,11 +339,6 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": sse(error.body()) + sse("[DONE]"), "more_body": False})
             return
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def router_error(status: int, message: str, code: str | None = None) -> ErrorResponse:
