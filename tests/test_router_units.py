@@ -171,6 +171,7 @@ class Upstream:
             self.calls += 1
             self.seen = (request.scope["raw_path"], request.scope["query_string"], request.headers.get("x-note"),
                          await request.body())
+            self.cookie = request.headers.get("cookie")
             return JSONResponse({"error": {"message": f"status {self.status}", "type": "x", "param": None,
                                            "code": None}} if self.status != 200 else {"ok": True},
                                 status_code=self.status, headers=self.headers)
@@ -195,6 +196,20 @@ def upstreams():
     yield ups
     for u in ups:
         u.stop()
+
+
+def test_a_replicas_cookie_reaches_its_client_and_no_other_request(upstreams):
+    up = upstreams[0]
+    up.headers = {"Set-Cookie": "session=alice; Path=/"}
+    # By host name: a default client cookie jar ignores cookies from bare IP addresses.
+    router = RouterThread([up.url.replace("127.0.0.1", "localhost")], "round_robin")
+    try:
+        with httpx.Client(base_url=router.url) as alice, httpx.Client(base_url=router.url) as bob:
+            assert alice.post("/v1/completions", json={"prompt": "x"}).headers["set-cookie"] == "session=alice; Path=/"
+            bob.post("/v1/completions", json={"prompt": "x"})
+            assert up.calls == 2 and up.cookie is None  # the router kept no cookie for the next client
+    finally:
+        router.stop()
 
 
 def test_429_is_retried_elsewhere_and_its_retry_after_honoured(upstreams):

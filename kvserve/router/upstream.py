@@ -142,6 +142,9 @@ def make_session(connections: int, connect_timeout: float, read_timeout: float):
     connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=4.0)
     timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_connect=connect_timeout,
                                     sock_read=read_timeout)
+    # No cookie jar: a replica's Set-Cookie is for the client it answered, never to be replayed
+    # on other clients' requests (and a jar costs a parse per answer).
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                 cookie_jar=aiohttp.DummyCookieJar(),
                                  skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
                                  trust_env=False)
