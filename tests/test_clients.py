@@ -161,6 +161,28 @@ def test_standard_fields_and_nulls_are_accepted(server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "temprature"
 
 
+def test_requests_as_sglang_router_forwards_them(server) -> None:
+    """SGLang's router (sglang-router 0.3) rewrites every body it forwards, adding its own fields at
+    these values (captured from its output): kvserve accepts them, and refuses by name the values
+    that ask for what it does not do."""
+    chat = {"messages": [{"role": "user", "content": "Say hi."}], "model": NAME, "logprobs": False,
+            "max_completion_tokens": 8, "stream": False, "no_stop_trim": False, "ignore_eos": False,
+            "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "return_hidden_states": False}
+    completion = {"model": NAME, "prompt": "Say hi.", "max_tokens": 8, "stream": False, "echo": False,
+                  "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                  "return_hidden_states": False}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    assert httpx.post(server.url + "/v1/completions", json=completion, timeout=120).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**completion, "no_stop_trim": True}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "no_stop_trim is not supported: kvserve always leaves a matched stop string out of the text; "
+                   "send false or leave it out", "type": "invalid_request_error", "param": "no_stop_trim", "code": None}
+    for field in ("return_hidden_states", "continue_final_message"):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**chat, field: True}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def test_endpoints(server, client) -> None:
     assert client.models.retrieve(NAME).id == NAME
     assert httpx.get(server.url + "/v1/models/nope").status_code == 404

@@ -16,7 +16,7 @@ from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.parsing import check_limits, reject, sampling_params
+from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.streaming import respond, sse
 
@@ -32,6 +32,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     ctx.state.require_ready()
     req = await ctx.parse(request, ChatCompletionRequest)
     openai_compat.log_ignored(req)
+    reject_unsupported_extras(req)
     reject(not req.messages, "messages", "must not be empty")
     reject(bool(req.logit_bias), "logit_bias", "is not supported")
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")

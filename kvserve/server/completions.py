@@ -16,7 +16,7 @@ from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs
 from kvserve.server import openai_compat
-from kvserve.server.parsing import check_limits, reject, sampling_params
+from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
 
@@ -29,6 +29,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     ctx.state.require_ready()
     req = await ctx.parse(request, CompletionRequest)
     openai_compat.log_ignored(req)
+    reject_unsupported_extras(req)
     reject(req.echo, "echo", "is not supported")
     reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")

@@ -130,3 +130,14 @@ def sampling_params(build: Callable[[], SamplingParams], renames: Mapping[str, s
         return build()
     except ValueError as e:
         raise from_invalid(e, renames) from None
+
+
+def reject_unsupported_extras(req: Any) -> None:
+    """400 for the SGLang/vLLM extras (as SGLang's router forwards them) asking for what kvserve
+    does not do; their default values pass."""
+    reject(req.no_stop_trim, "no_stop_trim", "is not supported: kvserve always leaves a matched stop string out "
+           "of the text; send false or leave it out")
+    reject(req.return_hidden_states, "return_hidden_states", "is not supported: kvserve returns no hidden states")
+    reject(getattr(req, "continue_final_message", False), "continue_final_message",
+           "is not supported: the conversation's last message is always closed (add_generation_prompt opens the "
+           "answer); send false or leave it out")

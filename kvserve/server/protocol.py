@@ -87,6 +87,12 @@ class _Sampling(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # SGLang's, which its router (sglang-router) writes into every request it forwards: accepted
+    # at the values that ask for nothing kvserve lacks (the routes refuse the others by name).
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    separate_reasoning: bool = True  # kvserve has no reasoning parser: there is nothing to separate
+    stream_reasoning: bool = True
     # OpenAI's, accepted and ignored (logged): kvserve has no use for them.
     store: Any = None
     metadata: Any = None
@@ -220,6 +226,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
 
 
 class TokenizeRequest(_Strict):
