@@ -34,22 +34,13 @@ def _check(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> None:
 
 def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tensor) -> torch.Tensor:
     """x [T, cols] float32 · W^T → [T, rows] float32, W as `rows` rows of `qtype` blocks."""
-    _check(blocks, qtype, rows, cols)
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols:
-        raise ValueError(f"x must be float32 [T, {cols}], got {x.dtype} {tuple(x.shape)}")
-    y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    rc = _lib().kvserve_quant_matmul(qtype, blocks.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
-                                     torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError(f"quant_matmul: no memory for {x.shape[0]} x {cols} quantized activations")
-    return y
+    return prepare(blocks, qtype, rows, cols)(x)
 
 
 def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """matmul for one weight, checked and bound once: a decode step calls each weight's kernel
-    once per layer, and the per-call checks and lookups of `matmul` cost as much as a small
-    layer's arithmetic. blocks must stay alive and unchanged while the result is used."""
+    """The matmul of one weight, its blocks checked and the kernel bound once: a decode step calls
+    each weight's kernel once per layer, and checks and lookups on every call cost as much as a
+    small layer's arithmetic. blocks must stay alive and unchanged while the result is used."""
     _check(blocks, qtype, rows, cols)
     fn, wptr = _lib().kvserve_quant_matmul, blocks.data_ptr()
 

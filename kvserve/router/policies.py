@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.router.kv_index import KVIndex
@@ -71,7 +72,7 @@ class RoundRobin(Policy):
 class LeastLoad(Policy):
     name = "least_load"
 
-    def __init__(self, load=_load) -> None:
+    def __init__(self, load: Callable[[Replica], tuple[int, int]] = _load) -> None:
         self._turn = itertools.count()
         self._key = load
 

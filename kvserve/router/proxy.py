@@ -260,7 +260,6 @@ class RelayResponse(Response):
         self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
         self.started = False
         self.lost: str | None = None  # why abort() ended the relay
-        self._left = False  # the client disconnected
         self._task: asyncio.Task | None = None  # the relay's, while it runs
 
     def _stop(self) -> None:
@@ -277,7 +276,6 @@ class RelayResponse(Response):
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self._left = True
         self._stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
