@@ -57,6 +57,9 @@ class CacheConfig:
     memory_bytes: int | None = None
     num_blocks: int | None = None  # overrides memory_bytes when set (tests use tiny pools)
     enable_prefix_caching: bool = True
+    # The pool's element type: "auto" (float16 under quantized weights with float32 activations,
+    # else the model's dtype), "float32", "bfloat16" or "float16". See kv/sizing.py.
+    dtype: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ class Ceilings:
 class Explanation:
     model: str
     dtype: str
+    kv_dtype: str
     threads: int
     prompt_ids: list[int]
     pieces: list[str]
@@ -137,7 +138,8 @@ def explain(
     embed = model.embed  # a tensor, or GGUF blocks kept quantized
     embed_bytes = embed.nbytes if not isinstance(embed, torch.Tensor) else embed.numel() * embed.element_size()
     e = Explanation(
-        model=llm.model_name, dtype=str(llm.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+        model=llm.model_name, dtype=str(llm.dtype).removeprefix("torch."),
+        kv_dtype=str(llm.kv_dtype).removeprefix("torch."), threads=torch.get_num_threads(),
         prompt_ids=ids, pieces=[_piece(llm, t) for t in ids],
         block_size=llm.manager.block_size, block_bytes=llm.kv_sizing.block_bytes,
         kv_bytes_per_token=llm.kv_sizing.bytes_per_token,
@@ -190,7 +192,7 @@ def _bound(flops: float, nbytes: float, c: Ceilings) -> tuple[float, float, str]
 
 def format_explanation(e: Explanation, max_rows: int = 24) -> str:
     n, p = len(e.prompt_ids), e.prefill
-    out = [f"kvserve explain: {e.model}, {e.dtype} weights and KV cache, {e.threads} threads", ""]
+    out = [f"kvserve explain: {e.model}, {e.dtype} activations, {e.kv_dtype} KV cache, {e.threads} threads", ""]
     out.append(f"1. Tokenize: the model reads {n} tokens, not characters")
     shown = " ".join(f"{t}:{piece!r}" for t, piece in zip(e.prompt_ids[:48], e.pieces[:48]))
     out.append(f"   {shown}" + (f" ... (+{n - 48})" if n > 48 else ""))

@@ -17,9 +17,13 @@ Weights: `quantization="auto"` (the default) keeps a GGUF's quantized matrices a
 them and multiplies them directly (model/quant.py: ~5x fewer bytes per decoded token for the
 default model); "none" decodes them to `dtype` (the exact float path: float32 reproduces
 transformers); "q8_0" / "q4_0" quantize a float checkpoint (safetensors, F16/BF16 GGUF) on load.
+The KV cache follows: float16 under quantized weights (half the bytes per cached token), the
+model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why).
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import itertools
 import logging
 import time
@@ -36,10 +40,11 @@ from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
 from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.sizing import allocate_kv_pool, size_kv_pool
+from kvserve.kv.sizing import allocate_kv_pool, kv_cache_dtype, size_kv_pool
 from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
+from kvserve.model.quant import QuantizedWeight
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
@@ -70,6 +75,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in names:
         raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
     return names[dtype] or default_dtype()
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's free pages back after a load: glibc keeps what the load's temporaries
+    freed (parsed metadata, staging copies; ~20 MB for the default model) until malloc_trim."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc: its allocator decides
+        pass
 
 
 class KVCache:
@@ -141,8 +156,10 @@ class LLM:
         self.model_name = model
         self.tokenizer = Tokenizer.load(ckpt.path)
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
+        quantized = any(isinstance(w, QuantizedWeight) for w in ckpt.tensors.values())  # (the model takes them)
         self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
-        self.kv_sizing = size_kv_pool(self.config, cache, self.dtype)
+        self.kv_dtype = kv_cache_dtype(cache.dtype, self.dtype, quantized)
+        self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
@@ -156,6 +173,7 @@ class LLM:
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches
         gguf_file.forget()  # config, weights and tokenizer are read: the parsed file is not needed again
+        _release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,
                  str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)

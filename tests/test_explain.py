@@ -54,7 +54,8 @@ def test_report_has_every_stage(llm: LLM) -> None:
     text = format_explanation(e)
     for heading in ("1. Tokenize: the model reads", "2. Prefill:", "First token:", "3. Decode:", "4. Why:"):
         assert heading in text
-    assert "45 KiB per token" in text  # float32: 2 x 30 x 3 x 64 x 4 bytes
+    # The default GGUF's quantized weights: a float16 KV cache, 2 x 30 x 3 x 64 x 2 bytes per token.
+    assert "float32 activations, float16 KV cache" in text and "22.5 KiB per token" in text
     assert sparkline([1.0, 2.0, 3.0]) == "▁▅█" and sparkline([5.0, 5.0]) == "▁▁"
 
 

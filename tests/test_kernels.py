@@ -56,14 +56,21 @@ def as_tensors(tables, lens):
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), torch.tensor(lens)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+# (activations, pool, tolerance): a float16 pool under float32 activations is read exactly (every
+# half value is a float32), so it meets float32's tolerance; bfloat16 rounds q and the output.
+PAIRS = [(torch.float32, torch.float32, 2e-6), (torch.bfloat16, torch.bfloat16, 8e-3),
+         (torch.float32, torch.float16, 2e-6), (torch.float32, torch.bfloat16, 2e-6)]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", PAIRS)
 @pytest.mark.parametrize(
     "H,Hkv,D,bs",
     [(9, 3, 64, 16), (4, 4, 32, 16), (8, 1, 128, 8), (6, 2, 24, 4), (16, 4, 256, 16)],
 )
-def test_paged_decode_matches_exact_attention(H, Hkv, D, bs, dtype, tol) -> None:
+def test_paged_decode_matches_exact_attention(H, Hkv, D, bs, dtype, kv_dtype, tol) -> None:
     lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 70]
     q, kv, tables = random_case(len(lens), H, Hkv, D, bs, lens, dtype)
+    kv = kv.to(kv_dtype)
     bt, sl = as_tensors(tables, lens)
     out = paged_attention.paged_decode(q, kv, bt, sl, D**-0.5)
     assert out.dtype == dtype and out.shape == q.shape
@@ -95,13 +102,14 @@ def test_paged_decode_is_batch_invariant() -> None:
         assert torch.equal(alone[0], together[b])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backends_agree_on_a_mixed_step(dtype) -> None:
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.float16)])
+def test_backends_agree_on_a_mixed_step(dtype, kv_dtype) -> None:
     """A step of prefill chunks and decode tokens: the kernel backend equals the torch reference."""
     H, Hkv, D, bs = 9, 3, 64, 16
     lens = [20, 1, 50, 33]
     query_lens = [1, 1, 10, 1]  # sequence 2 prefills its last 10 tokens
-    _, kv, tables = random_case(4, H, Hkv, D, bs, lens, dtype)
+    _, kv, tables = random_case(4, H, Hkv, D, bs, lens, kv_dtype)
     g = torch.Generator().manual_seed(3)
     T = sum(query_lens)
     q = torch.randn(T, H, D, generator=g).to(dtype)
@@ -206,20 +214,42 @@ def test_fused_add_rms_norm_matches_torch(dtype, rows) -> None:
     assert _close(h0, rms_norm(x, w, 1e-5), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rope_and_store_is_bit_identical_to_torch(dtype) -> None:
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                            (torch.bfloat16, torch.float16)])
+def test_fused_rope_and_store_is_bit_identical_to_torch(dtype, kv_dtype) -> None:
     H, Hkv, D, bs, T = 9, 3, 64, 16, 37
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
     angles = torch.rand(T, D, generator=g) * 50
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     slots = torch.randperm(8 * bs, generator=g)[:T]
-    pools = [torch.zeros(2, Hkv, 8, bs, D, dtype=dtype) for _ in range(2)]
+    pools = [torch.zeros(2, Hkv, 8, bs, D, dtype=kv_dtype) for _ in range(2)]
     ref = LayerOps(native=False).rope_and_store(qkv, cos, sin, pools[0], slots, H)
     nat = LayerOps(native=True).rope_and_store(qkv, cos, sin, pools[1], slots, H)
     for a, b in zip(nat, ref):
         assert torch.equal(a, b)
     assert torch.equal(pools[1], pools[0]) and pools[0].abs().sum() > 0
+
+
+def test_a_float16_pool_stores_values_as_torch_rounds_them() -> None:
+    """float32 -> float16 in the kernel (F16C or the portable integer version): round to nearest
+    even, overflow to infinity, subnormals, signed zeros and NaN, each as torch converts it."""
+    H, Hkv, D = 1, 1, 64
+    tiny, big = 2.0**-24, 65504.0
+    edge = [0.0, -0.0, 1.0, -1.0, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-11 + 2**-20, tiny, tiny / 2, tiny * 0.75,
+            tiny * 1.5, 2**-14, 2**-14 * (1 - 2**-11), 6.1e-5, -6.1e-5, big, 65519.0, 65520.0, -65520.0, 1e6,
+            float("inf"), float("-inf"), float("nan"), 3.14159, -2.71828, 1e-3, 333.333, -0.1]
+    g = torch.Generator().manual_seed(1)
+    values = torch.cat([torch.tensor(edge), torch.randn(8 * D - len(edge), generator=g) * 100]).view(8, D)
+    qkv = torch.zeros(8, (H + 2 * Hkv) * D)
+    qkv[:, (H + Hkv) * D :] = values  # v is stored as it comes (k goes through the rotation)
+    ones, zeros = torch.ones(8, D), torch.zeros(8, D)
+    pool = torch.zeros(2, Hkv, 1, 8, D, dtype=torch.float16)
+    layer_ops.rope_store(qkv, ones, zeros, pool, torch.arange(8), H)
+    got, want = pool[1, 0, 0], values.to(torch.float16)
+    assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert got.isnan().equal(want.isnan())
 
 
 def test_paged_decode_refuses_tables_that_point_outside_the_pool() -> None:

@@ -131,3 +131,17 @@ def test_cached_blocks_are_kept_while_under_the_reserve() -> None:
     assert [b.block_id for b in pool.allocate(3)] == [2, 3, 4]
     assert pool.num_cached_free_blocks == 2
     pool.check_invariant()
+
+
+def test_kv_cache_dtype_auto_halves_quantized_models_and_keeps_float_ones_exact() -> None:
+    import torch
+
+    from kvserve.kv.sizing import kv_cache_dtype
+
+    assert kv_cache_dtype("auto", torch.float32, quantized=True) == torch.float16
+    assert kv_cache_dtype("auto", torch.float32, quantized=False) == torch.float32  # exact vs transformers
+    assert kv_cache_dtype("auto", torch.bfloat16, quantized=True) == torch.bfloat16  # already 16-bit
+    assert kv_cache_dtype("float32", torch.float32, quantized=True) == torch.float32
+    assert kv_cache_dtype("bf16", torch.float32, quantized=False) == torch.bfloat16
+    with pytest.raises(ValueError, match="KV cache dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
+        kv_cache_dtype("int8", torch.float32, quantized=True)

@@ -210,6 +210,9 @@ def test_default_model_keeps_its_blocks(llms) -> None:
     assert isinstance(q.model.layers[0].gate_up, QuantizedLinear)
     assert q.model.layers[0].gate_up.weight.qtype == Q.Q4_1 and q.model.embed.qtype == Q.Q8_0
     assert q.model.lm_head.weight is q.model.embed  # the tied head multiplies the same blocks
+    # The KV cache: float16 under the quantized weights (half the bytes), float32 on the exact path.
+    assert q.kv_dtype == torch.float16 and q.runner.kv_caches[0].dtype == torch.float16
+    assert f.kv_dtype == torch.float32 and f.runner.kv_caches[0].dtype == torch.float32
     # ~95 MB of blocks (Q4_1: 5 bits per weight, Q8_0: 8.5) against ~540 MB of float32
     assert 80e6 < q.model.nbytes < 110e6 and f.model.nbytes > 5 * q.model.nbytes
 

@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="in all, divided between replicas")
-    p.add_argument("--kv-cache-gib", type=float, default=0.25,
-                   help="per replica (default 0.25: ~5.8k tokens of the default model, ~5 of the 8 prompts)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.125,
+                   help="per replica (default 0.125: ~5.8k tokens of the default model's float16 KV, ~5 of the 8 prompts)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--requests", type=int, default=200)

@@ -83,8 +83,10 @@ def _compile(name: str) -> Path:
     return out
 
 
-# Tensor dtypes the kernels take, as the integer flag they are passed.
+# Tensor dtypes the kernels take, as the integer flag they are passed: activations and weights
+# in DTYPES; a KV pool in any of KV_DTYPES (its format need not be the activations').
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+KV_DTYPES = {**DTYPES, torch.float16: 2}
 
 
 @lru_cache(maxsize=None)

@@ -18,6 +18,7 @@
 #include "numerics.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
+#define KV_F16 2 /* the pool's third format (0 float32 and 1 bfloat16 are the model dtypes' numbers) */
 
 /* Each exported function has one parallel loop per dtype, the dtype a literal inside it: OpenMP
  * outlines the loop body before constants propagate, and a dtype read at run time leaves gcc
@@ -90,38 +91,64 @@ __attribute__((always_inline)) static inline void rope_head(const void *x, size_
     }
 }
 
+/* A row of D values in the model's dtype, stored into a pool slot in the pool's format: a copy
+ * when they are the same, else converted through float32 (float32 activations, a 16-bit pool). */
+static inline void store_row(char *dst, const char *src, int D, const int bf16, const int kv_fmt) {
+    if (kv_fmt == bf16) { /* F32 = 0 and BF16 = 1 are the model dtypes' own numbers */
+        memcpy(dst, src, (size_t)D * (bf16 ? 2 : 4));
+        return;
+    }
+    for (int i = 0; i < D; i++) {
+        const float x = get(src, i, bf16);
+        if (kv_fmt == KV_F16)
+            ((uint16_t *)dst)[i] = f32_to_fp16(x);
+        else
+            put(dst, i, x, kv_fmt);
+    }
+}
+
 __attribute__((always_inline)) static inline void rope_store_row(const void *qkv, const void *cs, const void *sn,
                                                                 void *q_out, void *k_out, void *kv, const int64_t *slots,
                                                                 int t, int H, int Hkv, int D, long num_slots,
-                                                                const int bf16) {
-    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4;
+                                                                const int bf16, const int kv_fmt) {
+    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4, kv_esize = kv_fmt ? 2 : 4;
     const size_t row = (size_t)t * width, co = (size_t)t * D;
     for (int h = 0; h < H; h++) rope_head(qkv, row + (size_t)h * D, cs, sn, co, q_out, ((size_t)t * H + h) * D, D, bf16);
     for (int h = 0; h < Hkv; h++) {
         const size_t ko = ((size_t)t * Hkv + h) * D;
         rope_head(qkv, row + (size_t)(H + h) * D, cs, sn, co, k_out, ko, D, bf16);
-        char *kslot = (char *)kv + (((size_t)h * num_slots + slots[t]) * D) * esize;
-        char *vslot = (char *)kv + (((size_t)(Hkv + h) * num_slots + slots[t]) * D) * esize;
-        memcpy(kslot, (const char *)k_out + ko * esize, D * esize);
-        memcpy(vslot, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize, D * esize);
+        char *kslot = (char *)kv + (((size_t)h * num_slots + slots[t]) * D) * kv_esize;
+        char *vslot = (char *)kv + (((size_t)(Hkv + h) * num_slots + slots[t]) * D) * kv_esize;
+        store_row(kslot, (const char *)k_out + ko * esize, D, bf16, kv_fmt);
+        store_row(vslot, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize, D, bf16, kv_fmt);
     }
 }
 
 /* qkv [T, (H + 2 Hkv) * D] from the fused projection; cos, sin [T, D] in the model dtype.
  * Writes q_out [T, H, D] and k_out [T, Hkv, D] rotated, and each token's rotated k and its v into
- * slot slots[t] of the pool [2, Hkv, num_slots, D]. Returns 0, or -3 (and writes nothing) when a
- * slot lies outside the pool. */
+ * slot slots[t] of the pool [2, Hkv, num_slots, D], whose format kv_fmt (0 float32, 1 bfloat16,
+ * 2 float16) need not be the model's. Returns 0; -1 for a format it does not take; -3 (and writes
+ * nothing) when a slot lies outside the pool. */
 int kvserve_rope_store(const void *qkv, const void *cs, const void *sn, void *q_out, void *k_out, void *kv,
-                       const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16, int nthreads) {
+                       const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16, int kv_fmt,
+                       int nthreads) {
+    if (kv_fmt < 0 || kv_fmt > KV_F16) return -1;
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -3; /* would write outside the pool: write nothing */
     const long work = (long)T * (H + 2 * Hkv) * D;
-    if (bf16) {
-        PARALLEL_ROWS
-        for (int t = 0; t < T; t++) rope_store_row(qkv, cs, sn, q_out, k_out, kv, slots, t, H, Hkv, D, num_slots, 1);
+#define ROWS(BF16, KVF) \
+    PARALLEL_ROWS for (int t = 0; t < T; t++) rope_store_row(qkv, cs, sn, q_out, k_out, kv, slots, t, H, Hkv, D, num_slots, BF16, KVF)
+    if (bf16 && kv_fmt == 1) {
+        ROWS(1, 1);
+    } else if (bf16) {
+        ROWS(1, kv_fmt);
+    } else if (kv_fmt == KV_F16) {
+        ROWS(0, KV_F16);
+    } else if (kv_fmt == 0) {
+        ROWS(0, 0);
     } else {
-        PARALLEL_ROWS
-        for (int t = 0; t < T; t++) rope_store_row(qkv, cs, sn, q_out, k_out, kv, slots, t, H, Hkv, D, num_slots, 0);
+        ROWS(0, kv_fmt);
     }
+#undef ROWS
     return 0;
 }

@@ -7,11 +7,12 @@ import torch
 
 from kvserve import kernels
 from kvserve.kernels import DTYPES as _DTYPES
+from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
-    "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i],
+    "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i, _i],
 }
 
 
@@ -39,6 +40,11 @@ def supports(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def supports_pool(kv_cache: torch.Tensor) -> bool:
+    """A KV pool rope_store writes into: CPU, contiguous, float32, bfloat16 or float16."""
+    return kv_cache.dtype in _KV_DTYPES and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+
+
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -61,7 +67,7 @@ def rope_store(
     num_heads: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated q [T, H, D] and k [T, Hkv, D] (into out's two tensors if given); k and v written
-    into their slots of the pool."""
+    into their slots of the pool, converted to the pool's dtype."""
     T = qkv.shape[0]
     _, hkv, nb, bs, d = kv_cache.shape
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d) or sin.shape != (T, d) or slots.shape != (T,):
@@ -79,7 +85,7 @@ def rope_store(
         slots = slots.to(torch.int64).contiguous()
     rc = _lib().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
                                    kv_cache.data_ptr(), slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
-                                   _DTYPES[qkv.dtype], torch.get_num_threads())
+                                   _DTYPES[qkv.dtype], _KV_DTYPES[kv_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"KV slots outside the pool of {nb * bs} slots: {slots.min().item()}..{slots.max().item()}")
     return q, k

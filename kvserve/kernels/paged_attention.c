@@ -7,8 +7,10 @@
  * The loops are plain C that gcc -O3 -march=native vectorizes; work items are spread over
  * OpenMP threads (the libgomp torch has already loaded, so torch and kvserve share one pool).
  *
- * One layer's pool: [2, Hkv, num_blocks, block_size, D] (K then V), float32 or bfloat16
- * (bf16 passed as uint16). q and out: [B, H, D] contiguous, the pool's dtype.
+ * One layer's pool: [2, Hkv, num_blocks, block_size, D] (K then V), float32, bfloat16 or
+ * float16 (the 16-bit formats passed as uint16). q and out: [B, H, D] contiguous, float32 or
+ * bfloat16 (the model's dtype, which the pool's need not be: float32 activations over a
+ * float16 pool read half the bytes per context token).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,11 +22,17 @@
 #define MAX_D 256
 #define MAX_G 16
 
-/* Row `index` (of D values) of a float32 or bfloat16 array, as float32: a pointer into the
- * array itself for float32, else into buf. */
-static inline const float *row_f32(const void *base, size_t index, int D, int bf16, float *restrict buf) {
-    if (!bf16) return (const float *)base + index * D;
+enum { F32 = 0, BF16 = 1, F16 = 2 }; /* element formats, as kvserve/kernels/__init__.py numbers them */
+
+/* Row `index` (of D values) of an array in format fmt, as float32: a pointer into the array
+ * itself for float32, else into buf. */
+static inline const float *row_f32(const void *base, size_t index, int D, int fmt, float *restrict buf) {
+    if (fmt == F32) return (const float *)base + index * D;
     const uint16_t *src = (const uint16_t *)base + index * D;
+    if (fmt == F16) {
+        fp16_row_to_f32(src, buf, D);
+        return buf;
+    }
 #pragma omp simd
     for (int i = 0; i < D; i++) buf[i] = bf16_to_f32(src[i]);
     return buf;
@@ -33,18 +41,18 @@ static inline const float *row_f32(const void *base, size_t index, int D, int bf
 /* Inlined per head size so that D is a constant the loops are unrolled for. */
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv, void *out,
                                                              const int32_t *table, int L, int b, int h, int H, int Hkv,
-                                                             size_t head_rows, int bs, int D, float scale, int bf16,
-                                                             float *restrict scores) {
+                                                             size_t head_rows, int bs, int D, float scale, int q_fmt,
+                                                             int kv_fmt, float *restrict scores) {
     const int G = H / Hkv;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
     for (int g = 0; g < G; g++) {
-        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, bf16, buf);
+        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, q_fmt, buf);
         for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
     }
     const size_t k_head = (size_t)h * head_rows, v_head = (size_t)(Hkv + h) * head_rows; /* in rows */
 
     for (int t = 0; t < L; t++) { /* scores[g][t] = q_g . k_t */
-        const float *k = row_f32(kv, k_head + (size_t)table[t / bs] * bs + t % bs, D, bf16, buf);
+        const float *k = row_f32(kv, k_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
         for (int g = 0; g < G; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -65,7 +73,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         memset(acc[g], 0, sizeof(float) * D);
     }
     for (int t = 0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
-        const float *v = row_f32(kv, v_head + (size_t)table[t / bs] * bs + t % bs, D, bf16, buf);
+        const float *v = row_f32(kv, v_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
         for (int g = 0; g < G; g++) {
             const float p = scores[(size_t)g * L + t];
 #pragma omp simd
@@ -74,7 +82,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
     for (int g = 0; g < G; g++) {
         const size_t o = ((size_t)b * H + h * G + g) * D;
-        if (bf16)
+        if (q_fmt == BF16)
             for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
         else
             memcpy((float *)out + o, acc[g], sizeof(float) * D);
@@ -85,8 +93,10 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
  * would read outside the tables or the pool (nothing is read then); -2 when out of memory. */
 int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
                          const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
-                         float scale, int bf16, int nthreads) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G) return -1;
+                         float scale, int q_fmt, int kv_fmt, int nthreads) {
+    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != F32 && q_fmt != BF16) ||
+        kv_fmt < F32 || kv_fmt > F16)
+        return -1;
     int max_len = 1;
     for (int b = 0; b < B; b++) {
         const int L = seq_lens[b];
@@ -109,14 +119,21 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
             const int b = item / Hkv, h = item % Hkv;
             const int32_t *table = tables + (size_t)b * max_blocks;
             if (!scores) continue;
-            /* Literal dtypes and head sizes: each inlined copy has them as constants (a dtype
-             * read at run time leaves gcc vectorizing both branches with slow masked loads). */
-#define ATTEND(DIM, BF16) attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, DIM, scale, BF16, scores)
-            if (bf16) {
-                if (D == 64) ATTEND(64, 1); else if (D == 128) ATTEND(128, 1); else ATTEND(D, 1);
+            /* Literal formats and head sizes: each inlined copy has them as constants (a format
+             * read at run time leaves gcc vectorizing every branch with slow masked loads). The
+             * pairs the models run with get their own copies; any other pair works, slower. */
+#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+#define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
+            if (q_fmt == F32 && kv_fmt == F32) {
+                ATTEND_D(F32, F32);
+            } else if (q_fmt == F32 && kv_fmt == F16) {
+                ATTEND_D(F32, F16);
+            } else if (q_fmt == BF16 && kv_fmt == BF16) {
+                ATTEND_D(BF16, BF16);
             } else {
-                if (D == 64) ATTEND(64, 0); else if (D == 128) ATTEND(128, 0); else ATTEND(D, 0);
+                ATTEND(D, q_fmt, kv_fmt);
             }
+#undef ATTEND_D
 #undef ATTEND
         }
         free(scores);

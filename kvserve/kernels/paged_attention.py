@@ -7,9 +7,10 @@ import torch
 
 from kvserve import kernels
 from kvserve.kernels import DTYPES as _DTYPES
+from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i]}
+_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i, _i]}
 
 
 def available() -> bool:
@@ -26,12 +27,13 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors (CPU, float32/bfloat16, contiguous, head_dim ≤ 256)."""
+    """Whether the kernel takes these tensors (CPU, contiguous, head_dim ≤ 256; q float32 or
+    bfloat16, the pool float32, bfloat16 or float16)."""
     return (
         q.device.type == "cpu"
         and kv_cache.device.type == "cpu"
-        and q.dtype == kv_cache.dtype
         and q.dtype in _DTYPES
+        and kv_cache.dtype in _KV_DTYPES
         and kv_cache.is_contiguous()
         and q.shape[-1] <= 256
         and available()
@@ -60,7 +62,8 @@ def paged_decode(
     out = torch.empty_like(q)
     rc = lib.kvserve_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, _DTYPES[q.dtype], torch.get_num_threads(),
+        seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, _DTYPES[q.dtype], _KV_DTYPES[kv_cache.dtype],
+        torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"paged decode kernel failed (code {rc}) for q {tuple(q.shape)}, pool {tuple(kv_cache.shape)}")

@@ -5,7 +5,9 @@ sequence owns a list of block ids (its block table) and token i of it lives in b
 table[i // block_size] at offset i % block_size. Heads come first so that gathering a
 sequence's blocks yields [Hkv, L, D] rows ready for batched matmuls, with no transposing copy.
 A step's tokens from many sequences are packed into one flat batch; AttentionMetadata says
-which tokens belong to which sequence.
+which tokens belong to which sequence. The pool's dtype may be narrower than the activations'
+(float16 under float32): K/V are rounded when stored and widened when read, and a prefill that
+attends to its own fresh K/V rounds them alike, so a prefix-cache hit changes no result.
 
 AttentionBackend is the swap point: TorchAttention is the reference path (any device);
 CpuPagedAttention replaces its decode with kvserve's fused C kernel, which reads each context
@@ -67,6 +69,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     flat[1].index_copy_(1, slots, v.transpose(0, 1).to(flat.dtype))
 
 
+def _as_stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    """x rounded to the pool's dtype and back: what attention over the pool would read."""
+    return x.to(kv_cache.dtype).to(x.dtype)
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend in plain torch ops.
 
@@ -96,13 +103,15 @@ class TorchAttention(AttentionBackend):
         n, L = meta.query_lens[i], meta.seq_lens[i]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n == L:  # the chunk is the whole context: attend to its own K/V, no gather
+            if kv_cache.dtype != q.dtype:  # as stored: the same values a later chunk reads from the pool
+                k, v = _as_stored(k, kv_cache), _as_stored(v, kv_cache)
             k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             _, hkv, _, bs, d = kv_cache.shape
             blocks = meta.block_tables[i][: -(-L // bs)]
-            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, :L]  # [2, Hkv, L, D]
+            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, :L].to(q.dtype)  # [2, Hkv, L, D]
             # Query j sits at position L - n + j and sees keys 0 .. L - n + j.
             qpos = torch.arange(L - n, L).unsqueeze(1)
             mask = torch.arange(L).unsqueeze(0) <= qpos  # [n, L]
@@ -125,7 +134,7 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q, kv_cache, meta, seqs, scale):
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
-        kv = self._gather(kv_cache, meta, seqs)  # [2, Hkv, B, L, D]
+        kv = self._gather(kv_cache, meta, seqs).to(q.dtype)  # [2, Hkv, B, L, D]
         hkv, L, d = kv.shape[1], kv.shape[3], kv.shape[4]
         # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
         qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]

@@ -43,7 +43,7 @@ class LayerOps:
     def for_step(self, x: torch.Tensor, kv_cache: torch.Tensor) -> LayerOps:
         """The ops to use for one forward whose activations look like x and whose KV pools look
         like kv_cache: the kernels' full checks run here once instead of in every call."""
-        if self._checked is not None and layer_ops.supports(x, kv_cache):
+        if self._checked is not None and layer_ops.supports(x) and layer_ops.supports_pool(kv_cache):
             return self._checked
         return self
 
@@ -80,7 +80,8 @@ class LayerOps:
         T = qkv.shape[0]
         _, hkv, _, _, d = kv_cache.shape
         v = qkv[:, (num_heads + hkv) * d :].view(T, hkv, d)
-        if self.checked and _like(qkv, cos) or self.native and layer_ops.supports(qkv, cos, sin, kv_cache):
+        if self.checked and _like(qkv, cos) or \
+                self.native and layer_ops.supports(qkv, cos, sin) and layer_ops.supports_pool(kv_cache):
             q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads, out)
             return q, k, v
         q, k, _ = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)

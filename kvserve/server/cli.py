@@ -54,6 +54,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the KV cache's element type (default: auto: float16 under quantized weights with float32 "
+                        "activations, else --dtype)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
     d = p.add_argument_group("chat and sampling defaults")
@@ -177,6 +180,7 @@ def _load(args: argparse.Namespace) -> LLM:
     cache = CacheConfig(
         memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
         enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.kv_cache_dtype,
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed)
