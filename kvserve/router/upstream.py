@@ -217,8 +217,8 @@ class Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            response._fail(ConnectionLost(f"{self.origin} answered something that is not HTTP/1.1: {e}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:  # the router asks for no upgrade
+            response._fail(ConnectionLost(f"{self.origin} answered something that is not HTTP/1.1: {e!r}"))
             self.close()
             return
         if not response._head:  # counted while one head goes on across reads: the bound is the limit + one read
