@@ -3,8 +3,9 @@
 The body is read once (bounded) and forwarded untouched; the answer is relayed chunk by chunk as
 it arrives (no buffering), Server-Sent Events whole: an event cut short by a dying replica is
 dropped and replaced by an error event, so a client's parser never sees half of one. A replica
-that dies mid-answer ends the client's stream at once (the connection closes) or after
-`read_timeout` of silence. A client that leaves closes the upstream request, so the replica
+that dies mid-answer ends the client's stream at once (the connection closes; an answer none of
+which reached the client yet is a 503 instead) or after `read_timeout` of silence. The answer's
+head goes to the client with its first body bytes. A client that leaves closes the upstream request, so the replica
 aborts the work.
 
 The app calls `handle` straight from its ASGI entry (kvserve/router/app.py): no framework
