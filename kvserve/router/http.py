@@ -1,11 +1,11 @@
-"""The router's HTTP/1.1 server protocol: uvicorn's httptools one (C parser) where httptools is
-installed, its h11 one otherwise; either way a request head larger than `max_head_bytes` is
-answered 400 and its connection closed.
+"""The router's HTTP/1.1 server protocol: uvicorn's httptools one (C parser), with a request head
+larger than `max_head_bytes` answered 400 and its connection closed.
 
 httptools makes uvicorn's send() per streamed chunk a few bytes of Python where h11's is a
-state machine in Python (about a sixth of the router's CPU per token). h11 bounds a head with
-uvicorn's `h11_max_incomplete_event_size`; uvicorn's httptools protocol has no such bound, so
-BoundedHttpTools counts what arrives while a request's head is incomplete.
+state machine in Python (about a sixth of the router's CPU per token); the router's client to
+replicas parses with it too (kvserve/router/upstream.py), so it is a dependency. uvicorn's
+httptools protocol has no bound on a head (its h11 one has), so BoundedHttpTools counts what
+arrives while a request's head is incomplete.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ def http_options(max_head_bytes: int) -> dict[str, Any]:
     """The uvicorn.Config arguments that choose the protocol."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # httptools is not installed
-        return {"http": "h11", "h11_max_incomplete_event_size": max_head_bytes}
+    except ImportError:  # a dependency, but an install may have lost it
+        raise RuntimeError("kvserve route needs httptools: pip install 'httptools>=0.6'") from None
 
     class BoundedHttpTools(HttpToolsProtocol):
         _in_head = True  # a request's head has begun (or may begin) and is not complete

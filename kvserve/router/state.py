@@ -17,7 +17,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
 from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet
 from kvserve.router.settings import RouterSettings
-from kvserve.router.upstream import make_client, make_session
+from kvserve.router.upstream import Upstream, make_client
 
 log = logging.getLogger("kvserve.router")
 KEEP_DECISIONS = 50  # routing decisions the page at / shows (bounded memory)
@@ -49,7 +49,7 @@ class RouterState:
         self.metrics = RouterMetrics(lambda: self.replicas)
         self.budget = RetryBudget(settings.retry_budget_ratio, settings.retry_budget_burst)
         self.client: httpx.AsyncClient | None = None  # the router's own calls
-        self.session = None  # aiohttp.ClientSession: proxied requests (kvserve/router/upstream.py)
+        self.upstream: Upstream | None = None  # proxied requests (kvserve/router/upstream.py)
         self.index: KVIndex | None = None
         self.policy: Policy = make_policy(settings.policy, None)
         self.active = 0  # requests the router is answering
@@ -66,7 +66,7 @@ class RouterState:
         limits = httpx.Limits(max_connections=s.upstream_connections, max_keepalive_connections=s.upstream_connections)
         timeout = httpx.Timeout(connect=s.connect_timeout, read=s.read_timeout, write=30.0, pool=s.connect_timeout)
         self.client = make_client(limits, timeout)
-        self.session = make_session(s.upstream_connections, s.connect_timeout, s.read_timeout)
+        self.upstream = Upstream(s.upstream_connections, s.connect_timeout, s.read_timeout)
         if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
             self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key)
         self.policy = make_policy(s.policy, self.index)
@@ -83,8 +83,8 @@ class RouterState:
             await self.index.close()
         if self.client is not None:
             await self.client.aclose()
-        if self.session is not None:
-            await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     def begin(self) -> None:
         self.active += 1
