@@ -40,7 +40,7 @@ from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
 from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.sizing import allocate_kv_pool, kv_cache_dtype, size_kv_pool
+from kvserve.kv.sizing import allocate_kv_pool, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
@@ -67,13 +67,14 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, what: str = "dtype") -> torch.dtype:
+    """A dtype by name ("auto": default_dtype()); `what` names the setting in the error."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
-        raise ValueError(f"dtype must be one of {', '.join(names)}, got {dtype!r}")
+        raise ValueError(f"{what} must be one of {', '.join(names)}, got {dtype!r}")
     return names[dtype] or default_dtype()
 
 
@@ -158,7 +159,8 @@ class LLM:
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         quantized = any(isinstance(w, QuantizedWeight) for w in ckpt.tensors.values())  # (the model takes them)
         self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
-        self.kv_dtype = kv_cache_dtype(cache.dtype, self.dtype, quantized)
+        self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
+                         else parse_dtype(cache.dtype, "KV cache dtype"))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)

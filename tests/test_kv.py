@@ -136,12 +136,26 @@ def test_cached_blocks_are_kept_while_under_the_reserve() -> None:
 def test_kv_cache_dtype_auto_halves_quantized_models_and_keeps_float_ones_exact() -> None:
     import torch
 
-    from kvserve.kv.sizing import kv_cache_dtype
+    from kvserve.kv.sizing import auto_kv_dtype
+    from kvserve.llm import parse_dtype
 
-    assert kv_cache_dtype("auto", torch.float32, quantized=True) == torch.float16
-    assert kv_cache_dtype("auto", torch.float32, quantized=False) == torch.float32  # exact vs transformers
-    assert kv_cache_dtype("auto", torch.bfloat16, quantized=True) == torch.bfloat16  # already 16-bit
-    assert kv_cache_dtype("float32", torch.float32, quantized=True) == torch.float32
-    assert kv_cache_dtype("bf16", torch.float32, quantized=False) == torch.bfloat16
-    with pytest.raises(ValueError, match="KV cache dtype must be auto, float32, bfloat16 or float16, got 'int8'"):
-        kv_cache_dtype("int8", torch.float32, quantized=True)
+    assert auto_kv_dtype(torch.float32, quantized=True) == torch.float16
+    assert auto_kv_dtype(torch.float32, quantized=False) == torch.float32  # exact vs transformers
+    assert auto_kv_dtype(torch.bfloat16, quantized=True) == torch.bfloat16  # already 16-bit
+    assert parse_dtype("float32", "KV cache dtype") == torch.float32  # a named one is taken as named
+    assert parse_dtype("bf16", "KV cache dtype") == torch.bfloat16
+    with pytest.raises(ValueError, match="^KV cache dtype must be one of auto, float32, fp32, bfloat16, bf16, "
+                                         "float16, fp16, got 'int8'$"):
+        parse_dtype("int8", "KV cache dtype")
+
+
+def test_a_named_kv_cache_dtype_is_the_pools_and_a_bad_one_is_refused(tiny_llama_dir) -> None:
+    import torch
+
+    from kvserve.config import CacheConfig
+    from kvserve.llm import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="bfloat16"))
+    assert llm.kv_dtype == torch.bfloat16 and llm.runner.kv_caches[0].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="^KV cache dtype must be one of auto, .*, got 'int8'$"):
+        LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="int8"))

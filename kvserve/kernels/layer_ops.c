@@ -18,7 +18,6 @@
 #include "numerics.h"
 
 #define PARALLEL_MIN_ELEMENTS 65536
-#define KV_F16 2 /* the pool's third format (0 float32 and 1 bfloat16 are the model dtypes' numbers) */
 
 /* Each exported function has one parallel loop per dtype, the dtype a literal inside it: OpenMP
  * outlines the loop body before constants propagate, and a dtype read at run time leaves gcc
@@ -94,13 +93,13 @@ __attribute__((always_inline)) static inline void rope_head(const void *x, size_
 /* A row of D values in the model's dtype, stored into a pool slot in the pool's format: a copy
  * when they are the same, else converted through float32 (float32 activations, a 16-bit pool). */
 static inline void store_row(char *dst, const char *src, int D, const int bf16, const int kv_fmt) {
-    if (kv_fmt == bf16) { /* F32 = 0 and BF16 = 1 are the model dtypes' own numbers */
+    if (kv_fmt == bf16) { /* FMT_F32 = 0 and FMT_BF16 = 1: the bf16 flag is the model dtype's format */
         memcpy(dst, src, (size_t)D * (bf16 ? 2 : 4));
         return;
     }
     for (int i = 0; i < D; i++) {
         const float x = get(src, i, bf16);
-        if (kv_fmt == KV_F16)
+        if (kv_fmt == FMT_F16)
             ((uint16_t *)dst)[i] = f32_to_fp16(x);
         else
             put(dst, i, x, kv_fmt);
@@ -132,22 +131,21 @@ __attribute__((always_inline)) static inline void rope_store_row(const void *qkv
 int kvserve_rope_store(const void *qkv, const void *cs, const void *sn, void *q_out, void *k_out, void *kv,
                        const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16, int kv_fmt,
                        int nthreads) {
-    if (kv_fmt < 0 || kv_fmt > KV_F16) return -1;
+    if (kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -3; /* would write outside the pool: write nothing */
     const long work = (long)T * (H + 2 * Hkv) * D;
 #define ROWS(BF16, KVF) \
     PARALLEL_ROWS for (int t = 0; t < T; t++) rope_store_row(qkv, cs, sn, q_out, k_out, kv, slots, t, H, Hkv, D, num_slots, BF16, KVF)
-    if (bf16 && kv_fmt == 1) {
-        ROWS(1, 1);
-    } else if (bf16) {
-        ROWS(1, kv_fmt);
-    } else if (kv_fmt == KV_F16) {
-        ROWS(0, KV_F16);
-    } else if (kv_fmt == 0) {
-        ROWS(0, 0);
+    /* The pairs the models run with get their own copies; any other pair works, slower. */
+    if (!bf16 && kv_fmt == FMT_F32) {
+        ROWS(0, FMT_F32);
+    } else if (!bf16 && kv_fmt == FMT_F16) {
+        ROWS(0, FMT_F16);
+    } else if (bf16 && kv_fmt == FMT_BF16) {
+        ROWS(1, FMT_BF16);
     } else {
-        ROWS(0, kv_fmt);
+        ROWS(bf16, kv_fmt);
     }
 #undef ROWS
     return 0;

@@ -7,6 +7,9 @@
 #include <immintrin.h>
 #endif
 
+/* Element formats, numbered as kvserve/kernels/__init__.py passes them (DTYPES, KV_DTYPES). */
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2 };
+
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v;
     v.u = (uint32_t)x << 16;

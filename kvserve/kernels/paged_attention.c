@@ -22,14 +22,12 @@
 #define MAX_D 256
 #define MAX_G 16
 
-enum { F32 = 0, BF16 = 1, F16 = 2 }; /* element formats, as kvserve/kernels/__init__.py numbers them */
-
 /* Row `index` (of D values) of an array in format fmt, as float32: a pointer into the array
  * itself for float32, else into buf. */
 static inline const float *row_f32(const void *base, size_t index, int D, int fmt, float *restrict buf) {
-    if (fmt == F32) return (const float *)base + index * D;
+    if (fmt == FMT_F32) return (const float *)base + index * D;
     const uint16_t *src = (const uint16_t *)base + index * D;
-    if (fmt == F16) {
+    if (fmt == FMT_F16) {
         fp16_row_to_f32(src, buf, D);
         return buf;
     }
@@ -82,7 +80,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
     for (int g = 0; g < G; g++) {
         const size_t o = ((size_t)b * H + h * G + g) * D;
-        if (q_fmt == BF16)
+        if (q_fmt == FMT_BF16)
             for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
         else
             memcpy((float *)out + o, acc[g], sizeof(float) * D);
@@ -94,8 +92,8 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
 int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
                          const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
                          float scale, int q_fmt, int kv_fmt, int nthreads) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != F32 && q_fmt != BF16) ||
-        kv_fmt < F32 || kv_fmt > F16)
+    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != FMT_F32 && q_fmt != FMT_BF16) ||
+        kv_fmt < FMT_F32 || kv_fmt > FMT_F16)
         return -1;
     int max_len = 1;
     for (int b = 0; b < B; b++) {
@@ -124,12 +122,12 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
              * pairs the models run with get their own copies; any other pair works, slower. */
 #define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
 #define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
-            if (q_fmt == F32 && kv_fmt == F32) {
-                ATTEND_D(F32, F32);
-            } else if (q_fmt == F32 && kv_fmt == F16) {
-                ATTEND_D(F32, F16);
-            } else if (q_fmt == BF16 && kv_fmt == BF16) {
-                ATTEND_D(BF16, BF16);
+            if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
+                ATTEND_D(FMT_F32, FMT_F32);
+            } else if (q_fmt == FMT_F32 && kv_fmt == FMT_F16) {
+                ATTEND_D(FMT_F32, FMT_F16);
+            } else if (q_fmt == FMT_BF16 && kv_fmt == FMT_BF16) {
+                ATTEND_D(FMT_BF16, FMT_BF16);
             } else {
                 ATTEND(D, q_fmt, kv_fmt);
             }

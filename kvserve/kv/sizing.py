@@ -54,23 +54,15 @@ class KVSizing:
         )
 
 
-_KV_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+def auto_kv_dtype(model_dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The pool's element type for CacheConfig.dtype "auto" (a named one is parse_dtype's).
 
-
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, quantized: bool) -> torch.dtype:
-    """The pool's element type for CacheConfig.dtype `name`.
-
-    auto: float16 where the weights are quantized and the activations float32 — the weights are
+    float16 where the weights are quantized and the activations float32 — the weights are
     already an approximation, and half the bytes per cached token is half the resident memory
     and half the reads of long-context decode (llama.cpp's default is float16 too); else the
     model's own dtype, so a float checkpoint stays exact against transformers. float16 rather
     than bfloat16: three more mantissa bits, and K/V values are far inside its range."""
-    if name == "auto":
-        return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
-    if name not in _KV_DTYPE_NAMES:
-        raise ValueError(f"KV cache dtype must be auto, float32, bfloat16 or float16, got {name!r}")
-    return _KV_DTYPE_NAMES[name]
+    return torch.float16 if quantized and model_dtype == torch.float32 else model_dtype
 
 
 def size_kv_pool(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KVSizing:
