@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.engine.sampler import NO_TOKEN, TOP_P_CANDIDATES, Sampler, SamplingRow, apply_penalties, argmax
+from kvserve.engine.sampler import CANDIDATE_CUTOFFS, NO_TOKEN, Sampler, SamplingRow, apply_penalties, argmax
 from kvserve.errors import InvalidParam
 from kvserve.sampling_params import SamplingParams
 
@@ -110,17 +110,21 @@ def test_top_k_top_p_min_p_stay_in_allowed_set():
 
 
 def test_top_p_beyond_the_candidates_sorts_the_row():
-    # A flat distribution: 0.9 of the mass needs far more than TOP_P_CANDIDATES tokens.
-    logits = random_logits(1, seed=8, scale=0.1)[0]
+    # One peaked token and a long tail just past the first cutoff: 0.95 of the mass needs tail
+    # tokens that the first look (within CANDIDATE_CUTOFFS[0] of the best) does not see.
+    tail = random_logits(1, seed=8, scale=0.1)[0] - (CANDIDATE_CUTOFFS[0] + 1.0)
+    logits = tail.clone()
+    logits[7] = 0.0
     probs = logits.softmax(dim=-1)
     order = logits.argsort(descending=True)
-    nucleus = set(order[(probs[order].cumsum(0) - probs[order]) < 0.9].tolist())
-    assert TOP_P_CANDIDATES[0] < len(nucleus) < V
-    sampled = logits.clone()
-    sampled[0] += 5.0  # a second, peaked row in the same call takes the fast way
-    out = Sampler(V, seed=0)(torch.stack([logits, sampled] * 1000), [row(top_p=0.9)] * 2000)
+    nucleus = set(order[(probs[order].cumsum(0) - probs[order]) < 0.95].tolist())
+    assert float(probs[7]) < 0.95 and 1 < len(nucleus) < V
+    peaked = logits.clone()
+    peaked[3] = 5.0  # a second row in the same call, whose nucleus ends among its first candidates
+    out = Sampler(V, seed=0)(torch.stack([logits, peaked] * 1000), [row(top_p=0.95)] * 2000)
     got = set(out.token_ids[0::2])
-    assert got <= nucleus and len(got) > len(nucleus) // 2
+    assert got <= nucleus and len(got) > 20  # the tail was reached
+    assert set(out.token_ids[1::2]) <= {3, 7}
 
 
 def test_temperature_sampling_matches_softmax():

@@ -1,12 +1,17 @@
 """The batched sampler: one engine step's logits [B, V] → one token (and logprobs) per row.
 
-Rows belong to different requests, so every parameter is a per-row tensor and every stage runs
-as torch ops over the rows that need it. Order of the stages:
+Rows belong to different requests, so every parameter is per row: bans, penalties and greedy
+rows run as torch ops over the rows that need them, sampled rows one by one in numpy (below).
+Order of the stages:
   float32 → min_tokens ban → repetition penalty → frequency/presence penalties
   → greedy argmax (temperature 0) | temperature → top-k → top-p → min-p → sample.
-Sampling is argmax(probs / E) with E ~ Exponential(1) — the exponential form of the Gumbel-max
-trick, which draws from `probs` exactly. Each row draws a fixed V noise values from its own
-generator, so a seeded row's tokens never depend on the rest of the batch.
+Filters are thresholds on the temperature-scaled logit (the best token is 0): min-p is one
+directly (p >= min_p * p_best  <=>  s >= ln(min_p)); top-k and top-p sort only the tokens near the
+best (within CANDIDATE_CUTOFFS, a prefix of the sorted row found in one pass), widening only when
+the kept set does not end among them. The draw is by inverse CDF over the kept tokens with one
+Uniform[0, 1) per row from the row's own generator, so a seeded row's tokens never depend on the
+rest of the batch. Per row that is a handful of passes over V in numpy, not a sort or V random
+draws (≈ 0.1 ms instead of ≈ 1 ms for 49152 tokens on this project's CPUs).
 Logprobs describe the raw model distribution (log_softmax of the float32 logits before any
 penalty, ban or temperature), which is what OpenAI-compatible servers report by default.
 
@@ -16,10 +21,11 @@ A row whose logits hold NaN or +inf, or are all -inf, gets no token: its id is N
 the engine finishes that sequence with finish_reason "error" (LLM.prefill/decode raise
 NonFiniteLogitsError), so a broken forward never turns silently into text.
 Seeded rows draw from a numpy PCG64 generator seeded with all 64 bits of the seed (torch's CPU
-generator keeps only 32).
+generator keeps only 32). Rows that sample are computed on the CPU whatever the logits' device.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,8 +37,13 @@ from kvserve.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 NO_TOKEN = -1  # the token id of a row whose logits were not finite
-Generator = torch.Generator | np.random.Generator
-TOP_P_CANDIDATES = (256, 4096)  # top-p looks among this many best tokens before it sorts all V
+Generator = np.random.Generator
+# Top-k and top-p look first among the tokens whose scaled logit is within this much of the best
+# (e^-8 ≈ 3e-4 of its probability), then within the next cutoff, then at the whole row.
+CANDIDATE_CUTOFFS = (8.0, 24.0)
+# Tokens more than ln(V) + MASS_MARGIN below the best hold under e^-MASS_MARGIN (2e-9) of a row's
+# probability together, below float32's resolution of it: sums and draws leave them out.
+MASS_MARGIN = 20.0
 
 
 @dataclass
@@ -137,54 +148,53 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def _keep_at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Drop (-inf) every logit below its row's threshold [b, 1]; ties at the threshold stay."""
-    return x.masked_fill(x < threshold, NEG_INF)
+def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
+    """The lowest scaled logit one row keeps after top-k, then top-p (over the top-k
+    distribution), then min-p; ties with it stay. s: the row's logits minus its best, over the
+    temperature (the best token is 0, and always stays)."""
+    vocab = s.shape[0]
+    k = params.top_k if 0 < params.top_k < vocab else 0
+    top_p = params.top_p
+    floor = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
+    if not k and top_p >= 1.0:
+        return floor
+    total = None  # the row's probability mass (unnormalised), for top-p without top-k
+    for cutoff in (*CANDIDATE_CUTOFFS, math.inf):
+        near = s[s >= -cutoff] if cutoff < math.inf else s  # the best tokens, unsorted
+        if k and near.size < k and cutoff < math.inf:
+            continue  # fewer than top-k keeps
+        best = -np.sort(-near)  # descending
+        threshold = float(best[k - 1]) if k else -math.inf
+        if top_p < 1.0:
+            kept = best[best >= threshold] if k else best
+            w = np.exp(kept.astype(np.float64))
+            if k:
+                mass = float(w.sum())
+            else:
+                if total is None:
+                    total = float(np.exp(s[s >= -_mass_cutoff(vocab)]).sum(dtype=np.float64))
+                mass = total
+            cum = np.cumsum(w)
+            if cum[-1] < top_p * mass and cutoff < math.inf:
+                continue  # the nucleus reaches past these candidates (a flat distribution)
+            # A token stays while the tokens ranked above it hold less than top_p of the mass.
+            n = max(1, int(np.count_nonzero(cum - w < top_p * mass)))
+            threshold = max(threshold, float(kept[n - 1]))
+        return max(threshold, floor)
+    raise AssertionError("unreachable: the last cutoff takes the whole row")
 
 
-def apply_top_k(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep every token whose logit is at least the row's top_k-th largest ([b] long, 1..V)."""
-    top_vals = x.topk(int(top_k.max()), dim=-1).values  # [b, max_k], descending
-    return _keep_at_least(x, top_vals.gather(1, top_k[:, None] - 1))
+def _mass_cutoff(vocab: int) -> float:
+    return math.log(vocab) + MASS_MARGIN
 
 
-def _top_p_threshold(
-    best: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """From each row's best logits (descending [b, K]) and logsumexp [b, 1]: the logit of the last
-    token top-p keeps [b, 1], and whether the kept prefix ends inside these K [b]."""
-    probs = (best - lse).exp()
-    mass = probs.cumsum(dim=-1)
-    kept = (mass - probs) < top_p  # the mass of better tokens is still short of top_p: a prefix
-    last = (kept.sum(dim=-1, keepdim=True) - 1).clamp_min(0)  # rank 0 always stays
-    return best.gather(1, last), mass[:, -1] >= top_p[:, 0]
-
-
-def apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of best tokens whose probability reaches top_p [b, 1]; the top token
-    always stays. Sorting all V is slow on CPU, so look among the best few first and widen only
-    for the rows whose kept set does not end there (flat distributions)."""
-    vocab_size = x.shape[1]
-    lse = x.logsumexp(dim=-1, keepdim=True)  # [b, 1]
-    threshold = torch.empty_like(lse)
-    rest = torch.arange(x.shape[0], device=x.device)  # rows still without a threshold
-    for k in (*TOP_P_CANDIDATES, vocab_size):
-        k = min(k, vocab_size)
-        best = x[rest].topk(k, dim=-1).values  # [r, k], descending
-        found, covered = _top_p_threshold(best, lse[rest], top_p[rest])
-        if k == vocab_size:
-            covered[:] = True
-        threshold[rest[covered]] = found[covered]
-        rest = rest[~covered]
-        if rest.numel() == 0:
-            break
-    return _keep_at_least(x, threshold)
-
-
-def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p [b, 1] times the row's largest."""
-    probs = x.softmax(dim=-1)
-    return x.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), NEG_INF)
+def draw(s: np.ndarray, threshold: float, u: float) -> int:
+    """The token whose interval holds u in the cumulative distribution of exp(s) over the tokens
+    at or above threshold (inverse CDF: one uniform draw samples the row)."""
+    ids = np.flatnonzero(s >= max(threshold, -_mass_cutoff(s.shape[0])))
+    cum = np.cumsum(np.exp(s[ids]), dtype=np.float64)
+    j = min(int(np.searchsorted(cum, u * cum[-1], side="right")), cum.size - 1)
+    return int(ids[j])
 
 
 class Sampler:
@@ -192,7 +202,7 @@ class Sampler:
         # Columns past vocab_size (a padded LM head) are dropped before sampling.
         self.vocab_size = vocab_size
         self.seed = seed
-        self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made lazily
+        self._shared: Generator | None = None  # made on first use
 
     @staticmethod
     def make_generator(seed: int) -> np.random.Generator:
@@ -200,14 +210,12 @@ class Sampler:
         taken as two's complement)."""
         return np.random.Generator(np.random.PCG64(seed % 2**64))
 
-    def shared_generator(self, device: torch.device) -> Generator:
-        if device not in self._shared:
-            if self.seed is None:
-                self._shared[device] = torch.Generator(device)
-                self._shared[device].seed()  # nondeterministic
-            else:
-                self._shared[device] = self.make_generator(self.seed)
-        return self._shared[device]
+    def shared_generator(self) -> Generator:
+        """The unseeded rows' generator: from the sampler's seed, else from fresh OS entropy."""
+        if self._shared is None:
+            self._shared = (self.make_generator(self.seed) if self.seed is not None
+                            else np.random.Generator(np.random.PCG64()))
+        return self._shared
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
@@ -263,49 +271,22 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row. x: [b, V] → [b] token ids."""
-        device = x.device
-        # Shifting by the row max first keeps a tiny temperature from turning logits into inf-inf.
-        x = (x - x.amax(dim=-1, keepdim=True)) / _column(rows, "temperature", device)
-        vocab_size = x.shape[1]
-        k_rows = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab_size]
-        if k_rows:
-            x = _on_rows(x, rows, k_rows, lambda sub, rs: apply_top_k(
-                sub, torch.tensor([r.params.top_k for r in rs], device=device)))
-        p_rows = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
-        if p_rows:  # on the renormalised top-k distribution
-            x = _on_rows(x, rows, p_rows, lambda sub, rs: apply_top_p(
-                sub, _column(rs, "top_p", device)))
-        min_p_rows = [i for i, r in enumerate(rows) if r.params.min_p > 0.0]
-        if min_p_rows:
-            x = _on_rows(x, rows, min_p_rows, lambda sub, rs: apply_min_p(
-                sub, _column(rs, "min_p", device)))
-        probs = x.softmax(dim=-1)  # [b, V]
-        return argmax(probs / self._noise(rows, vocab_size, device))
+        a = x.detach().to("cpu", torch.float32).numpy()
+        temperature = np.array([[r.params.temperature] for r in rows], dtype=np.float32)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite rows are skipped below
+            best = a.max(axis=1, keepdims=True)
+            # Shifting by the row's best first keeps a tiny temperature from making inf - inf.
+            scaled = (a - best) / temperature
+        u = self._uniforms(rows)
+        tokens = [draw(scaled[i], filter_threshold(scaled[i], r.params), u[i]) if math.isfinite(best[i, 0]) else 0
+                  for i, r in enumerate(rows)]  # a non-finite row's 0 is replaced by the caller
+        return torch.tensor(tokens, dtype=torch.long, device=x.device)
 
-    def _noise(
-        self, rows: list[SamplingRow], vocab_size: int, device: torch.device
-    ) -> torch.Tensor:
-        """Exponential(1) noise [b, V]: V draws per row from that row's own generator (seeded rows)
-        or from the shared one, so a seeded row's draws never depend on the batch around it."""
-        noise = torch.empty(len(rows), vocab_size, device=device)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            shared = self.shared_generator(device)
-            noise[unseeded] = self._draw((len(unseeded), vocab_size), shared).to(device)
-        for i, r in enumerate(rows):  # per-row generators: the one loop over B that must stay
-            if r.generator is not None:
-                noise[i] = self._draw((vocab_size,), r.generator).to(device)
-        return noise
-
-    @staticmethod
-    def _draw(shape: tuple[int, ...], generator: Generator) -> torch.Tensor:
-        # -log(U), U ~ Uniform[0, 1): Exponential(1) in (0, inf], never 0, so a zero-probability
-        # token can never win. Four times faster than exponential_() on CPU.
-        if isinstance(generator, np.random.Generator):
-            uniform = torch.from_numpy(generator.random(shape, dtype=np.float32))
-        else:
-            uniform = torch.rand(shape, generator=generator, device=generator.device)
-        return uniform.log_().neg_()
+    def _uniforms(self, rows: list[SamplingRow]) -> list[float]:
+        """One Uniform[0, 1) per row: from the row's own generator, or the shared one in row order."""
+        unseeded = sum(r.generator is None for r in rows)
+        shared = iter(self.shared_generator().random(unseeded).tolist() if unseeded else ())
+        return [float(r.generator.random()) if r.generator is not None else next(shared) for r in rows]
 
     @staticmethod
     def _logprobs(
