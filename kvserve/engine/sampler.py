@@ -41,9 +41,6 @@ Generator = np.random.Generator
 # Top-k and top-p look first among the tokens whose scaled logit is within this much of the best
 # (e^-8 ≈ 3e-4 of its probability), then within the next cutoff, then at the whole row.
 CANDIDATE_CUTOFFS = (8.0, 24.0)
-# Tokens more than ln(V) + MASS_MARGIN below the best hold under e^-MASS_MARGIN (2e-9) of a row's
-# probability together, below float32's resolution of it: sums and draws leave them out.
-MASS_MARGIN = 20.0
 
 
 @dataclass
@@ -172,7 +169,7 @@ def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
                 mass = float(w.sum())
             else:
                 if total is None:
-                    total = float(np.exp(s[s >= -_mass_cutoff(vocab)]).sum(dtype=np.float64))
+                    total = float(_exp(s).sum(dtype=torch.float64))
                 mass = total
             cum = np.cumsum(w)
             if cum[-1] < top_p * mass and cutoff < math.inf:
@@ -184,17 +181,21 @@ def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
     raise AssertionError("unreachable: the last cutoff takes the whole row")
 
 
-def _mass_cutoff(vocab: int) -> float:
-    return math.log(vocab) + MASS_MARGIN
+def _exp(s: np.ndarray) -> torch.Tensor:
+    # A whole row in torch: its vectorised, threaded exp and cumsum are 2-3x numpy's here.
+    return torch.from_numpy(s).exp()
 
 
 def draw(s: np.ndarray, threshold: float, u: float) -> int:
     """The token whose interval holds u in the cumulative distribution of exp(s) over the tokens
     at or above threshold (inverse CDF: one uniform draw samples the row)."""
-    ids = np.flatnonzero(s >= max(threshold, -_mass_cutoff(s.shape[0])))
-    cum = np.cumsum(np.exp(s[ids]), dtype=np.float64)
+    ids = None if threshold == -math.inf else np.flatnonzero(s >= threshold)
+    w = _exp(s) if ids is None else torch.from_numpy(np.exp(s[ids]))
+    # Summed in float64: float32 partial sums over a whole vocabulary drift by ~1e-5 of the mass,
+    # more than a rare token's whole interval.
+    cum = w.cumsum(0, dtype=torch.float64).numpy()
     j = min(int(np.searchsorted(cum, u * cum[-1], side="right")), cum.size - 1)
-    return int(ids[j])
+    return j if ids is None else int(ids[j])
 
 
 class Sampler:
