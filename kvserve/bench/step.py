@@ -40,10 +40,13 @@ def _median_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def engine_step_ms(llm: LLM, batch: int, steps: int, prompt_len: int = 32) -> float:
+GREEDY = {"temperature": 0.0}
+
+
+def engine_step_ms(llm: LLM, batch: int, steps: int, prompt_len: int = 32, sampling: dict = GREEDY) -> float:
     """Median ms of an engine step in which `batch` sequences each decode one token."""
     engine = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    sp = SamplingParams(**sampling, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"bench-{batch}-{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], sp)
     while any(s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests.values() for s in r.seqs):
@@ -136,7 +139,7 @@ class _Timed:
         return getattr(self.fn, name)
 
 
-def phases(llm: LLM, batch: int, steps: int) -> dict[str, float]:
+def phases(llm: LLM, batch: int, steps: int, sampling: dict = GREEDY) -> dict[str, float]:
     """ms per engine decode step spent in scheduling, the runner (packing around the model),
     the model forward, the LM head, sampling, and the engine's own update (outputs, stops)."""
     engine, runner, model = llm.engine, llm.runner, llm.model
@@ -158,7 +161,7 @@ def phases(llm: LLM, batch: int, steps: int) -> dict[str, float]:
         setattr(obj, attr, wrappers[name])
     step_t = _Timed(engine.step)
     try:
-        sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+        sp = SamplingParams(**sampling, max_tokens=steps + 8, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"ph-{i}", [10 + i, 11, 12, 13], sp)
         engine.step()
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="the decoding rows' sampling (default: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args(argv)
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -224,11 +229,13 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(args.model, dtype=args.dtype)
     print(f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{args.clock} clock")
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    print(f"sampling: temperature {args.temperature:g}, top_p {args.top_p:g}")
     for b in (int(s) for s in args.batches.split(",")):
-        ms = engine_step_ms(llm, b, args.steps)
+        ms = engine_step_ms(llm, b, args.steps, sampling=sampling)
         print(f"\nbatch {b}: engine decode step {ms:.2f} ms ({b * 1e3 / ms:.1f} tok/s), "
               f"{op_count(llm, b)} torch ops per step")
-        for name, v in phases(llm, b, args.steps).items():
+        for name, v in phases(llm, b, args.steps, sampling).items():
             print(f"  {name:40s} {v:7.2f} ms")
         if args.no_breakdown:
             continue

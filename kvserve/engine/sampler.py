@@ -41,6 +41,10 @@ Generator = np.random.Generator
 # Top-k and top-p look first among the tokens whose scaled logit is within this much of the best
 # (e^-8 ≈ 3e-4 of its probability), then within the next cutoff, then at the whole row.
 CANDIDATE_CUTOFFS = (8.0, 24.0)
+# exp of a float32 below this is subnormal or 0 (under 1.2e-38 of the best token's weight), and a
+# subnormal result costs ~100x a normal one on x86: at temperature 0.2 much of a real row lies
+# there. Sums clamp to it; draws leave such tokens out.
+EXP_FLOOR = -87.0
 
 
 @dataclass
@@ -168,8 +172,8 @@ def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
             if k:
                 mass = float(w.sum())
             else:
-                if total is None:
-                    total = float(_exp(s).sum(dtype=torch.float64))
+                if total is None:  # clamped: a far token adds at most 1.2e-38 to the best's 1
+                    total = float(torch.from_numpy(s).clamp(min=EXP_FLOOR).exp().sum(dtype=torch.float64))
                 mass = total
             cum = np.cumsum(w)
             if cum[-1] < top_p * mass and cutoff < math.inf:
@@ -181,19 +185,19 @@ def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
     raise AssertionError("unreachable: the last cutoff takes the whole row")
 
 
-def _exp(s: np.ndarray) -> torch.Tensor:
-    # A whole row in torch: its vectorised, threaded exp and cumsum are 2-3x numpy's here.
-    return torch.from_numpy(s).exp()
-
-
 def draw(s: np.ndarray, threshold: float, u: float) -> int:
     """The token whose interval holds u in the cumulative distribution of exp(s) over the tokens
     at or above threshold (inverse CDF: one uniform draw samples the row)."""
-    ids = None if threshold == -math.inf else np.flatnonzero(s >= threshold)
-    w = _exp(s) if ids is None else torch.from_numpy(np.exp(s[ids]))
-    # Summed in float64: float32 partial sums over a whole vocabulary drift by ~1e-5 of the mass,
-    # more than a rare token's whole interval.
-    cum = w.cumsum(0, dtype=torch.float64).numpy()
+    threshold = max(threshold, EXP_FLOOR)
+    if threshold >= -CANDIDATE_CUTOFFS[-1]:  # a few tokens near the best: gather them
+        ids = np.flatnonzero(s >= threshold)
+        cum = np.cumsum(np.exp(s[ids]), dtype=np.float64)
+    else:  # much of the row: weigh all of it, 0 below the threshold (no gather, no subnormals)
+        ids, row = None, torch.from_numpy(s)
+        weights = row.clamp(min=EXP_FLOOR).exp_().masked_fill_(row < threshold, 0.0)
+        # float64: float32 partial sums over a whole vocabulary drift by ~1e-5 of the mass, more
+        # than a rare token's whole interval.
+        cum = weights.cumsum(0, dtype=torch.float64).numpy()
     j = min(int(np.searchsorted(cum, u * cum[-1], side="right")), cum.size - 1)
     return j if ids is None else int(ids[j])
 
