@@ -131,21 +131,23 @@ def test_quantize_equals_ggml_reference(qtype: Q) -> None:
     assert ours.blocks.shape == theirs.shape and np.array_equal(ours.blocks.numpy(), theirs)
 
 
-def test_quantized_linear_small_and_large_batches_and_bias() -> None:
+def test_quantized_linear_small_and_large_batches_and_bias(monkeypatch) -> None:
     """Below BLAS_FROM_ROWS the integer kernel runs, from it on BLAS over dequantized tiles."""
     g = torch.Generator().manual_seed(4)
-    blocks = random_blocks(Q.Q4_K, 2 * 1024 + 8, 256)  # more rows than one BLAS tile
+    blocks = random_blocks(Q.Q4_K, 2 * 1024 + 8, 256)
     w = QuantizedWeight(torch.from_numpy(blocks), Q.Q4_K, (blocks.shape[0], 256))
     bias = torch.randn(w.shape[0], generator=g)
     lin = QuantizedLinear(w, bias)
     assert lin.nbytes == blocks.size + bias.numel() * 4
     switch = quant.blas_from_rows(Q.Q4_K)
-    for T in (1, switch - 1, switch, 300):
-        x = torch.randn(T, 256, generator=g)
-        ref, bound = reference(blocks, Q.Q4_K, x)
-        y = lin(x).double().numpy() - bias.double().numpy()
-        assert (np.abs(y - ref) <= bound).all(), T
-        assert lin(x.bfloat16()).dtype == torch.bfloat16
+    for tile_rows in (4096, 1024):  # the whole weight in one tile; two whole tiles and a partial one
+        monkeypatch.setattr(quant, "BLAS_TILE_BYTES", tile_rows * 256 * 4)
+        for T in (1, switch - 1, switch, 300):
+            x = torch.randn(T, 256, generator=g)
+            ref, bound = reference(blocks, Q.Q4_K, x)
+            y = lin(x).double().numpy() - bias.double().numpy()
+            assert (np.abs(y - ref) <= bound).all(), (tile_rows, T)
+            assert lin(x.bfloat16()).dtype == torch.bfloat16
 
 
 def test_make_linear_fuses_same_types_and_concatenates_mixed_ones() -> None:

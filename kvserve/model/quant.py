@@ -47,7 +47,7 @@ QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
 # ~40 rows (B=32: integer 1.1x faster; B=48: sgemm 1.06x). K-quants expand like Q4_1.
 BLAS_FROM_ROWS: dict[Q, int] = {Q.Q8_0: 40}
 BLAS_FROM_ROWS_OTHERWISE = 128
-BLAS_TILE_ROWS = 2048  # weight rows dequantized at a time: bounds the float copy (4.5 MB at 576 wide)
+BLAS_TILE_BYTES = 16 << 20  # weight rows dequantized at a time: at most this much float copy
 
 
 def blas_from_rows(qtype: Q) -> int:
@@ -80,6 +80,10 @@ class QuantizedWeight:
             return quant_matmul.dequantize_rows(self.blocks.reshape(-1), int(self.qtype), out, cols, rows)
         blocks = self.blocks if rows is None else self.blocks[rows]
         return dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], cols))
+
+    def dequantize_range(self, start: int, stop: int) -> torch.Tensor:
+        """float32 [stop - start, in] of rows start..stop-1: contiguous blocks, no index gather."""
+        return QuantizedWeight(self.blocks[start:stop], self.qtype, (stop - start, self.shape[1])).dequantize()
 
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
@@ -138,9 +142,10 @@ class QuantizedLinear:
             y = self._matmul(xf)
         else:
             y = torch.empty(x.shape[0], out)
-            for r0 in range(0, out, BLAS_TILE_ROWS):
-                ids = torch.arange(r0, min(r0 + BLAS_TILE_ROWS, out))
-                torch.mm(xf, self.weight.dequantize(ids).t(), out=y[:, r0 : r0 + ids.numel()])
+            tile = max(1, BLAS_TILE_BYTES // (4 * cols))  # one tile for the model's layers; the LM head takes several
+            for r0 in range(0, out, tile):
+                r1 = min(r0 + tile, out)
+                torch.mm(xf, self.weight.dequantize_range(r0, r1).t(), out=y if r1 - r0 == out else y[:, r0:r1])
         if self.bias is not None:
             y += self.bias
         return y if x.dtype is torch.float32 else y.to(x.dtype)
