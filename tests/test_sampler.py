@@ -140,6 +140,20 @@ def test_temperature_sampling_matches_softmax():
     assert float(((counts - flat) ** 2 / flat).sum()) > 200.0
 
 
+def test_filtered_sampling_matches_the_renormalised_softmax():
+    # top-k keeps 12 tokens of a 1000-token row; they are drawn in proportion to their
+    # tempered probabilities, renormalised over the 12 (the gathered-tokens path of the draw).
+    n, temperature = 40_000, 0.8
+    logits = random_logits(1, seed=11, scale=1.0)[0]
+    top = logits.topk(12).indices
+    expected = (logits[top] / temperature).softmax(dim=-1) * n
+    tokens = draws(Sampler(V, seed=0), logits, n, temperature=temperature, top_k=12)
+    counts = torch.bincount(tokens, minlength=V)
+    assert int(counts.sum()) == int(counts[top].sum())  # nothing outside the 12
+    chi2 = float(((counts[top] - expected) ** 2 / expected).sum())
+    assert chi2 < 45.0  # 11 degrees of freedom: p < 1e-5 that an exact sampler exceeds this
+
+
 def test_same_seed_same_tokens_in_any_batch():
     steps = 5
     alone, crowded = [], []
