@@ -193,7 +193,7 @@ PROMPTS = [
     "What is 12 times 12?",
     "Translate 'good morning' into Spanish.",
 ]
-GREEDY_TOKENS = 8
+GREEDY_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +219,8 @@ def test_default_model_keeps_its_blocks(llms) -> None:
     assert 80e6 < q.model.nbytes < 110e6 and f.model.nbytes > 5 * q.model.nbytes
 
 
-def _greedy(llm, prompt: str) -> list[int]:
-    cache, token = llm.prefill(llm.encode_chat([{"role": "user", "content": prompt}]))
+def _greedy(llm, ids: list[int]) -> list[int]:
+    cache, token = llm.prefill(ids)
     out = [token]
     with cache:
         while len(out) < GREEDY_TOKENS and token not in llm.eos_token_ids:
@@ -229,29 +229,27 @@ def _greedy(llm, prompt: str) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
-    q, f = llms
-    same = [_greedy(q, p) == _greedy(f, p) for p in PROMPTS]
-    # int8 activations are a slightly different model (llama.cpp's too), so a continuation may
-    # part after a near-tie. Measured on the AVX2 Zen 3: 5 of 8 prompts give the same 8 tokens
-    # since these chat prompts' prefill (under 128 rows) runs the integer kernel too; it was 7 of
-    # 8 while prefills from 48 rows on used the float weights (then the prefill equalled the float
-    # path's). Quality is the perplexity test's job: there the two paths are within 1%.
-    print(f"greedy agreement: {sum(same)}/{len(same)} prompts, {GREEDY_TOKENS} tokens each")
-    assert sum(same) >= 5
+def _greedy_along(llm, ids: list[int], tokens: list[int]) -> list[int]:
+    """`llm`'s greedy choice at each step while it is fed `tokens` (teacher forcing)."""
+    cache, token = llm.prefill(ids)
+    out = [token]
+    with cache:
+        for t in tokens[:-1]:
+            cache, token = llm.decode(cache, t)
+            out.append(token)
+    return out
 
 
-def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
-    """Teacher-forced perplexity, computed in chunks below BLAS_FROM_ROWS so that the quantized
-    model runs its integer kernels (larger steps dequantize and would equal the float path)."""
+def _logits(llm, ids: list[int], chunk: int = 32) -> torch.Tensor:
+    """Every position's logits (float64), teacher-forced in chunks below BLAS_FROM_ROWS so that a
+    quantized model runs its integer kernels (larger steps dequantize and would equal the float path)."""
     from kvserve.model.attention import AttentionMetadata
 
     assert chunk < min(quant.blas_from_rows(Q.Q4_1), quant.blas_from_rows(Q.Q8_0))
     bs = llm.manager.block_size
-    assert llm.manager.allocate("ppl", len(ids))
+    assert llm.manager.allocate("logits", len(ids))
     try:
-        table = llm.manager.block_ids("ppl")
+        table = llm.manager.block_ids("logits")
         logits = []
         with torch.inference_mode():
             for s in range(0, len(ids), chunk):
@@ -262,11 +260,46 @@ def _perplexity(llm, ids: list[int], chunk: int = 32) -> float:
                 )
                 hidden = llm.model.forward(torch.tensor(ids[s : pos[-1] + 1]), torch.tensor(pos), llm.runner.kv_caches, meta)
                 logits.append(llm.model.logits(hidden))
-        logp = torch.log_softmax(torch.cat(logits)[:-1].double(), -1)
-        nll = -logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item()
     finally:
-        llm.manager.free("ppl")
-    return math.exp(nll)
+        llm.manager.free("logits")
+    return torch.cat(logits).double()
+
+
+@pytest.mark.slow
+def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
+    """int8 activations are a slightly different model (llama.cpp's too), so greedy decoding may
+    choose differently where the float model's two best tokens are nearly tied. What must hold:
+    fed the float path's greedy tokens, the quantized path picks the same token at nearly every
+    step, and where it does not, the float model itself rated the two within a near-tie.
+    Free-running sequences are reported too, not asserted: once they part they never meet again,
+    so which of 8 prompts stay equal for 16 tokens swings with float summation order alone
+    (3 of 8 with the AVX-512 build of the native kernels, 4 with the AVX2 build, on one Zen 4)."""
+    q, f = llms
+    steps = agree = same = 0
+    widest = 0.0  # the float model's logit gap between its token and the quantized one's, at a parting
+    for p in PROMPTS:
+        ids = f.encode_chat([{"role": "user", "content": p}])
+        want = _greedy(f, ids)
+        got = _greedy_along(q, ids, want)
+        same += _greedy(q, ids) == want
+        steps += len(want)
+        agree += sum(g == w for g, w in zip(got, want))
+        partings = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if partings:
+            logits = _logits(f, ids + want)
+            for i in partings:
+                row = logits[len(ids) - 1 + i]
+                widest = max(widest, (row[want[i]] - row[got[i]]).item())
+    print(f"greedy agreement: {agree}/{steps} steps fed the float path's tokens; free-running, "
+          f"{same}/{len(PROMPTS)} prompts equal for {GREEDY_TOKENS} tokens; widest float gap at a parting {widest:.3f}")
+    # Measured on a Zen 4, AVX-512 and AVX2 builds: 113 and 116 of 120 steps; widest gaps 0.21 and 0.28.
+    assert agree >= 0.9 * steps
+    assert widest < 0.5
+
+
+def _perplexity(llm, ids: list[int]) -> float:
+    logp = torch.log_softmax(_logits(llm, ids)[:-1], -1)
+    return math.exp(-logp.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).mean().item())
 
 
 @pytest.mark.slow
