@@ -96,6 +96,13 @@ def check_kernels() -> str:
     x = torch.randn(5, 300, generator=g)
     exact = x.double() @ w.double().T
     assert torch.allclose(quant_matmul.bf16_matmul(w, x).double(), exact, rtol=1e-5, atol=1e-4)
+    # The integer dot this level's build runs, which decides where sgemm takes over.
+    vnni = {"avx512_vnni", "avx512vl"} <= cpu.cpu_flags()
+    dot = {"avx512": "avx512_vnni" if vnni else "avx2", "avx2": "avx2"}.get(cpu.isa(), "portable")
+    assert quant_matmul.integer_dot() == dot
+    tables = {"avx512_vnni": (quant.BLAS_FROM_ROWS_VNNI, quant.BLAS_FROM_ROWS_VNNI_OTHERWISE)}
+    table, otherwise = tables.get(dot, (quant.BLAS_FROM_ROWS, quant.BLAS_FROM_ROWS_OTHERWISE))
+    assert [quant.blas_from_rows(t) for t in TYPES] == [table.get(t, otherwise) for t in TYPES]
     return cpu.isa()
 
 

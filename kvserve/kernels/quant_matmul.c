@@ -505,6 +505,18 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     }
 }
 
+/* Which integer dot this build runs: 0 plain C, 1 AVX2 maddubs + madd, 2 AVX-512 VNNI dpbusd.
+ * Where sgemm overtakes it depends on it (kvserve/model/quant.py's blas_from_rows). */
+int kvserve_quant_dot(void) {
+#if defined(KV_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(KV_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y[T, rows] = x[T, cols] · W^T, W given as rows × (cols / block_values) blocks of type `qtype`.
  * One OpenMP region per call (a decode step makes ~120 calls): the activations are quantized
  * (spread over the threads when there are several rows), then each thread takes a contiguous

@@ -13,7 +13,9 @@ _SIGNATURES = {
     "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i],
     "kvserve_dequant_rows": [_i, _p, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
+    "kvserve_quant_dot": [],
 }
+DOTS = ("portable", "avx2", "avx512_vnni")  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
 BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
@@ -24,6 +26,12 @@ def _lib() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _lib() is not None
+
+
+def integer_dot() -> str | None:
+    """The integer dot product the loaded kernels were built with (None: no kernels)."""
+    lib = _lib()
+    return None if lib is None else DOTS[lib.kvserve_quant_dot()]
 
 
 def _check(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> None:

@@ -7,11 +7,12 @@ independent, so q/k rows can be reordered and q/k/v fused by moving bytes). Quan
 multiplies with them through kernels/quant_matmul.c (activations quantized to int8 per 32
 values, integer dot products) for small batches, and for large ones dequantizes row tiles to
 float32 and uses BLAS, which is faster once the weight is reused by enough rows. Where the switch
-lies was measured per shape (`BLAS_FROM_ROWS`): dequantizing is a fixed cost per call that
-sgemm's cheaper rows must repay, so it comes late for 4-bit blocks (slow to expand, fast integer
-dot: ~128 rows for the model's Q4_1 layers) and early for the Q8_0 LM head (cheap to expand, a
-dearer integer dot: ~40 rows). The embedding table dequantizes only the rows it looks up, and a tied LM head
-multiplies with the same blocks.
+lies was measured per shape and per integer dot (`blas_from_rows`): dequantizing is a fixed cost
+per call that sgemm's cheaper rows must repay, so it comes late for 4-bit blocks (slow to expand,
+fast integer dot: ~128 rows for the model's Q4_1 layers on AVX2, ~256 with AVX-512 VNNI) and
+early for the Q8_0 LM head (cheap to expand, a dearer integer dot: ~40 rows on AVX2, ~192 with
+VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM head multiplies
+with the same blocks.
 
 `quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
 the rounding of ggml's reference quantizers (tests check it against gguf.quants.quantize).
@@ -38,20 +39,29 @@ KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, 
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
 # From this many activation rows on, QuantizedLinear dequantizes row tiles to float32 and uses
-# sgemm instead of the integer kernel. Measured per shape on the AVX2 Zen 3, one thread
-# (docs/benchmarks.md, "A tighter AVX2 kernel"): the crossover is where dequantizing the whole
-# weight once (a fixed cost) is repaid by sgemm's lower cost per activation row. For the Q4_1
-# layers (576→1536, 1536→576, 576→960) the 4-bit blocks are slow to expand and the integer
-# kernel stays ahead up to ~128 rows (B=64: 1.2-1.4x faster); for the Q8_0 LM head (49152 rows)
-# expanding is cheap and Q8_0's integer dot costs more per row (sign fix-ups), so sgemm wins from
-# ~40 rows (B=32: integer 1.1x faster; B=48: sgemm 1.06x). K-quants expand like Q4_1.
+# sgemm instead of the integer kernel: the crossover is where dequantizing the whole weight once
+# (a fixed cost) is repaid by sgemm's lower cost per activation row. It depends on the integer
+# dot the kernel was built with, so it was measured on each (`python -m kvserve.bench.quant`,
+# docs/benchmarks.md, "A tighter AVX2 kernel" and "On AVX-512 VNNI"):
+# - AVX2 (maddubs + madd), Zen 3, one thread: the Q4_1 layers (576→1536, 1536→576, 576→960)
+#   stay ahead up to ~128 rows (B=64: 1.2-1.4x faster), 4-bit blocks being slow to expand; the
+#   Q8_0 LM head (49152 rows) expands cheaply and its dot needs sign fix-ups, so sgemm wins from
+#   ~40 rows (B=32: integer 1.1x faster; B=48: sgemm 1.06x). K-quants expand like Q4_1.
+# - AVX-512 VNNI (one dpbusd per block and row pair), Zen 4, two threads: the Q4_1 layers stay
+#   ahead to ~256 rows (B=128: 1.3-1.5x, B=256: 1.0-1.6x, B=512: even), the LM head to ~192
+#   (B=128: 1.5x faster; B=256: sgemm 1.1x).
+# The portable C path uses the AVX2 table (not measured on a CPU without AVX2).
 BLAS_FROM_ROWS: dict[Q, int] = {Q.Q8_0: 40}
 BLAS_FROM_ROWS_OTHERWISE = 128
+BLAS_FROM_ROWS_VNNI: dict[Q, int] = {Q.Q8_0: 192}
+BLAS_FROM_ROWS_VNNI_OTHERWISE = 256
 BLAS_TILE_BYTES = 16 << 20  # weight rows dequantized at a time: at most this much float copy
 
 
 def blas_from_rows(qtype: Q) -> int:
     """Activation rows from which QuantizedLinear uses sgemm over dequantized tiles."""
+    if quant_matmul.integer_dot() == "avx512_vnni":
+        return BLAS_FROM_ROWS_VNNI.get(qtype, BLAS_FROM_ROWS_VNNI_OTHERWISE)
     return BLAS_FROM_ROWS.get(qtype, BLAS_FROM_ROWS_OTHERWISE)
 
 
