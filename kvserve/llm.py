@@ -43,7 +43,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.sizing import allocate_kv_pool, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import DEFAULT_MODEL, load_checkpoint
+from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
 from kvserve.model.quant import QuantizedWeight
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -149,7 +149,11 @@ class LLM:
         seed: int | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        self.dtype = parse_dtype(dtype)
+        # "auto" under weights kept quantized: float32 activations. The integer kernels widen
+        # activations to float32 anyway, and the native decode step (model/native_decode.py)
+        # computes in float32, as llama.cpp does; the pool's "auto" is float16 then (kv/sizing.py).
+        auto_f32 = dtype == "auto" and keeps_quantized(model, quantization)
+        self.dtype = torch.float32 if auto_f32 else parse_dtype(dtype)
         self.quantization = quantization
         ckpt = load_checkpoint(model, self.dtype, quantization)
         self.config: ModelConfig = ckpt.config

@@ -92,12 +92,17 @@ def setup_llama_server(progress=print) -> Path:
         _run(["cmake", "-S", str(vendor), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
               "-DCMAKE_BUILD_TYPE=Release"], log)
-    progress("llama.cpp: building llama-server (about 10 minutes on two cores; cached afterwards)")
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
-    if not binary.exists():
-        raise RuntimeError(f"the build finished but {binary} is missing; see {log}")
+    progress("llama.cpp: building llama-server and llama-quantize (about 10 minutes on two cores; cached afterwards)")
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 2)], log)
+    if not binary.exists() or not quantize_binary(binary).exists():
+        raise RuntimeError(f"the build finished but {binary} or llama-quantize is missing; see {log}")
     (root / "built.ok").write_text(LLAMA_CPP_PYTHON + "\n")
     return binary
+
+
+def quantize_binary(server: Path) -> Path:
+    """llama.cpp's llama-quantize, built beside llama-server (it makes the Q4_0/Q8_0/Q4_K_M files)."""
+    return server.parent / "llama-quantize"
 
 
 # ---------------------------------------------------------------- vLLM's CPU build

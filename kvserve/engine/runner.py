@@ -20,6 +20,7 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
+from kvserve.model.native_decode import NativeDecode
 from kvserve.outputs import TokenLogprob
 from kvserve.structured import grammar
 
@@ -59,6 +60,8 @@ class ModelRunner:
         # and masked attention over padding still multiplies it (0 * NaN = NaN). Zero each
         # block the first time it is written; later its stale contents are finite, and masked.
         self._never_written = bytearray(b"\x01") * kv_caches[0].shape[2]
+        # Decode steps in one native call where the model allows it (None: the per-op forward).
+        self.native = NativeDecode.build(model, kv_caches, block_size)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens and sample a token for each sequence that reached its end."""
@@ -116,6 +119,13 @@ class ModelRunner:
             idx = torch.tensor(fresh, dtype=torch.long)
             for kv in self.kv_caches:
                 kv.index_fill_(2, idx, 0)
+        if self.native is not None and len(ids) == len(chunks):  # a decode step, in one call
+            hidden, logits = self.native(ids, positions, slots, [c.block_ids for c in chunks], last_rows is None)
+            if logits is not None:
+                return logits
+            if last_rows is not None:
+                hidden = hidden[torch.tensor(last_rows, dtype=torch.long)]
+            return self.model.logits(hidden)
         step = torch.tensor([ids, positions, slots], dtype=torch.long)  # [3, T]: one allocation, not three
         meta = AttentionMetadata(
             slot_mapping=step[2],

@@ -61,10 +61,11 @@ def _compile(name: str) -> Path:
     if not cc:
         raise RuntimeError("no C compiler found (set CC or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    headers = [h.read_text() for h in sorted(SOURCES.glob("*.h"))]
+    # every source of the folder: a kernel may include another's .c (decode_step.c includes all three)
+    others = [f.read_text() for f in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")]) if f != src]
     flags = [*FLAGS, *arch_flags()]
     cpu_signature = " ".join(sorted(cpu.cpu_flags())) or platform.machine()
-    key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, " ".join(flags), cpu_signature]).encode())
+    key = hashlib.sha256("\0".join([src.read_text(), *others, cc, version, " ".join(flags), cpu_signature]).encode())
     out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

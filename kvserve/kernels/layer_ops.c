@@ -4,7 +4,9 @@
  * and dispatches): residual add + RMSNorm, rotary embedding of q and k + writing k and v into
  * their KV-pool slots. Rounding follows torch's: every value torch stores in the model dtype
  * (bfloat16 or float32) is rounded here at the same point, so results equal the torch path up
- * to the order of the RMSNorm sum. (SiLU * up stays in torch: a C version was no faster.)
+ * to the order of the RMSNorm sum. For float32 activations also SiLU * up and the RoPE tables: not
+ * faster than torch's, but the same arithmetic as decode_step.c's native step, so the per-op path
+ * and the native step give the same bits.
  * Rows are spread over OpenMP threads when there are enough of them to pay for it.
  */
 /* No fused multiply-add: torch rounds each product before the sum, and so must we. */
@@ -148,5 +150,39 @@ int kvserve_rope_store(const void *qkv, const void *cs, const void *sn, void *q_
         ROWS(bf16, kv_fmt);
     }
 #undef ROWS
+    return 0;
+}
+
+/* act[F] = silu(gate) * up for one row of gu = [gate F | up F], float32 (numerics.h's exp). */
+static inline __attribute__((always_inline)) void silu_mul_row(const float *gu, float *act, int F) {
+    const float *up = gu + F;
+#pragma omp simd
+    for (int i = 0; i < F; i++) act[i] = gu[i] / (1.f + exp_approx(-gu[i])) * up[i];
+}
+
+/* gu [T, 2F] float32 -> act, row t at act + t * ld (act may be gu itself with ld 2F: each row's
+ * gate half is overwritten by its own result, value i after it is read). */
+int kvserve_silu_mul(const float *gu, float *act, int T, int F, long ld, int nthreads) {
+    const long work = (long)T * F;
+    PARALLEL_ROWS
+    for (int t = 0; t < T; t++) silu_mul_row(gu + (size_t)t * 2 * F, act + (size_t)t * ld, F);
+    return 0;
+}
+
+/* cos and sin [D] of position p: angle p * inv_freq[i] in float32, the D/2 frequencies twice
+ * over, rounded to the model's dtype (the rotate-half convention's tables). */
+static inline void rope_table_row(int64_t p, const float *inv_freq, int D, void *cs, void *sn, size_t o, int bf16) {
+    const int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = (float)p * inv_freq[i], c = cosf(a), s = sinf(a);
+        put(cs, o + i, c, bf16);
+        put(cs, o + i + half, c, bf16);
+        put(sn, o + i, s, bf16);
+        put(sn, o + i + half, s, bf16);
+    }
+}
+
+int kvserve_rope_table(const int64_t *positions, const float *inv_freq, int T, int D, void *cs, void *sn, int bf16) {
+    for (int t = 0; t < T; t++) rope_table_row(positions[t], inv_freq, D, cs, sn, (size_t)t * D, bf16);
     return 0;
 }

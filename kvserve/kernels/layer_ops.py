@@ -1,4 +1,5 @@
-"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store."""
+"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store; float32 SiLU * up
+and RoPE tables."""
 from __future__ import annotations
 
 import ctypes
@@ -13,6 +14,8 @@ _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
     "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i, _i],
+    "kvserve_silu_mul": [_p, _p, _i, _i, _l, _i],
+    "kvserve_rope_table": [_p, _p, _i, _i, _p, _p, _i],
 }
 
 
@@ -89,3 +92,24 @@ def rope_store(
     if rc != 0:
         raise RuntimeError(f"KV slots outside the pool of {nb * bs} slots: {slots.min().item()}..{slots.max().item()}")
     return q, k
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2F] float32 (gate, then up) -> silu(gate) * up, written into gu's first half."""
+    T, two_f = gu.shape
+    if gu.dtype != torch.float32 or not gu.is_contiguous() or two_f % 2:
+        raise ValueError(f"silu_mul: gu must be contiguous float32 [T, 2F], got {gu.dtype} {tuple(gu.shape)}")
+    f = two_f // 2
+    _lib().kvserve_silu_mul(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
+    return gu.narrow(-1, 0, f)
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, D] in `dtype` (float32 or bfloat16) for positions [T] and inv_freq [D/2] float32."""
+    positions = positions.to(torch.int64).contiguous()
+    inv_freq = inv_freq.to(torch.float32).contiguous()
+    T, d = positions.shape[0], 2 * inv_freq.shape[0]
+    cos, sin = torch.empty(T, d, dtype=dtype), torch.empty(T, d, dtype=dtype)
+    _lib().kvserve_rope_table(positions.data_ptr(), inv_freq.data_ptr(), T, d, cos.data_ptr(), sin.data_ptr(),
+                              _DTYPES[dtype])
+    return cos, sin

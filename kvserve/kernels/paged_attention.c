@@ -87,14 +87,42 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
 }
 
-/* Returns 0; -1 for shapes this kernel does not take; -3 when a context length or block id
- * would read outside the tables or the pool (nothing is read then); -2 when out of memory. */
-int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
-                         const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
-                         float scale, int q_fmt, int kv_fmt, int nthreads) {
-    if (D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != FMT_F32 && q_fmt != FMT_BF16) ||
-        kv_fmt < FMT_F32 || kv_fmt > FMT_F16)
-        return -1;
+/* One work item: sequence b's query heads of KV head h. Literal formats and head sizes: each
+ * inlined copy has them as constants (a format read at run time leaves gcc vectorizing every
+ * branch with slow masked loads). The pairs the models run with get their own copies; any other
+ * pair works, slower. Also called by decode_step.c, inside its own parallel region. */
+static void attend_item(const void *q, const void *kv, void *out, const int32_t *table, int L, int b, int h, int H,
+                        int Hkv, size_t head_rows, int bs, int D, float scale, int q_fmt, int kv_fmt,
+                        float *restrict scores) {
+#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+#define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
+    if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
+        ATTEND_D(FMT_F32, FMT_F32);
+    } else if (q_fmt == FMT_F32 && kv_fmt == FMT_F16) {
+        ATTEND_D(FMT_F32, FMT_F16);
+    } else if (q_fmt == FMT_F32 && kv_fmt == FMT_BF16) {
+        ATTEND_D(FMT_F32, FMT_BF16);
+    } else if (q_fmt == FMT_BF16 && kv_fmt == FMT_BF16) {
+        ATTEND_D(FMT_BF16, FMT_BF16);
+    } else {
+        ATTEND(D, q_fmt, kv_fmt);
+    }
+#undef ATTEND_D
+#undef ATTEND
+}
+
+/* The shapes and formats the kernel takes (0), or -1. */
+static int attention_shapes_ok(int H, int Hkv, int D, int q_fmt, int kv_fmt) {
+    return D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != FMT_F32 && q_fmt != FMT_BF16) ||
+                   kv_fmt < FMT_F32 || kv_fmt > FMT_F16
+               ? -1
+               : 0;
+}
+
+/* The longest context of the batch (>= 1), or -3 when a context length or block id would read
+ * outside the tables or the pool. */
+static int attention_tables_ok(const int32_t *tables, int max_blocks, const int32_t *seq_lens, int B, int num_blocks,
+                               int bs) {
     int max_len = 1;
     for (int b = 0; b < B; b++) {
         const int L = seq_lens[b];
@@ -103,6 +131,17 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
             if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= num_blocks) return -3;
         max_len = L > max_len ? L : max_len;
     }
+    return max_len;
+}
+
+/* Returns 0; -1 for shapes this kernel does not take; -3 when a context length or block id
+ * would read outside the tables or the pool (nothing is read then); -2 when out of memory. */
+int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
+                         const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
+                         float scale, int q_fmt, int kv_fmt, int nthreads) {
+    if (attention_shapes_ok(H, Hkv, D, q_fmt, kv_fmt)) return -1;
+    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs);
+    if (max_len < 0) return max_len;
     const size_t head_rows = (size_t)num_blocks * bs;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
@@ -115,24 +154,9 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
 #pragma omp for schedule(static)
         for (int item = 0; item < B * Hkv; item++) {
             const int b = item / Hkv, h = item % Hkv;
-            const int32_t *table = tables + (size_t)b * max_blocks;
-            if (!scores) continue;
-            /* Literal formats and head sizes: each inlined copy has them as constants (a format
-             * read at run time leaves gcc vectorizing every branch with slow masked loads). The
-             * pairs the models run with get their own copies; any other pair works, slower. */
-#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, seq_lens[b], b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
-#define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
-            if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
-                ATTEND_D(FMT_F32, FMT_F32);
-            } else if (q_fmt == FMT_F32 && kv_fmt == FMT_F16) {
-                ATTEND_D(FMT_F32, FMT_F16);
-            } else if (q_fmt == FMT_BF16 && kv_fmt == FMT_BF16) {
-                ATTEND_D(FMT_BF16, FMT_BF16);
-            } else {
-                ATTEND(D, q_fmt, kv_fmt);
-            }
-#undef ATTEND_D
-#undef ATTEND
+            if (scores)
+                attend_item(q, kv, out, tables + (size_t)b * max_blocks, seq_lens[b], b, h, H, Hkv, head_rows, bs, D,
+                            scale, q_fmt, kv_fmt, scores);
         }
         free(scores);
     }

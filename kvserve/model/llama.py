@@ -23,7 +23,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
-from kvserve.model.quant import QuantizedWeight, Weight, embedding, make_linear, nbytes
+from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
 from kvserve.model.ops import LayerOps
 
 
@@ -74,8 +74,6 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.attention = attention or default_backend()
-        # Fused CPU kernels for the elementwise steps where they compiled (None: if available).
-        self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops)
         self.scale = config.head_dim**-0.5
         self.inv_freq = rope_inv_freq(config)
 
@@ -115,6 +113,10 @@ class LlamaModel:
         lm_head = take_opt("lm_head.weight")
         self.tied = config.tie_word_embeddings or lm_head is None
         self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype)
+        # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
+        # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
+        quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].down))
+        self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops, native_step_arith=quantized)
 
     @property
     def nbytes(self) -> int:
@@ -127,9 +129,8 @@ class LlamaModel:
         return n
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)  # [T, D] each
+        """cos, sin [T, D] each, in the model dtype."""
+        return self.ops.rope_tables(positions, self.inv_freq, self.dtype)
 
     def forward(
         self,

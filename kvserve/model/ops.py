@@ -33,12 +33,16 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 class LayerOps:
-    def __init__(self, native: bool, checked: bool = False) -> None:
+    def __init__(self, native: bool, checked: bool = False, native_step_arith: bool = False) -> None:
         self.native = native
         # checked: for_step() found the step's tensors fit the kernels (CPU, dtype, layout), so
         # each call only checks what a linear produced. The same for every layer of a step.
         self.checked = checked
-        self._checked = LayerOps(True, checked=True) if native and not checked else None
+        # SiLU * up and the RoPE tables through the kernels, the native decode step's own arithmetic
+        # (model/native_decode.py), so that a prefill and a decode agree with it bit for bit: for
+        # quantized weights. A float checkpoint keeps torch's ops, which transformers runs too.
+        self.native_step_arith = native and native_step_arith
+        self._checked = LayerOps(True, True, native_step_arith) if native and not checked else None
 
     def for_step(self, x: torch.Tensor, kv_cache: torch.Tensor) -> LayerOps:
         """The ops to use for one forward whose activations look like x and whose KV pools look
@@ -93,9 +97,22 @@ class LayerOps:
         store_kv(k, v, kv_cache, slots)
         return q, k, v
 
+    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] in `dtype` (rotate-half layout): the kernel's (the native decode step's
+        cos/sin) under native_step_arith, else torch's ops."""
+        if self.native_step_arith and dtype in (torch.float32, torch.bfloat16) and layer_ops.available():
+            return layer_ops.rope_table(positions, inv_freq, dtype)
+        freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2F] (gate, then up) -> [T, F]. torch's own kernels: a fused C version was no faster.
-        Computed in place in gate_up's first half (the caller's temporary): no new tensor."""
+        """[T, 2F] (gate, then up) -> [T, F], computed in place in gate_up's first half (the
+        caller's temporary): no new tensor. float32 under native_step_arith through the kernel (the
+        native decode step's arithmetic), else torch's own ops."""
+        if self.native_step_arith and gate_up.dtype == torch.float32 and (self.checked or layer_ops.supports(gate_up)):
+            return layer_ops.silu_mul(gate_up)
         f = gate_up.shape[-1] // 2
         gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)  # narrow: one dispatch, chunk: five
         return F.silu(gate, inplace=True).mul_(up)

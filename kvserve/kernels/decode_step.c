@@ -1,0 +1,205 @@
+/* kvserve's decode step in one native call: every layer of a batch of decoding sequences.
+ *
+ * A decode step is ~10 small operations per layer (norm, four matmuls, RoPE + KV store,
+ * attention, SiLU * up, residual adds); called one by one from Python each pays a dispatch, a
+ * ctypes crossing and an OpenMP fork/join, which at one token cost as much as the arithmetic.
+ * Here the whole forward runs inside one OpenMP parallel region: the threads stay put and meet at
+ * a barrier between operations (llama.cpp's graph runner works the same way), over buffers the
+ * caller allocated once. Python keeps the scheduling, the sampling and everything else.
+ *
+ * The operations are the ones the per-op path calls (one unity build of the three kernel files):
+ * quant_matmul.c's tiles (so each output row's arithmetic, and so each sequence's tokens, do not
+ * depend on the batch it came in), layer_ops.c's norm and RoPE + KV store rows, and
+ * paged_attention.c's work items. Activations are float32; weights are GGML quantized blocks
+ * (a linear may be up to three parts of different types, as a Q4_K_M file's q/k/v are).
+ * With layer_ops.c's SiLU and RoPE tables, which the per-op path also runs for float32, the step
+ * gives the per-op path's results bit for bit (tests/test_native_decode.py).
+ */
+#include <omp.h>
+
+#include "quant_matmul.c"
+#include "paged_attention.c"
+/* layer_ops.c turns off fused multiply-add from here on (its rounding follows torch's). */
+#include "layer_ops.c"
+
+#define MAX_PARTS 3
+
+/* One linear layer: y[T, rows] = x[T, cols] . W^T (+ bias), W the row-wise concatenation of its parts. */
+typedef struct {
+    int nparts;
+    int type[MAX_PARTS];  /* GGML type of each part */
+    const uint8_t *w[MAX_PARTS];
+    long rows[MAX_PARTS]; /* rows of each part (multiples of 16 but for the last) */
+    long cols;
+    long total_rows;
+    const float *bias; /* [total_rows] or NULL */
+} kv_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    kv_linear qkv, o, gate_up, down;
+    void *kv; /* this layer's pool [2, Hkv, num_blocks * block_size, D] */
+} kv_layer;
+
+typedef struct {
+    int n_layers, hidden, H, Hkv, D, ffn;
+    int kv_fmt; /* the pool's format: FMT_F32, FMT_BF16, FMT_F16 */
+    int block_size;
+    long num_blocks;
+    float eps, scale;
+    const float *inv_freq; /* [D / 2] */
+    int embed_type;        /* GGML type of the embedding table (0: float32 rows) */
+    const uint8_t *embed;
+    long vocab;
+    const float *final_norm;
+    kv_linear lm_head; /* nparts 0: the caller runs the LM head */
+    const kv_layer *layers;
+} kv_model;
+
+/* Buffers for a batch of up to max_batch rows, allocated once by the caller. */
+typedef struct {
+    int max_batch;
+    long max_context; /* scores room per thread: G * max_context floats */
+    int max_threads;
+    float *x, *h, *qkv, *q, *k, *att, *o, *gu, *act, *delta, *cs, *sn, *scores;
+    char *acts; /* quantized activations: max_batch * (max cols / 32) * 44 bytes, 32-byte aligned */
+} kv_work;
+
+/* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */
+static acts acts_for(char *buf, long T, long cols) {
+    const long nb = cols / 32;
+    const size_t n = (size_t)(T * nb);
+    const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb};
+    return A;
+}
+
+/* Inside the parallel region, every thread calls it: quantize x's rows, barrier, then the
+ * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
+static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf) {
+    const acts A = acts_for(buf, T, L->cols);
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
+    long chunks = 0;
+    for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
+#pragma omp for schedule(static)
+    for (long c = 0; c < chunks; c++) {
+        long first = 0, off = 0;
+        int p = 0;
+        for (; p < L->nparts; p++) { /* the part chunk c falls in */
+            const long n = (L->rows[p] + 15) / 16;
+            if (c < first + n) break;
+            first += n;
+            off += L->rows[p];
+        }
+        const int qt = L->type[p];
+        const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
+        const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
+        row_range(qt, L->w[p], rb, &A, T, r0, r1, y + off, L->total_rows);
+    }
+    if (L->bias) {
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++)
+            for (long r = 0; r < L->total_rows; r++) y[t * L->total_rows + r] += L->bias[r];
+    }
+}
+
+static int linear_ok(const kv_linear *L, long cols, long rows) {
+    if (L->nparts < 1 || L->nparts > MAX_PARTS || L->cols != cols || L->total_rows != rows) return 0;
+    long sum = 0;
+    for (int p = 0; p < L->nparts; p++) {
+        if (block_bytes(L->type[p]) == 0 || cols % block_values(L->type[p]) || L->rows[p] <= 0 || !L->w[p]) return 0;
+        sum += L->rows[p];
+    }
+    return sum == rows;
+}
+
+/* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
+int kvserve_decode_check(const kv_model *m) {
+    if (m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_ok(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
+        return -1;
+    if (m->embed_type != 0 && (block_bytes(m->embed_type) == 0 || m->hidden % block_values(m->embed_type))) return -1;
+    const long qkv_rows = (long)(m->H + 2 * m->Hkv) * m->D;
+    for (int l = 0; l < m->n_layers; l++) {
+        const kv_layer *L = &m->layers[l];
+        if (!linear_ok(&L->qkv, m->hidden, qkv_rows) || !linear_ok(&L->o, (long)m->H * m->D, m->hidden) ||
+            !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden) || !L->kv)
+            return -1;
+    }
+    if (m->lm_head.nparts && !linear_ok(&m->lm_head, m->hidden, m->vocab)) return -1;
+    return 0;
+}
+
+/* Row t of x: the embedding of token id (dequantized, or copied from float32 rows). */
+static void embed_row(const kv_model *m, long id, float *x) {
+    if (m->embed_type == 0) {
+        memcpy(x, (const float *)m->embed + id * m->hidden, sizeof(float) * m->hidden);
+        return;
+    }
+    const int bb = block_bytes(m->embed_type), bv = block_values(m->embed_type);
+    const uint8_t *row = m->embed + (size_t)id * (m->hidden / bv) * bb;
+    for (long b = 0; b < m->hidden / bv; b++) dequant_block(m->embed_type, row + b * bb, x + b * bv);
+}
+
+/* ids, positions, slots: [B] int64; tables [B, max_blocks] int32; seq_lens [B] int32.
+ * Writes the final-normed hidden states into hidden [B, hidden] and, when the model has an LM
+ * head here and logits is given, the logits into logits [B, vocab]. Returns 0; -1 shapes the step does not take; -3
+ * (nothing written) when an id, a slot, a context or a block id lies outside its range; -4 when
+ * the work buffers are too small for this batch. */
+int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64_t *ids, const int64_t *positions,
+                        const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *seq_lens,
+                        float *hidden, float *logits, int nthreads) {
+    if (B <= 0) return 0;
+    if (B > ws->max_batch || nthreads > ws->max_threads) return -4;
+    const long num_slots = m->num_blocks * m->block_size;
+    for (int t = 0; t < B; t++)
+        if (ids[t] < 0 || ids[t] >= m->vocab || slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0) return -3;
+    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, (int)m->num_blocks, m->block_size);
+    if (max_len < 0) return max_len;
+    if (max_len > ws->max_context) return -4;
+    const int N = m->hidden, H = m->H, Hkv = m->Hkv, D = m->D, F = m->ffn, G = H / Hkv;
+    const float eps = m->eps;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *scores = ws->scores + (size_t)omp_get_thread_num() * G * ws->max_context;
+#pragma omp for schedule(static)
+        for (int t = 0; t < B; t++) {
+            embed_row(m, ids[t], ws->x + (size_t)t * N);
+            rope_table_row(positions[t], m->inv_freq, D, ws->cs, ws->sn, (size_t)t * D, 0);
+        }
+        for (int l = 0; l < m->n_layers; l++) {
+            const kv_layer *L = &m->layers[l];
+            /* h = norm(x + the previous layer's MLP output) */
+#pragma omp for schedule(static)
+            for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
+            linear_in_region(&L->qkv, ws->h, B, ws->qkv, ws->acts);
+            /* q, k rotated; k and v into their slots (a literal pool format per copy) */
+#pragma omp for schedule(static)
+            for (int t = 0; t < B; t++) {
+                if (m->kv_fmt == FMT_F16)
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_F16);
+                else if (m->kv_fmt == FMT_F32)
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_F32);
+                else
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_BF16);
+            }
+#pragma omp for schedule(static)
+            for (int item = 0; item < B * Hkv; item++) {
+                const int b = item / Hkv, h = item % Hkv;
+                attend_item(ws->q, L->kv, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], b, h, H, Hkv,
+                            (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+            }
+            linear_in_region(&L->o, ws->att, B, ws->o, ws->acts);
+#pragma omp for schedule(static)
+            for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
+            linear_in_region(&L->gate_up, ws->h, B, ws->gu, ws->acts);
+            /* act = silu(gate) * up */
+#pragma omp for schedule(static)
+            for (int t = 0; t < B; t++) silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
+            linear_in_region(&L->down, ws->act, B, ws->delta, ws->acts);
+        }
+#pragma omp for schedule(static)
+        for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
+        if (m->lm_head.nparts && logits) linear_in_region(&m->lm_head, hidden, B, logits, ws->acts);
+    }
+    return 0;
+}

@@ -1,0 +1,58 @@
+"""ctypes binding of decode_step.c: a batch's whole decode forward in one native call.
+
+The C structs are mirrored here field for field (ctypes lays them out as the C compiler does);
+model/native_decode.py fills them once per model and keeps the tensors they point into alive.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from kvserve import kernels
+
+MAX_PARTS = 3
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [
+        ("nparts", _i),
+        ("type", _i * MAX_PARTS),
+        ("w", _p * MAX_PARTS),
+        ("rows", _l * MAX_PARTS),
+        ("cols", _l),
+        ("total_rows", _l),
+        ("bias", _p),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("kv", _p)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [
+        ("n_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("ffn", _i),
+        ("kv_fmt", _i), ("block_size", _i), ("num_blocks", _l), ("eps", _f), ("scale", _f),
+        ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
+        ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)),
+    ]
+
+
+class Work(ctypes.Structure):
+    _fields_ = [
+        ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
+        *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
+        ("acts", _p),
+    ]
+
+
+_SIGNATURES = {
+    "kvserve_decode_check": [ctypes.POINTER(Model)],
+    "kvserve_decode_step": [ctypes.POINTER(Model), ctypes.POINTER(Work), _i, _p, _p, _p, _p, _i, _p, _p, _p, _i],
+}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled step (None where the kernels are off or did not build)."""
+    return kernels.bind("decode_step", _SIGNATURES)

@@ -1,0 +1,188 @@
+"""A decode step in one native call, where the model's weights allow it.
+
+`LlamaModel.forward` runs ~10 operations per layer from Python; at one token each costs about as
+much in dispatch as in arithmetic (the default model's step spent ~5 ms of ~12 outside the
+kernels). `NativeDecode` hands the whole decode forward — embedding, every layer, the final norm
+and the LM head — to kernels/decode_step.c in one call, over work buffers allocated once and
+grown only when a larger batch or a longer context arrives. Python keeps the scheduling, the
+batch's index tables and the sampling.
+
+It takes a model whose matrices are all GGML blocks the kernels multiply (the quantized
+default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load), float32 activations and
+a CPU KV pool; any other model keeps the per-op path (`build()` returns None and says why at
+debug level). Prefill chunks always take the per-op path: they are matmul-bound, and BLAS
+does them better. The matmuls and attention are the per-op path's own kernels, so the two agree
+to float rounding (SiLU's exp and RoPE's cos/sin are computed in C; tests/test_native_decode.py
+compares them). `KVSERVE_NATIVE_DECODE=0` turns the step off.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from kvserve.kernels import KV_DTYPES, decode_step
+from kvserve.model.attention import CpuPagedAttention
+from kvserve.model.llama import LlamaModel
+from kvserve.model.quant import KERNEL_TYPES, ConcatLinear, QuantizedLinear, QuantizedWeight
+
+log = logging.getLogger("kvserve.model")
+
+_FIELDS = ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn")
+
+
+def enabled() -> bool:
+    return os.environ.get("KVSERVE_NATIVE_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class Unsupported(Exception):
+    """Why a model keeps the per-op decode path."""
+
+
+def _linear(lin: object, keep: list[torch.Tensor]) -> decode_step.Linear:
+    parts = lin.parts if isinstance(lin, ConcatLinear) else [lin]
+    if not all(isinstance(p, QuantizedLinear) for p in parts):
+        raise Unsupported("a linear layer holds float weights")
+    if len(parts) > decode_step.MAX_PARTS:
+        raise Unsupported(f"a linear layer of {len(parts)} parts")
+    out = decode_step.Linear()
+    out.nparts = len(parts)
+    biases = []
+    for i, p in enumerate(parts):
+        if p.weight.qtype not in KERNEL_TYPES:
+            raise Unsupported(f"GGML type {p.weight.qtype.name} has no kernel")
+        rows, cols = p.weight.shape
+        if i < len(parts) - 1 and rows % 16:
+            raise Unsupported("a part's rows are not a multiple of 16")
+        out.type[i], out.w[i], out.rows[i] = int(p.weight.qtype), p._flat.data_ptr(), rows
+        keep.append(p._flat)
+        biases.append(p.bias)
+    out.cols = parts[0].weight.shape[1]
+    out.total_rows = sum(p.weight.shape[0] for p in parts)
+    if any(b is not None for b in biases):
+        bias = torch.cat([torch.zeros(p.weight.shape[0]) if b is None else b.float() for p, b in zip(parts, biases)])
+        keep.append(bias.contiguous())
+        out.bias = keep[-1].data_ptr()
+    return out
+
+
+def _f32(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    if t.dtype != torch.float32:
+        raise Unsupported(f"{t.dtype} norm weights")
+    keep.append(t.contiguous())
+    return keep[-1].data_ptr()
+
+
+class NativeDecode:
+    """The decode forward of `model` over `kv_caches` in one call; see the module docstring."""
+
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        lib = decode_step.library() if enabled() else None
+        if lib is None:
+            raise Unsupported("the native kernels are off or did not build")
+        c = model.config
+        if model.dtype != torch.float32:
+            raise Unsupported(f"activations in {model.dtype} (the step computes in float32)")
+        if not isinstance(model.attention, CpuPagedAttention) or not model.ops.native:
+            raise Unsupported("the model runs another attention backend or the torch elementwise ops")
+        pool = kv_caches[0]
+        if pool.device.type != "cpu" or pool.dtype not in KV_DTYPES or \
+                any(kv.shape != pool.shape or kv.dtype != pool.dtype or not kv.is_contiguous() for kv in kv_caches):
+            raise Unsupported("the KV pool is not a contiguous CPU pool of one format")
+        self._lib, self._keep = lib, []  # _keep: every tensor the structs point into
+        self.model, self.kv_caches = model, kv_caches
+        m = decode_step.Model()
+        m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
+                                                        c.num_key_value_heads, c.head_dim, c.intermediate_size)
+        m.kv_fmt, m.block_size, m.num_blocks = KV_DTYPES[pool.dtype], block_size, pool.shape[2]
+        m.eps, m.scale = c.rms_norm_eps, model.scale
+        m.inv_freq = _f32(model.inv_freq.float(), self._keep)
+        embed = model.embed
+        if isinstance(embed, QuantizedWeight):
+            if embed.qtype not in KERNEL_TYPES:
+                raise Unsupported(f"embedding in {embed.qtype.name}")
+            flat = embed.blocks.contiguous()
+            m.embed_type, m.embed = int(embed.qtype), flat.data_ptr()
+            self._keep.append(flat)
+        else:
+            m.embed_type, m.embed = 0, _f32(embed, self._keep)
+        m.vocab = c.vocab_size
+        m.final_norm = _f32(model.norm, self._keep)
+        # The LM head runs in the step while the batch is below the row count from which the
+        # per-op path switches it to dequantize + BLAS (the same arithmetic either way below it).
+        self.head_rows = 0
+        if isinstance(model.lm_head, QuantizedLinear) and model.lm_head.weight.qtype in KERNEL_TYPES:
+            m.lm_head = _linear(model.lm_head, self._keep)
+            self.head_rows = model.lm_head._blas_from
+        layers = (decode_step.Layer * c.num_hidden_layers)()
+        for lw, kv, out in zip(model.layers, kv_caches, layers):
+            out.input_norm, out.post_norm = _f32(lw.input_norm, self._keep), _f32(lw.post_norm, self._keep)
+            out.qkv, out.o, out.gate_up, out.down = (_linear(lw.qkv, self._keep), _linear(lw.o, self._keep),
+                                                     _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep))
+            out.kv = kv.data_ptr()
+        m.layers = layers
+        self._layers, self._model = layers, m
+        if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
+            raise Unsupported("shapes the native step does not take")
+        self._work = decode_step.Work()
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._grow(1, 256, torch.get_num_threads())
+
+    @classmethod
+    def build(cls, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> NativeDecode | None:
+        """The native step for this model, or None (with the reason logged) where it does not apply."""
+        try:
+            return cls(model, kv_caches, block_size)
+        except Unsupported as e:
+            log.debug("decode keeps the per-op path: %s", e)
+            return None
+
+    def _grow(self, batch: int, context: int, threads: int) -> None:
+        """(Re)allocate the work buffers for at least this batch, context and thread count."""
+        c, w = self.model.config, self._work
+        batch, context = max(batch, w.max_batch * 2 if w.max_batch else 1), max(context, 2 * w.max_context)
+        H, Hkv, D, N, F = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, c.intermediate_size
+        widths = {"x": N, "h": N, "qkv": (H + 2 * Hkv) * D, "q": H * D, "k": Hkv * D, "att": H * D, "o": N,
+                  "gu": 2 * F, "act": F, "delta": N, "cs": D, "sn": D}
+        b = self._buffers
+        for name in _FIELDS:
+            b[name] = torch.zeros(batch, widths[name])
+            setattr(w, name, b[name].data_ptr())
+        b["scores"] = torch.zeros(threads, H // Hkv * context)
+        w.scores = b["scores"].data_ptr()
+        # Quantized activations: 44 bytes per 32 values of the widest input, 32-byte aligned.
+        acts = torch.zeros(batch * max(N, H * D, F) // 32 * 44 + 64, dtype=torch.uint8)
+        b["acts"] = acts
+        w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
+        b["hidden"] = torch.zeros(batch, N)
+        b["logits"] = torch.zeros(batch, c.vocab_size) if self.head_rows else torch.zeros(0)
+        w.max_batch, w.max_context, w.max_threads = batch, context, threads
+
+    @torch.inference_mode()
+    def __call__(self, ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
+                 logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode token per sequence → (hidden [B, hidden], logits [B, V] or None where the
+        caller must run the LM head). Both are views of work buffers: valid until the next call."""
+        B = len(ids)
+        threads = torch.get_num_threads()
+        width = max(len(t) for t in block_tables)
+        seq_lens = [p + 1 for p in positions]
+        w = self._work
+        if B > w.max_batch or max(seq_lens) > w.max_context or threads > w.max_threads:
+            self._grow(B, max(seq_lens), threads)
+        step = torch.tensor([ids, positions, slots], dtype=torch.int64)  # [3, B]
+        flat = [b for t in block_tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        tables = torch.tensor(flat + seq_lens, dtype=torch.int32)  # [B * width] block ids, then [B] lengths
+        hidden = self._buffers["hidden"]
+        head = logits and B < self.head_rows
+        out = self._buffers["logits"] if head else None
+        rc = self._lib.kvserve_decode_step(
+            ctypes.byref(self._model), ctypes.byref(w), B, step[0].data_ptr(), step[1].data_ptr(), step[2].data_ptr(),
+            tables.data_ptr(), width, tables[B * width :].data_ptr(), hidden.data_ptr(), None if out is None else out.data_ptr(),
+            threads)
+        if rc != 0:
+            raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
+                               "outside the model's vocabulary or the KV pool")
+        return hidden[:B], (out[:B] if head else None)

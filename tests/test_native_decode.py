@@ -1,0 +1,139 @@
+"""The native decode step (model/native_decode.py, kernels/decode_step.c) against the per-op path.
+
+The step runs the per-op path's own kernels inside one call, so the two must agree bit for bit:
+logits at every step, and so every greedy token, in any batch mix. Models it does not take keep
+the per-op path; bad tables are refused without writing the pool.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig
+from kvserve.engine.runner import ModelRunner, SeqChunk
+from kvserve.kernels import decode_step
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import load_checkpoint
+from kvserve.model.native_decode import NativeDecode
+from kvserve.model.quant import ConcatLinear, quantize
+
+pytestmark = pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(cache=CacheConfig(num_blocks=256))  # the default model: Q4_1 layers, Q8_0 embedding / LM head
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def _decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:
+    """Prefill each prompt, then decode all together `steps` times, each step through the per-op
+    path and the native step over the same pool; their logits must be identical."""
+    native, blocks = runner.native, iter(range(1, 10_000))
+    tables = [[next(blocks) for _ in range((len(p) + steps) // BS + 1)] for p in prompts]
+    seqs = [list(p) for p in prompts]
+    runner.native = None
+    for seq, table in zip(seqs, tables):
+        seq.append(int(runner.run([SeqChunk(seq, 0, table, True)])[0].argmax()))
+    for _ in range(steps):
+        chunks = [SeqChunk([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables)]
+        runner.native = None
+        ref = runner.run(chunks).clone()
+        runner.native = native
+        got = runner.run(chunks).clone()
+        assert torch.equal(ref, got), f"max |difference| {(ref - got).abs().max().item()}"
+        for s, token in zip(seqs, ref.argmax(-1).tolist()):
+            s.append(token)
+
+
+def test_the_default_model_takes_the_native_step(llm: LLM) -> None:
+    assert llm.dtype == torch.float32 and llm.kv_dtype == torch.float16
+    assert isinstance(llm.runner.native, NativeDecode)
+
+
+def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM) -> None:
+    _decode_both(llm.runner, _prompts(5), steps=6)
+
+
+def test_greedy_generation_is_the_same_through_either_path(llm: LLM) -> None:
+    prompts = _prompts(6, seed=1)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    native = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    saved, llm.runner.native = llm.runner.native, None
+    try:
+        per_op = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    finally:
+        llm.runner.native = saved
+    assert native == per_op
+
+
+def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(llm: LLM) -> None:
+    runner = llm.runner
+    prompts = _prompts(4, seed=2)
+    tables = [[100 + 10 * i + j for j in range(6)] for i in range(4)]
+    for p, t in zip(prompts, tables):
+        runner.run([SeqChunk(p, 0, t, True)])
+    chunks = [SeqChunk([7], len(p), t, True) for p, t in zip(prompts, tables)]
+    together = runner.run(chunks).clone()
+    for i, c in enumerate(chunks):
+        assert torch.equal(runner.run([c])[0], together[i])
+
+
+def _tiny_quantized(tiny_llama_dir, qtypes: dict[str, Q], bias: bool = False) -> LlamaModel:
+    ckpt = load_checkpoint(tiny_llama_dir, torch.float32, "none")
+    tensors = ckpt.tensors
+    for name in list(tensors):
+        if name.endswith("_proj.weight") or name == "model.embed_tokens.weight":
+            kind = next((k for k in qtypes if k in name), "other")
+            tensors[name] = quantize(tensors[name], qtypes.get(kind, Q.Q8_0))
+    if bias:  # Qwen2's q/k/v bias, through the step's bias add
+        c = ckpt.config
+        for i in range(c.num_hidden_layers):
+            for n, rows in (("q", c.num_attention_heads), ("k", c.num_key_value_heads), ("v", c.num_key_value_heads)):
+                tensors[f"model.layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(rows * c.head_dim) * 0.1
+    return LlamaModel(ckpt.config, tensors, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir, kv_dtype) -> None:
+    # q in Q8_0 beside k/v in Q4_0: three parts in one fused projection, as K-quant files mix types.
+    model = _tiny_quantized(tiny_llama_dir, {"k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "up_proj": Q.Q4_0}, bias=True)
+    assert isinstance(model.layers[0].qkv, ConcatLinear) and len(model.layers[0].qkv.parts) == 3
+    c = model.config
+    pools = [torch.zeros(2, c.num_key_value_heads, 64, BS, c.head_dim, dtype=kv_dtype) for _ in model.layers]
+    runner = ModelRunner(model, pools, BS)
+    assert runner.native is not None
+    _decode_both(runner, _prompts(3, seed=3), steps=5)
+
+
+def test_models_the_step_does_not_take_keep_the_per_op_path(tiny_llama_dir, monkeypatch) -> None:
+    float_model = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=32))
+    assert float_model.runner.native is None  # float weights: torch's matmuls, exact against transformers
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE", "0")
+    assert LLM(str(tiny_llama_dir), quantization="q8_0", cache=CacheConfig(num_blocks=32)).runner.native is None
+    monkeypatch.delenv("KVSERVE_NATIVE_DECODE")
+    quantized = LLM(str(tiny_llama_dir), quantization="q8_0", cache=CacheConfig(num_blocks=32))
+    assert quantized.runner.native is not None and quantized.dtype == torch.float32
+
+
+def test_slots_outside_the_pool_are_refused_and_nothing_is_written(llm: LLM) -> None:
+    runner = llm.runner
+    before = [kv.clone() for kv in runner.kv_caches[:2]]
+    num_blocks = runner.kv_caches[0].shape[2]
+    with pytest.raises(RuntimeError, match="outside the model's vocabulary or the KV pool"):
+        runner.native([5], [3], [num_blocks * BS], [[0]])  # one slot past the pool's end
+    with pytest.raises(RuntimeError, match="outside"):
+        runner.native([5], [3], [3], [[num_blocks]])  # a block id past the pool
+    with pytest.raises(RuntimeError, match="outside"):
+        runner.native([llm.config.vocab_size], [3], [3], [[0]])  # a token id past the vocabulary
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches[:2]))
