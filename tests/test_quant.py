@@ -27,7 +27,7 @@ from kvserve.kernels import quant_matmul
 from kvserve.model import quant
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, make_linear
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 HERE = Path(__file__).parent
 
 
@@ -42,9 +42,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     def f16(lo: float, hi: float) -> np.ndarray:
         return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if qtype in (Q.Q8_0, Q.Q4_0):
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
         b[:, 0:2] = f16(-0.02, 0.02)
-    elif qtype == Q.Q4_1:
+    elif qtype in (Q.Q4_1, Q.Q5_1):
         b[:, 0:2], b[:, 2:4] = f16(0, 0.02), f16(-0.1, 0.1)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         b[:, 0:2], b[:, 2:4] = f16(0, 0.002), f16(0, 0.002)

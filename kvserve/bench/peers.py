@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,37 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None, env: dict[str, str]
 
 
 # ---------------------------------------------------------------- llama.cpp's llama-server
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char cfg[64];
+    syscall(SYS_arch_prctl, 0x1023, 18); /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, as ggml asks */
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1, cfg[16] = 64, cfg[48] = 16; /* palette 1, tile 0: 16 rows of 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
+
+
+def amx_runs() -> bool:
+    """Whether AMX tile instructions run here (False where the CPU lacks them, or lists them and
+    faults, as some VMs do)."""
+    if "amx_tile" not in Path("/proc/cpuinfo").read_text(errors="replace"):
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "amx.c", Path(tmp) / "amx"
+        src.write_text(_AMX_PROBE)
+        if subprocess.run(["cc", "-O1", "-mamx-tile", "-o", str(exe), str(src)], capture_output=True).returncode:
+            return False
+        return subprocess.run([str(exe)], capture_output=True).returncode == 0
+
+
 def setup_llama_server(progress=print) -> Path:
     """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake; return its path."""
     root = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
@@ -89,9 +121,13 @@ def setup_llama_server(progress=print) -> Path:
     build = root / "build"
     if not (build / "CMakeCache.txt").exists():
         progress("llama.cpp: configuring (CMake)")
+        # GGML_NATIVE turns AMX on where cpuinfo lists it; some VMs list it but fault on its first
+        # tile instruction (SIGILL in llama-server's first matmul): then it is built without.
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* outrank -march=native's
+        amx = [] if amx_runs() else [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
         _run(["cmake", "-S", str(vendor), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DCMAKE_BUILD_TYPE=Release"], log)
+              "-DCMAKE_BUILD_TYPE=Release", *amx], log)
     progress("llama.cpp: building llama-server and llama-quantize (about 10 minutes on two cores; cached afterwards)")
     _run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 2)], log)
     if not binary.exists() or not quantize_binary(binary).exists():

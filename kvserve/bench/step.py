@@ -3,7 +3,9 @@
 At 100+ tokens/s a step lasts under 10 ms, so the cost around the matmuls (Python, torch's
 dispatch, packing the batch, sampling) is worth measuring on its own. This prints:
   - the step time of a single-stream decode and of a batch of B decoding sequences, through
-    the engine (`LLMEngine.step()`, what the server runs), median over many steps;
+    the engine (`LLMEngine.step()`, what the server runs), median over many steps (decode steps
+    run as one native call where the model allows it: KVSERVE_NATIVE_DECODE=0 times the per-op
+    path instead);
   - where a step's time goes: scheduling, the runner's packing, the forward, the LM head,
     sampling and the engine's update, timed inside real steps;
   - each part of the forward timed alone over all layers (linears, attention, the fused
@@ -150,6 +152,8 @@ def phases(llm: LLM, batch: int, steps: int, sampling: dict = GREEDY) -> dict[st
         "forward": (model, "forward"),
         "lm head": (model, "logits"),
     }
+    if runner.native is not None:  # decode steps as one native call (model/native_decode.py)
+        timed["native"] = (runner, "native")
     sampler = engine.sampler
     sampler_t = _Timed(sampler)
     holders = [o for o in (engine, runner) if getattr(o, "sampler", None) is sampler]
@@ -172,21 +176,27 @@ def phases(llm: LLM, batch: int, steps: int, sampling: dict = GREEDY) -> dict[st
             step_t()
     finally:
         for name, (obj, attr) in timed.items():
-            delattr(obj, attr)
+            if attr in vars(type(obj)):  # a method: drop the instance's wrapper
+                delattr(obj, attr)
+            else:  # an attribute (the native step): put the object back
+                setattr(obj, attr, wrappers[name].fn)
         for o in holders:
             o.sampler = sampler
         for rid in list(engine.requests):
             engine.abort_request(rid)
     ms = {k: w.seconds * 1e3 / steps for k, w in wrappers.items()}
     ms["sampling"] = sampler_t.seconds * 1e3 / steps
-    inside = ms["forward"] + ms["lm head"] + (ms["sampling"] if runner in holders else 0.0)
+    native = ms.get("native", 0.0)
+    inside = ms["forward"] + ms["lm head"] + native + (ms["sampling"] if runner in holders else 0.0)
     out = {
         "schedule": ms["schedule"],
         "runner packing (around the model)": ms["runner"] - inside,
         "model forward (30 layers)": ms["forward"],
         "LM head": ms["lm head"],
-        "sampling": ms["sampling"],
     }
+    if "native" in ms:
+        out["native step (layers + LM head, one call)"] = native
+    out["sampling"] = ms["sampling"]
     total = step_t.seconds * 1e3 / steps
     out["engine update (append, detokenize, outputs)"] = total - ms["schedule"] - ms["runner"] - (
         0.0 if runner in holders else ms["sampling"])
@@ -212,7 +222,7 @@ def op_count(llm: LLM, batch: int) -> int:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--context", type=int, default=64)

@@ -2,7 +2,7 @@
  *
  * Decoding one token reads every weight once, so bytes per weight set the speed. These kernels
  * never expand a weight to float in memory: y[t, r] = x[t, :] . W[r, :] walks the raw blocks of
- * row r (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; layouts as ggml's block_* structs and gguf-py's
+ * row r (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; layouts as ggml's block_* structs and gguf-py's
  * dequantize, which tests/test_quant.py checks them against).
  *
  * The activations are quantized first, per 32 consecutive values, to int8 with one float scale d,
@@ -42,7 +42,7 @@
 #include "numerics.h"
 
 /* GGML type ids (gguf GGMLQuantizationType) */
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
@@ -73,6 +73,8 @@ static int block_bytes(int t) {
     case T_Q8_0: return 34;
     case T_Q4_0: return 18;
     case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
     case T_Q4_K: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
@@ -178,6 +180,16 @@ static inline __m256i nibbles16(const uint8_t *qs) {
     const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
     return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
+/* Q5_0 / Q5_1: 32 bits (bit j: the fifth bit of value j) → 32 bytes of 0x10 or 0. */
+static inline __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t bits;
+    memcpy(&bits, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), /* byte j <- byte j / 8 of qh */
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* bit j % 8 of byte j */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
 static inline __m256i lanes_below(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
 /* n <= 8 floats, lanes past n zero (never read past the row) */
 static inline __m256 load_n(const float *p, int n, __m256i mask) { return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask); }
@@ -225,7 +237,8 @@ KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ld
         for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
-/* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m).
+/* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m),
+ * Q5_0 (d, 4 bytes of fifth bits, nibbles; x = d (q - 16)), Q5_1 (d, m, fifth bits, nibbles; x = d q + m).
  * Q8_0's signed codes: maddubs would overflow its int16 pairs on q + 128, so AVX2 takes |q| times
  * the activation with q's sign (two sign ops per block and row pair); dpbusd has no int16 step,
  * so with VNNI the codes go in as q + 128 (one xor per weight block) and the 128 comes off
@@ -250,6 +263,7 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
             __m256 d, m;
             block_scales(w + i * rb + g * bs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
             if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             KV_UNROLL
             for (int k = 0; k < RT; k++) {
@@ -268,6 +282,8 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
                 } else if (t == T_Q8_0) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */
                     sg[i] = _mm256_loadu_si256((const __m256i *)(b + 2));
                     u[i] = _mm256_sign_epi8(sg[i], sg[i]);
+                } else if (t == T_Q5_0 || t == T_Q5_1) {
+                    u[i] = _mm256_or_si256(nibbles16(b + bs - 16), fifth_bits(b + (t == T_Q5_0 ? 2 : 4)));
                 } else {
                     u[i] = nibbles16(b + bs - 16);
                 }
@@ -395,6 +411,8 @@ KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, 
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_0: tile32(T_Q5_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_1: tile32(T_Q5_1, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_K: tile_q45_k(T_Q4_K, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q5_K: tile_q45_k(T_Q5_K, w, rb, A, t0, RW, RT, y, ldy); return;
     default: tile_q6_k(w, rb, A, t0, RW, RT, y, ldy); return;
@@ -423,6 +441,23 @@ static float dot1_q4(const uint8_t *w, const acts *A, long o, int has_min) {
         int isum = 0;
         for (int i = 0; i < 16; i++) isum += (qs[i] & 15) * a[i] + (qs[i] >> 4) * a[i + 16];
         const float d = f16_to_f32(w), m = has_min ? f16_to_f32(w + 2) : -8.f * d;
+        sum += d * A->d[o + b] * (float)isum + m * A->s[o + b];
+    }
+    return sum;
+}
+
+static float dot1_q5(const uint8_t *w, const acts *A, long o, int has_min) {
+    const int bs = has_min ? 24 : 22;
+    float sum = 0.f;
+    for (long b = 0; b < A->nb; b++, w += bs) {
+        const uint8_t *qs = w + bs - 16;
+        uint32_t qh;
+        memcpy(&qh, w + (has_min ? 4 : 2), 4);
+        const int8_t *a = A->q + 32 * (o + b);
+        int isum = 0;
+        for (int i = 0; i < 16; i++)
+            isum += ((qs[i] & 15) | (((qh >> i) & 1) << 4)) * a[i] + ((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) * a[i + 16];
+        const float d = f16_to_f32(w), m = has_min ? f16_to_f32(w + 2) : -16.f * d;
         sum += d * A->d[o + b] * (float)isum + m * A->s[o + b];
     }
     return sum;
@@ -481,6 +516,8 @@ static float dot1(int t, const uint8_t *w, const acts *A, long o) {
     case T_Q8_0: return dot1_q8_0(w, A, o);
     case T_Q4_0: return dot1_q4(w, A, o, 0);
     case T_Q4_1: return dot1_q4(w, A, o, 1);
+    case T_Q5_0: return dot1_q5(w, A, o, 0);
+    case T_Q5_1: return dot1_q5(w, A, o, 1);
     case T_Q4_K: return dot1_q45_k(w, A, o, 0);
     case T_Q5_K: return dot1_q45_k(w, A, o, 1);
     default: return dot1_q6_k(w, A, o);
@@ -580,6 +617,19 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
         for (int i = 0; i < 16; i++) {
             out[i] = d * (float)(qs[i] & 15) + mn;
             out[i + 16] = d * (float)(qs[i] >> 4) + mn;
+        }
+        return;
+    }
+    case T_Q5_0:
+    case T_Q5_1: {
+        const int m = t == T_Q5_1;
+        const float d = f16_to_f32(w), mn = m ? f16_to_f32(w + 2) : -16.f * d;
+        uint32_t qh;
+        memcpy(&qh, w + (m ? 4 : 2), 4);
+        const uint8_t *qs = w + (m ? 8 : 6);
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)((qs[i] & 15) | (((qh >> i) & 1) << 4)) + mn;
+            out[i + 16] = d * (float)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + mn;
         }
         return;
     }

@@ -17,7 +17,7 @@ _SIGNATURES = {
 }
 DOTS = ("portable", "avx2", "avx512_vnni")  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
-BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 def _lib() -> ctypes.CDLL | None:

@@ -34,7 +34,7 @@ from kvserve.model.linear import Linear
 log = logging.getLogger("kvserve.model")
 
 # The GGML types the kernels multiply directly; others are dequantized on load.
-KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
