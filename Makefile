@@ -11,7 +11,7 @@ ARGS ?=
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
-.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-router clean
+.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-router clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,7 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
-KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py
+KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py
 test-isa: setup
 	KVSERVE_ISA=avx2 $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
 	KVSERVE_ISA=portable $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
@@ -79,6 +79,11 @@ bench-peers: $(BENCH_STAMP)  ## kvserve vs llama.cpp, vLLM, transformers under s
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache
+
+# kvserve beside llama-server on Q4_1 / Q4_0 / Q8_0 / Q4_K_M files of the default model and a
+# random-weight Llama-3.2-1B-shaped Q4_0 (made with llama.cpp's llama-quantize, cached); ~40 min.
+bench-formats: $(BENCH_STAMP)  ## kvserve vs llama-server per weight format and model size; writes docs/benchmarks.md
+	$(PY) -m kvserve.bench.formats --write docs/benchmarks.md $(ARGS)
 
 bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.router --write docs/benchmarks.md $(ARGS)

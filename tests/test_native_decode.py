@@ -28,7 +28,9 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(cache=CacheConfig(num_blocks=256))  # the default model: Q4_1 layers, Q8_0 embedding / LM head
+    # The default model: Q4_1 layers, Q8_0 embedding / LM head. No prefix caching: a second run of
+    # the same prompts must compute them again, not attend to the first run's cached K/V.
+    return LLM(cache=CacheConfig(num_blocks=256, enable_prefix_caching=False))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -70,6 +70,8 @@ def _compile(name: str) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.warning("compiling kvserve's %s kernel for this CPU (%s; once, then cached in %s)", name,
+                " ".join(arch_flags()), out.parent)
     # Build under a temporary name, then rename: concurrent processes never load half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)

@@ -1,0 +1,223 @@
+"""`make bench-formats`: kvserve beside llama.cpp's llama-server on each weight format users run.
+
+The default model as shipped (Q4_1) and as llama.cpp's `llama-quantize` remakes it (Q4_0, Q8_0,
+Q4_K_M: llama.cpp repacks Q4_0, Q8_0 and Q4_K rows for its kernels at load, not Q4_1, so the
+shipped file alone would flatter kvserve); and a random-weight model with Llama-3.2-1B's shapes
+(hidden 2048, 16 layers, 32 / 8 heads, FFN 8192), written with the `gguf` library and quantized to
+Q4_0 — only speed means anything on it, so EOS is ignored everywhere. Both servers get 2 threads
+and their best settings (llama-server: one server per concurrency, `-np` = clients), the same
+streamed closed-loop load from `kvserve bench serve`, one after the other on a quiet machine.
+
+Each cell: output tok/s, ITL p50, TTFT p50, resident MiB, and the fraction of the bytes roofline
+(weights read per decode step against this machine's measured read bandwidth, times the clients).
+Points are saved under ~/.cache/kvserve/peers/formats/<commit>/ so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvserve.bench import peers
+from kvserve.bench.compare import CTX_PER_SLOT, REPO, THREADS, Server, _tokenizer, resident_mib, results_dir
+from kvserve.bench.datasets import DatasetConfig, load_samples
+from kvserve.bench.serve import BenchConfig, run
+
+FORMATS = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M")
+ONE_B = "1b-Q4_0"  # the Llama-3.2-1B-shaped random model
+BEGIN, END = "<!-- formats:begin -->", "<!-- formats:end -->"
+
+
+def model_file(name: str, progress=print) -> Path:
+    """The GGUF for a format name (FORMATS, or ONE_B), made once under the peers cache."""
+    from kvserve.model.loader import resolve_model_path
+
+    shipped = resolve_model_path("smollm2-135m")
+    if name == "Q4_1":
+        return shipped
+    root = peers.cache_root() / "models"
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{'llama-1b-shaped' if name == ONE_B else 'smollm2-135m'}-{name.removeprefix('1b-')}.gguf"
+    if out.exists():
+        return out
+    quantize = peers.quantize_binary(peers.setup_llama_server(progress))
+    source = shipped
+    if name == ONE_B:
+        source = root / "llama-1b-shaped-F16.gguf"
+        if not source.exists():
+            progress("writing the 1B-shaped random model (F16, ~2.5 GB)")
+            write_random_llama(source, shipped)
+    progress(f"llama-quantize {source.name} -> {out.name}")
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(quantize), "--allow-requantize", str(source), str(tmp), name.removeprefix("1b-")],
+                   check=True, capture_output=True)
+    tmp.rename(out)
+    return out
+
+
+def write_random_llama(path: Path, vocab_from: Path, hidden: int = 2048, layers: int = 16, heads: int = 32,
+                       kv_heads: int = 8, ffn: int = 8192, seed: int = 0) -> None:
+    """A Llama GGUF of the given shapes: F16 weights ~ N(0, 0.02), norms of 1, the default model's
+    tokenizer (so any client can talk to it), untied LM head. Only its speed means anything."""
+    import gguf
+    import numpy as np
+
+    from kvserve.tokenizer_gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(vocab_from)
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    for key, value in meta.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], int):
+            w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        else:
+            w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    rng = np.random.default_rng(seed)
+    d = hidden // heads
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+
+    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    w.add_tensor("output.weight", rand(vocab, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(layers):
+        p = f"blk.{i}."
+        for name, shape in (("attn_q", (heads * d, hidden)), ("attn_k", (kv_heads * d, hidden)),
+                            ("attn_v", (kv_heads * d, hidden)), ("attn_output", (hidden, heads * d)),
+                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
+            w.add_tensor(p + name + ".weight", rand(*shape))
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def argv_for(who: str, model: Path, slots: int):
+    if who == "kvserve":
+        return lambda port: [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
+                             "--no-access-log", "--threads", str(THREADS)]
+    binary = peers.setup_llama_server()
+    return lambda port: [str(binary), "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots),
+                         "-c", str(slots * CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port)]
+
+
+def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, output_len: int) -> dict:
+    path = out / f"{who}-{model.stem}-c{concurrency}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    print(f"== {who} on {model.name}, {concurrency} client(s)", flush=True)
+    server = Server(argv_for(who, model, concurrency), {"OMP_NUM_THREADS": str(THREADS)}, out / f"{path.stem}.log")
+    try:
+        name = server.wait_ready()
+        dataset = DatasetConfig("random", max(2 * concurrency, 8), input_len, output_len, seed=concurrency)
+        cfg = BenchConfig(base_url=server.url, model=name, dataset=dataset, max_concurrency=concurrency,
+                          max_duration=300, timeout=360, num_warmups=1)
+        point = run(cfg, load_samples(dataset, _tokenizer())).to_dict()
+        point["rss_mib"], point["peak_rss_mib"] = resident_mib(server.proc.pid)
+        point["loadavg_1min"] = os.getloadavg()[0]
+    finally:
+        server.stop()
+    path.write_text(json.dumps(point, indent=2) + "\n")
+    return point
+
+
+def _m(point: dict, key: str) -> float:
+    """A metric of a saved point: "output_throughput", or "itl" / "ttft" for their medians (ms)."""
+    value = point["metrics"][key]
+    return float(value["median_ms"] if isinstance(value, dict) else value)
+
+
+def table(points: dict[tuple[str, str, int], dict], limits: dict, bytes_per_step: dict[str, int]) -> list[str]:
+    bw = limits["bandwidth_gbs"] * 1e9
+    rows = ["| weights | clients | kvserve tok/s | llama-server tok/s | ratio | ITL p50 ms kvserve / llama | "
+            "ITL ratio | TTFT p50 ms kvserve / llama | RSS MiB kvserve / llama | of bytes roofline kvserve / llama |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for who, fmt, c in points:
+        if who != "kvserve":
+            continue
+        k, ll = points[(who, fmt, c)], points.get(("llama", fmt, c))
+        if not ll:
+            continue
+        roof = bw / bytes_per_step[fmt] * c
+        tk, tl = _m(k, "output_throughput"), _m(ll, "output_throughput")
+        ik, il = _m(k, "itl"), _m(ll, "itl")
+        rows.append(f"| {fmt} | {c} | {tk:.1f} | {tl:.1f} | **{tk / tl:.2f}x** | {ik:.2f} / {il:.2f} | {ik / il:.2f} | "
+                    f"{_m(k, 'ttft'):.0f} / {_m(ll, 'ttft'):.0f} | "
+                    f"{k.get('rss_mib', 0):.0f} / {ll.get('rss_mib', 0):.0f} | {tk / roof:.0%} / {tl / roof:.0%} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", default=",".join((*FORMATS, ONE_B)), help=f"of {', '.join((*FORMATS, ONE_B))}")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--input-len", type=int, default=110)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--write", type=Path, default=REPO / "docs" / "benchmarks.md")
+    args = ap.parse_args(argv)
+    from kvserve import cpu
+    from kvserve.bench import limits as limits_mod
+
+    out = results_dir(args.fresh, replace_plan_name("formats"))
+    lim_path = out / "limits.json"
+    if not lim_path.exists():
+        lim_path.write_text(json.dumps(limits_mod.measure(THREADS).__dict__, indent=2) + "\n")
+    lim = json.loads(lim_path.read_text())
+    points: dict[tuple[str, str, int], dict] = {}
+    bytes_per_step: dict[str, int] = {}
+    t0 = time.time()
+    for fmt in args.formats.split(","):
+        model = model_file(fmt)
+        bytes_per_step[fmt] = limits_mod.gguf_format(model).bytes_per_step
+        levels = [int(c) for c in args.concurrency.split(",")]
+        for c in (levels[:2] if fmt == ONE_B else levels):  # the 1B model: 1 and 4 clients (minutes per point)
+            for who in ("kvserve", "llama"):
+                points[(who, fmt, c)] = measure(who, model, c, out, args.input_len, args.output_len)
+    flags = " ".join(sorted(f for f in cpu.cpu_flags() if f.startswith(("avx2", "avx512", "amx"))))
+    section = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d')} on {cpu.cpu_model()} ({flags}), {THREADS} threads each, "
+               f"{args.input_len}-token prompts, {args.output_len} tokens out (EOS ignored), "
+               f"measured read bandwidth {lim['bandwidth_gbs']:.1f} GB/s; `make bench-formats` "
+               f"({(time.time() - t0) / 60:.0f} min).", "", *table(points, lim, bytes_per_step), "", END]
+    doc = args.write.read_text() if args.write.exists() else ""
+    if BEGIN in doc and END in doc:
+        doc = doc[: doc.index(BEGIN)] + "\n".join(section) + doc[doc.index(END) + len(END):]
+    else:
+        doc += "\n## kvserve and llama-server on each weight format (`make bench-formats`)\n\n" + "\n".join(section) + "\n"
+    args.write.write_text(doc)
+    print("\n".join(section))
+    return 0
+
+
+def replace_plan_name(name: str):
+    from kvserve.bench.compare import QUICK
+
+    return replace(QUICK, name=name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
