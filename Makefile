@@ -30,7 +30,7 @@ chat: setup  ## chat with the default model in the terminal
 	$(PY) -m kvserve chat $(ARGS)
 
 test: setup  ## the whole suite, slow tests included, then the kernels on every slower ISA path
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 	$(MAKE) --no-print-directory test-isa
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512

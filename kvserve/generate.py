@@ -11,9 +11,15 @@ from kvserve.sampling_params import SamplingParams
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def _read_jsonl(path, llm, defaults: dict) -> tuple[list, list[SamplingParams], list[dict]]:
-    prompts, params, records = [], [], []
-    with open(path, encoding="utf-8") as f:
+def _read_jsonl(path, defaults: dict) -> tuple[list[SamplingParams], list[dict]]:
+    """Each line's sampling parameters and record, checked before any model loads: a bad file
+    fails in a second, not after the load."""
+    params, records = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read --input {path}: {e.strerror}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -21,24 +27,30 @@ def _read_jsonl(path, llm, defaults: dict) -> tuple[list, list[SamplingParams], 
                 rec = json.loads(line)
                 if not isinstance(rec, dict):
                     raise ValueError("each line must be a JSON object")
-                if "messages" in rec:
-                    prompt = llm.encode_chat(rec["messages"])
-                elif isinstance(rec.get("prompt"), str):
-                    prompt = rec["prompt"]
-                else:
-                    raise ValueError('each line needs "prompt" (a string) or "messages"')
+                if not (isinstance(rec.get("messages"), list) or isinstance(rec.get("prompt"), str)):
+                    raise ValueError('each line needs "prompt" (a string) or "messages" (a list)')
                 unknown = set(rec) - _PARAM_FIELDS - {"prompt", "messages", "id"}
                 if unknown:
                     raise ValueError(f"unknown fields {sorted(unknown)}")
                 sp = SamplingParams(**{**defaults, **{k: v for k, v in rec.items() if k in _PARAM_FIELDS}})
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: {e}") from None
-            prompts.append(prompt)
             params.append(sp)
             records.append(rec)
-    if not prompts:
+    if not records:
         raise ValueError(f"{path} holds no prompts")
-    return prompts, params, records
+    return params, records
+
+
+def _prompts(path, llm, records: list[dict]) -> list:
+    """Each record's prompt: its text, or its messages in the model's chat template."""
+    out = []
+    for lineno, rec in enumerate(records, 1):
+        try:
+            out.append(llm.encode_chat(rec["messages"]) if "messages" in rec else rec["prompt"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: record {lineno}: {e}") from None
+    return out
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -47,6 +59,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.input is None):
         raise ValueError("give either a prompt or --input prompts.jsonl")
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    if args.input is not None:
+        plist, records = _read_jsonl(args.input, defaults)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize)
     if args.prompt is not None:
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -64,7 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return 0
         prompts, plist, records = [prompt], [params], [{"prompt": args.prompt}]
     else:
-        prompts, plist, records = _read_jsonl(args.input, llm, defaults)
+        prompts = _prompts(args.input, llm, records)
     outs = llm.generate(prompts, plist)
     sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     try:

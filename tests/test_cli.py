@@ -46,6 +46,19 @@ def test_bad_input_is_one_clear_line(tiny_llama_dir, tmp_path) -> None:
     assert "model 'no-such-model' is not a known alias" in r.stderr and "smollm2-135m" in r.stderr
 
 
+def test_a_bad_input_file_fails_before_the_model_loads(tmp_path) -> None:
+    # The model named does not exist: were it loaded first, that would be the error.
+    missing = tmp_path / "nope.jsonl"
+    r = kvserve("generate", "--model", "no-such-model", "--input", str(missing))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"kvserve: error: cannot read --input {missing}: No such file or directory"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"messages": "not a list"}\n')
+    r = kvserve("generate", "--model", "no-such-model", "--input", str(bad))
+    assert r.stderr.strip().splitlines()[-1] == (
+        f'kvserve: error: {bad}:2: each line needs "prompt" (a string) or "messages" (a list)')
+
+
 def test_chat_streams_from_stdin(tiny_llama_dir) -> None:
     r = kvserve("chat", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "5", stdin="hello\n")
     assert r.returncode == 0, r.stderr
