@@ -67,6 +67,12 @@ def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM) -> No
     _decode_both(llm.runner, _prompts(5), steps=6)
 
 
+def test_work_buffers_grow_for_longer_contexts_and_larger_batches(llm: LLM) -> None:
+    # Buffers start at one row and 256 tokens of context; these need them grown, mid-run.
+    _decode_both(llm.runner, [[(7 * i) % 30000 + 100 for i in range(700)], *_prompts(2, seed=4)], steps=2)
+    _decode_both(llm.runner, _prompts(9, seed=5), steps=2)
+
+
 def test_greedy_generation_is_the_same_through_either_path(llm: LLM) -> None:
     prompts = _prompts(6, seed=1)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

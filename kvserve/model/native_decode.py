@@ -126,6 +126,7 @@ class NativeDecode:
         self._layers, self._model = layers, m
         if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
             raise Unsupported("shapes the native step does not take")
+        self._block_size = block_size
         self._work = decode_step.Work()
         self._buffers: dict[str, torch.Tensor] = {}
         self._grow(1, 256, torch.get_num_threads())
@@ -158,6 +159,12 @@ class NativeDecode:
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
         b["hidden"] = torch.zeros(batch, N)
         b["logits"] = torch.zeros(batch, c.vocab_size) if self.head_rows else torch.zeros(0)
+        # The step's index arrays, written in place each step: ids, positions, slots (int64), and
+        # the block tables then the context lengths (int32).
+        b["index"] = torch.zeros(3, batch, dtype=torch.int64)
+        self._max_width = context // self._block_size + 1
+        b["tables"] = torch.zeros(batch * self._max_width + batch, dtype=torch.int32)
+        self._index_np, self._tables_np = b["index"].numpy(), b["tables"].numpy()
         w.max_batch, w.max_context, w.max_threads = batch, context, threads
 
     @torch.inference_mode()
@@ -170,18 +177,19 @@ class NativeDecode:
         width = max(len(t) for t in block_tables)
         seq_lens = [p + 1 for p in positions]
         w = self._work
-        if B > w.max_batch or max(seq_lens) > w.max_context or threads > w.max_threads:
-            self._grow(B, max(seq_lens), threads)
-        step = torch.tensor([ids, positions, slots], dtype=torch.int64)  # [3, B]
-        flat = [b for t in block_tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
-        tables = torch.tensor(flat + seq_lens, dtype=torch.int32)  # [B * width] block ids, then [B] lengths
+        if B > w.max_batch or max(seq_lens) > w.max_context or threads > w.max_threads or width > self._max_width:
+            self._grow(B, max(max(seq_lens), width * self._block_size), threads)
+        index, tables = self._index_np, self._tables_np  # no tensor is allocated per step
+        index[0, :B], index[1, :B], index[2, :B] = ids, positions, slots
+        tables[: B * width] = [b for t in block_tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        tables[B * width : B * width + B] = seq_lens
         hidden = self._buffers["hidden"]
         head = logits and B < self.head_rows
         out = self._buffers["logits"] if head else None
+        ip, tp = self._buffers["index"].data_ptr(), self._buffers["tables"].data_ptr()
         rc = self._lib.kvserve_decode_step(
-            ctypes.byref(self._model), ctypes.byref(w), B, step[0].data_ptr(), step[1].data_ptr(), step[2].data_ptr(),
-            tables.data_ptr(), width, tables[B * width :].data_ptr(), hidden.data_ptr(), None if out is None else out.data_ptr(),
-            threads)
+            ctypes.byref(self._model), ctypes.byref(w), B, ip, ip + 8 * w.max_batch, ip + 16 * w.max_batch,
+            tp, width, tp + 4 * B * width, hidden.data_ptr(), None if out is None else out.data_ptr(), threads)
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
                                "outside the model's vocabulary or the KV pool")
