@@ -80,21 +80,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve)
 
 
-SERVE_SPINCOUNT = 20_000  # libgomp spins before a waiting thread sleeps (see run_serve; docs/benchmarks.md)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
     _check_limits(args)
-    # The kernels' OpenMP threads spin after each parallel region before they sleep; libgomp's
-    # default (300,000 spins: ~10-40 ms) keeps a core busy through the whole gap between decode
-    # steps, the gap in which the event loop streams the token and the client reads it. A short
-    # spin still covers the waits inside a step (microseconds). Read when torch loads libgomp, so
-    # set before the first torch import; a GOMP_SPINCOUNT or OMP_WAIT_POLICY already set wins.
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(SERVE_SPINCOUNT))
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
