@@ -231,12 +231,17 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
                and not r.banned_token_ids for r in rows):
-            # Hot path: argmax (exact in any float dtype, no float32 copy), and one amax that says
-            # whether each row was finite (it propagates NaN).
-            tokens = argmax(logits).tolist()
-            finite = logits.amax(dim=-1).isfinite()
-            if not bool(finite.all()):
-                tokens = [t if ok else NO_TOKEN for t, ok in zip(tokens, finite.tolist())]
+            # Hot path: argmax (exact in any float dtype, no float32 copy); a row was finite iff
+            # the value it picked is (argmax picks a NaN or +inf where there is one; an all -inf
+            # row picks -inf). On the CPU in numpy: a torch reduction over the row would start the
+            # OpenMP threads, which costs more than the work while the cores serve other threads.
+            picked = argmax(logits)
+            tokens = picked.tolist()
+            rows_idx = torch.arange(len(tokens))
+            values = logits[rows_idx, picked]
+            finite = values.numpy() if values.device.type == "cpu" and values.dtype == torch.float32 else values.float().cpu().numpy()
+            if not np.isfinite(finite).all():
+                tokens = [t if np.isfinite(v) else NO_TOKEN for t, v in zip(tokens, finite.tolist())]
             return SamplerOutput(tokens, [None] * len(rows))
 
         raw = logits.float()  # [B, V]; the caller's tensor when it is already float32
