@@ -45,7 +45,7 @@ from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
 from kvserve.model.quant import QuantizedWeight
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
@@ -281,7 +281,7 @@ class LLM:
         base = next(self._ids)
         rids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp, tok in zip(rids, prompts, plist, ids):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok)
+            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, output_kind=OutputKind.FINAL_ONLY)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:

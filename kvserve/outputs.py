@@ -1,7 +1,21 @@
 """What the engine hands back: per request, per completion, with the delta of the last step."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class OutputKind(enum.Enum):
+    """What a request's outputs carry after each step (vLLM's RequestOutputKind).
+
+    CUMULATIVE: everything so far, every step (copies grow with the output: for callers that
+    read snapshots). DELTA: what the step added (delta_*), the cumulative fields only on the final
+    output: a step's work does not grow with the output (the server's streams). FINAL_ONLY: no
+    output until the request finishes (offline batches)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -16,7 +30,9 @@ class TokenLogprob:
 @dataclass
 class CompletionOutput:
     index: int  # 0 .. n-1
-    text: str = ""  # everything so far (stop string trimmed)
+    # Everything so far (stop string trimmed): every step under OutputKind.CUMULATIVE, on the
+    # final output only under DELTA.
+    text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"; None while running

@@ -349,3 +349,33 @@ def test_async_engine_tells_bad_input_from_an_engine_failure(make_llm) -> None:
         engine.shutdown()
     for rid in list(llm.engine.requests):
         llm.engine.abort_request(rid)
+
+
+def test_delta_outputs_carry_only_the_step_and_the_final_one_the_whole(make_llm) -> None:
+    from kvserve.outputs import OutputKind
+
+    llm = make_llm()
+    engine = llm.engine
+    prompt = prompts_of(llm, [9])[0]
+    sp = SamplingParams(max_tokens=40, logprobs=1, **GREEDY)
+    engine.add_request("d", prompt, sp, output_kind=OutputKind.DELTA)
+    engine.add_request("c", prompt, sp)  # the default: cumulative
+    engine.add_request("f", prompt, sp, output_kind=OutputKind.FINAL_ONLY)
+    seen: dict[str, list] = {"d": [], "c": [], "f": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    deltas, cumulative = seen["d"], seen["c"]
+    assert len(deltas) == len(cumulative) == 40 and len(seen["f"]) == 1
+    # A streamed step copies what it added, not what came before: no step's output grows with the
+    # output so far (the cumulative kind's step k copies k tokens).
+    for out in deltas[:-1]:
+        c = out.outputs[0]
+        assert c.token_ids == [] and c.text == "" and c.logprobs == []
+        assert len(c.delta_token_ids) == 1 and len(c.delta_logprobs) == 1
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 41))
+    final = deltas[-1].outputs[0]
+    assert final.token_ids == cumulative[-1].outputs[0].token_ids == seen["f"][0].outputs[0].token_ids
+    assert final.text == "".join(o.outputs[0].delta_text for o in deltas) == cumulative[-1].outputs[0].text
+    assert [lp.token_id for lp in final.logprobs] == final.token_ids
+    assert sum((o.outputs[0].delta_token_ids for o in deltas), []) == final.token_ids

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.snapshot import engine_state
 from kvserve.errors import KVServeError
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
 log = logging.getLogger("kvserve.engine")
@@ -268,7 +268,10 @@ class AsyncEngine:
             if box is None:  # its consumer left before admission
                 return
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids)
+                # Deltas: a step's work for a stream does not grow with its output; the merge of
+                # unread outputs joins deltas, and the final output carries the whole.
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids,
+                                        output_kind=OutputKind.DELTA)
                 self.engine.timeline.mark(cmd.request_id, "tokenized", cmd.tokenized_time)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied
                 box.put(e)

@@ -20,7 +20,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import EngineStalledError, InvalidParam
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.kv.manager import KVCacheManager
-from kvserve.outputs import RequestMetrics, RequestOutput
+from kvserve.outputs import OutputKind, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import grammar
 from kvserve.tokenizer import IncrementalDetokenizer, PromptTooLong, Tokenizer
@@ -122,6 +122,7 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request id {request_id!r} is already in the engine")
@@ -133,6 +134,7 @@ class LLMEngine:
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
             max_output_tokens=params.max_tokens or self.max_model_len - len(ids),
+            output_kind=output_kind,
         )
         for i in range(params.n):
             seq = Sequence(
@@ -201,6 +203,8 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self.requests[rid]
                 self.timeline.finish(req)
+            elif req.output_kind is OutputKind.FINAL_ONLY:
+                continue
             outputs.append(make_output(req, new))
         return outputs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvserve.engine.request import Request, Sequence
 from kvserve.engine.sampler import NO_TOKEN
-from kvserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from kvserve.outputs import CompletionOutput, OutputKind, RequestOutput, TokenLogprob
 
 NON_FINITE = "the model produced NaN or infinite logits; no token could be chosen"
 
@@ -79,23 +79,26 @@ def take_text_delta(seq: Sequence) -> str:
 
 
 def make_output(req: Request, new_tokens: dict[Sequence, int]) -> RequestOutput:
-    """A snapshot of req after a step; new_tokens says how many tokens each sequence gained."""
+    """A snapshot of req after a step; new_tokens says how many tokens each sequence gained. Under
+    OutputKind.DELTA only the final output copies a sequence's whole output; the others cost what
+    the step added (see OutputKind)."""
+    whole = req.output_kind is OutputKind.CUMULATIVE or req.finished
     outs = []
     for seq in req.seqs:
         k = new_tokens.get(seq, 0)
-        out_ids = seq.output_token_ids
         delta = take_text_delta(seq)
         lps = seq.logprobs
+        n = len(seq.token_ids)
         outs.append(
             CompletionOutput(
                 index=seq.index,
-                text=seq.text[: seq.emitted_text_len],
-                token_ids=list(out_ids),
-                logprobs=list(lps) if lps is not None else None,
+                text=seq.text[: seq.emitted_text_len] if whole else "",
+                token_ids=seq.output_token_ids if whole else [],
+                logprobs=(list(lps) if whole else []) if lps is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
                 delta_text=delta,
-                delta_token_ids=out_ids[len(out_ids) - k :] if k else [],
+                delta_token_ids=seq.token_ids[n - k :] if k else [],
                 delta_logprobs=(lps[len(lps) - k :] if k else []) if lps is not None else None,
             )
         )

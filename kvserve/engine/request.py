@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.engine.sampler import Generator
-from kvserve.outputs import RequestMetrics, TokenLogprob
+from kvserve.outputs import OutputKind, RequestMetrics, TokenLogprob
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer
 
@@ -75,6 +75,7 @@ class Request:
     params: SamplingParams
     metrics: RequestMetrics
     max_output_tokens: int  # params.max_tokens, or what the context leaves
+    output_kind: OutputKind = OutputKind.CUMULATIVE
     # n > 1: the first completion's prompt blocks are computed and cached, so the others may
     # start (and take them from the prefix cache). Never reset, so preemption cannot deadlock.
     prompt_cached: bool = False
