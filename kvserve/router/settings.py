@@ -64,6 +64,12 @@ class RouterSettings:
     max_body_bytes: int = 4 << 20
     max_headers: int = 100
     max_concurrent_requests: int = 1024
+    # Seconds a client has to send a request's headers (from the connection's opening, or the
+    # previous answer on a keep-alive one): clients trickling header bytes lose their connection.
+    header_timeout: float = 10.0
+    # Open client connections; one more is answered 503 and closed. Room for every concurrent
+    # request and as many idle keep-alive connections, plus a few.
+    max_connections: int = 2112
     upstream_connections: int = 512
     connect_timeout: float = 2.0
     # Longest silence between two chunks of a replica's answer before the router gives up on it.
