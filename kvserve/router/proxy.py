@@ -193,7 +193,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         except ConnectError as e:  # no connection (refused: nothing listens there): the request never reached it
             attempt.failed("connect", f"{type(e).__name__}: {e}")
             if isinstance(e, ConnectRefused):
-                state.refused(replica, "a request's connection was refused")
+                state.mark_down(replica, "a request's connection was refused")
             # Another replica gets it at once, free: neither max_retries nor the retry budget,
             # which are for requests a replica may have seen. `tried` bounds these tries.
             if state.replicas.eligible(tried):

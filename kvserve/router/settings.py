@@ -33,6 +33,11 @@ class PolicySettings:
     tree_max_chunks: int = 16384
     # How often the router reads each replica's /kv/events (seconds).
     kv_poll_interval: float = 0.1
+    # What a replica's /kv/events may say: block hashes held (256 Ki: a pool of 4 Mi tokens in
+    # 16-token blocks; ~25 MiB of the router's memory) and bytes per answer (a snapshot of that
+    # many is ~17 MiB). A replica past either is taken out (kvserve/router/kv_page.py).
+    kv_max_held: int = 1 << 18
+    kv_max_bytes: int = 24 << 20
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ class RouterState:
         self.client = make_client(limits, timeout)
         self.upstream = Upstream(s.upstream_connections, s.connect_timeout, s.read_timeout)
         if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
-            self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key)
+            self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key,
+                                 max_bytes=s.policy.kv_max_bytes, max_held=s.policy.kv_max_held,
+                                 mark_down=self.mark_down)
         self.policy = make_policy(s.policy, self.index)
         await self.check_all()  # know who is up before the first request
         for r in self.replicas:
@@ -131,9 +133,9 @@ class RouterState:
             self.index.follow(replica)
 
     # -- health -----------------------------------------------------------------------------
-    def refused(self, replica: Replica, why: str) -> None:
-        """Its host refused a connection: out at once (kvserve/router/replicas.py)."""
-        if replica.refused(why):
+    def mark_down(self, replica: Replica, why: str) -> None:
+        """Out at once (kvserve/router/replicas.py): a refused connection, a broken /kv/events rule."""
+        if replica.mark_down(why):
             log.warning("replica out: %s (%s)", replica.url, why)
             self.policy.forget(replica)
 
@@ -145,7 +147,7 @@ class RouterState:
         except httpx.HTTPError as e:
             ok, why, reachable, refused = False, f"/health: {type(e).__name__}: {e}", False, is_refusal(e)
         if refused:
-            self.refused(replica, why)
+            self.mark_down(replica, why)
             changed = None
         else:
             changed = replica.health_result(ok, self.settings, None if ok else why)
