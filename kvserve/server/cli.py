@@ -48,7 +48,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-connections", type=int, default=1024,
                    help="open HTTP connections; one more is answered 503 and closed (default: 1024)")
     g.add_argument("--allow-special-tokens-in-messages", action="store_true",
-                   help="let chat message content spell control tokens such as <|im_start|> (default: it is text)")
+                   help="let client text in chat requests (content, names, tools) spell control tokens such as <|im_start|> (default: it is text)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
