@@ -23,6 +23,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"cache_aware: shorter matches do not count (default: {_P.min_match_tokens})")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
                    help="Bearer key of /admin/replicas (default: $KVSERVE_ROUTER_ADMIN_KEY; none: loopback only)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host header names answered, e.g. localhost,127.0.0.1,*.internal; others "
+                        "get 400 (against DNS rebinding; default: any)")
     p.add_argument("--replica-api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="the replicas' API key, for the router's own calls to /kv/events (default: $KVSERVE_API_KEY)")
     p.add_argument("--health-interval", type=float, default=_R.health_interval,
@@ -69,10 +72,12 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
     policy = PolicySettings(name=args.policy, cache_source=args.cache_source, balance_abs_tokens=args.balance_abs_tokens,
                             balance_rel=args.balance_rel, min_match_tokens=args.min_match_tokens)
     from kvserve.router.replicas import ReplicaSet
+    from kvserve.server.hosts import parse_allowed_hosts
 
     return RouterSettings(
         replicas=tuple(ReplicaSet.normalize(u) for u in replicas), host=args.host, port=args.port, policy=policy,
         admin_key=args.admin_key or None, replica_api_key=args.replica_api_key or None,
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts),
         health_interval=args.health_interval, unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
         max_retries=args.max_retries, max_concurrent_requests=args.max_concurrent_requests,
         read_timeout=args.read_timeout, drain_timeout=args.drain_timeout, header_timeout=args.header_timeout,

@@ -47,6 +47,7 @@ class RouterSettings:
     port: int = 8000
     policy: PolicySettings = field(default_factory=PolicySettings)
     admin_key: str | None = None  # Bearer key of /admin/*; without one only loopback clients may use it
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
     replica_api_key: str | None = None  # sent to replicas on the router's own calls (/kv/events)
     # Health: a replica failing `unhealthy_after` checks in a row is out; `healthy_after` passes bring it back.
     health_interval: float = 1.0

@@ -26,6 +26,7 @@ from kvserve.engine.engine import EngineStats
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
+from kvserve.server.hosts import HostAllowList
 from kvserve.server import insight
 from kvserve.server.generation import EngineClient
 from kvserve.server.kv_events import add_kv_event_routes
@@ -50,6 +51,7 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # Bearer token for every route but /health and /metrics
     allowed_origins: tuple[str, ...] = ()  # CORS stays off while empty
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
     # Sequences that may wait beyond the engine's max_num_seqs running ones; more get 429.
     max_queued_requests: int = 256
     max_n: int = 8  # completions per request
@@ -166,6 +168,8 @@ def build_app(
     if settings.allowed_origins:  # outermost, so even a 401 carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
+        app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     insight.add_routes(app, ctx)

@@ -26,6 +26,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require Authorization: Bearer <key> (default: $KVSERVE_API_KEY; /health and /metrics stay open)")
     p.add_argument("--allowed-origins", default="", help="comma-separated origins for CORS (default: CORS off)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host header names answered, e.g. localhost,127.0.0.1,*.internal; others "
+                        "get 400 (against DNS rebinding; default: any)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="sequences that may wait beyond --max-num-seqs running ones; more get 429 (default: 256)")
@@ -90,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import ServerSettings, build_app
+    from kvserve.server.hosts import parse_allowed_hosts
     from kvserve.server.http import guarded_protocol
     from kvserve.server.lifecycle import DrainingServer, exit_now
 
@@ -110,6 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key or None,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts),
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
