@@ -26,6 +26,7 @@ from kvserve.engine.engine import EngineStats
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
+from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.hosts import HostAllowList
 from kvserve.server import insight
 from kvserve.server.generation import EngineClient
@@ -66,6 +67,7 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
     special_tokens_in_messages: bool = False  # let chat content spell control tokens
+    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar (kvserve/server/grammar_pool.py)
     # For sampling fields a request leaves out: the model's recommendation or the server's
     # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
     sampling_defaults: SamplingDefaults | None = None
@@ -87,11 +89,19 @@ class ServerContext:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.state = ServerState(settings)
-        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests)
-        self.client = EngineClient(self.state, self.metrics)
+        self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
+        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
+        self.client = EngineClient(self.state, self.metrics, self.grammars)
 
     def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None
+
+    def _grammar_stats(self) -> dict[str, float] | None:
+        if self.state.llm is None:
+            return None
+        cache = self.state.llm.engine.grammars.cache
+        return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
+                "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
     async def parse(self, request: Request, model: type) -> object:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)
@@ -156,6 +166,7 @@ def build_app(
             app.state.loader = ctx.state.load_in_background(load, load_failed)
         yield
         ctx.state.shutdown()
+        ctx.grammars.shutdown()
 
     # /docs and /openapi.json list the routes; request bodies are read by parsing.py, not FastAPI.
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,

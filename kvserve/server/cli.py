@@ -52,6 +52,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="open HTTP connections; one more is answered 503 and closed (default: 1024)")
     g.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="let client text in chat requests (content, names, tools) spell control tokens such as <|im_start|> (default: it is text)")
+    g.add_argument("--grammar-cache-mib", type=float, default=64.0,
+                   help="memory for compiled structured-output grammars kept for reuse, least recently used "
+                        "dropped first (default: 64)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a request waits for its grammar to compile before a 400 (default: 10)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
@@ -128,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         max_connections=args.max_connections,
         special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
     )
@@ -168,6 +174,7 @@ def _check_limits(args: argparse.Namespace) -> None:
               "max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "max_body_mib": (0.001, None),
               "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
+              "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
               "max_connections": (1, None), "max_tokens_default": (1, None)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
@@ -192,4 +199,5 @@ def _load(args: argparse.Namespace) -> LLM:
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)
+    llm.engine.grammars.cache.resize(int(args.grammar_cache_mib * (1 << 20)))
     return llm
