@@ -124,6 +124,8 @@ class KVIndex:
                 self.mark_down(replica, f"/kv/events broke the rules: {e}")
             except (httpx.HTTPError, TimeoutError) as e:
                 log.debug("kv events of %s: %s", replica.url, e)
+            except Exception:  # noqa: BLE001 - following a replica must survive anything
+                log.exception("kv events of %s failed", replica.url)
             await asyncio.sleep(wait)
 
     async def _poll(self, replica: Replica) -> float:
