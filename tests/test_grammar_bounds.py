@@ -132,6 +132,39 @@ def test_slow_compiles_time_out_fill_only_their_own_pool_and_leave_when_their_re
     pool.shutdown()
 
 
+def test_a_client_that_leaves_takes_its_queued_compile_with_it(compiler):
+    compiler.limits = GrammarLimits(max_chars=1 << 30, max_rules=1 << 30)
+    compiler.compile(Constraint("json_object"))
+    pool = GrammarPool(threads=1, max_pending=4, timeout=30)
+
+    async def scenario():
+        gone = asyncio.Event()
+
+        async def receive() -> dict:  # the request's ASGI receive once its body was read
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        slow = asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", chain(1400, "s"), "guided_grammar")))
+        await asyncio.sleep(0.05)
+        behind = Constraint("grammar", 'root ::= "behind"', "guided_grammar")
+        leaving = asyncio.ensure_future(pool.compile(compiler, behind, receive))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        gone.set()
+        with pytest.raises(APIError) as left:
+            await leaving
+        answered = time.monotonic() - t0
+        await slow
+        return left.value, answered, behind
+
+    error, answered, behind = asyncio.run(scenario())
+    assert (error.status, error.code, error.message) == (400, "client_disconnected",
+                                                         "the client disconnected while its grammar compiled")
+    assert answered < 0.2  # at once, not after the compile ahead of it
+    assert pool.pending == 0 and not behind.compiled and not compiler.cached(Constraint("grammar", behind.value))
+    pool.shutdown()
+
+
 # -- a real server -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

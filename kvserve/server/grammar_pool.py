@@ -6,8 +6,8 @@ share, a few slow compiles would starve every other request while /health still 
   - compiles run on `threads` threads of their own; at most `max_pending` wait or run at once,
     one more request is answered 429 at once;
   - a request waits at most `timeout` seconds for its compile, then gets a 400 naming the limit;
-  - a request that ends (its client left, or the timeout) takes its compile off the queue if it
-    has not started. One that has started runs to its end (xgrammar cannot be interrupted),
+  - a request that ends (its client left — watched while it waits —, or the timeout) takes its
+    compile off the queue if it has not started. One that has started runs to its end (xgrammar cannot be interrupted),
     bounded by the size limits; it still counts against `max_pending` until then, and its
     result is kept in the cache for the next request that asks.
 """
@@ -18,6 +18,8 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from starlette.types import Receive
 
 from kvserve.errors import InvalidParam
 from kvserve.server.errors import APIError
@@ -41,9 +43,10 @@ class GrammarPool:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvserve-grammar")
         return self._executor
 
-    async def compile(self, compiler: Any, c: Constraint) -> None:
+    async def compile(self, compiler: Any, c: Constraint, receive: Receive | None = None) -> None:
         """Compile c for this request (it is pinned on c), or raise: InvalidParam (400) for a
-        constraint over the limits, too slow or invalid; APIError 429 when the pool is full."""
+        constraint over the limits, too slow or invalid; APIError 429 when the pool is full, 400
+        when the client left (`receive`: the request's ASGI receive, its body already read)."""
         if compiler.cached(c):
             return
         with self._lock:
@@ -53,17 +56,28 @@ class GrammarPool:
             self.pending += 1
         future = self._pool().submit(compiler.build, c)
         future.add_done_callback(self._done)
+        waiting = asyncio.wrap_future(future)
+        left = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
         try:
-            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
-        except TimeoutError:
-            future.cancel()
+            done, _ = await asyncio.wait({waiting, left} - {None}, timeout=self.timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if waiting in done:
+                waiting.result()  # the compile's own error, if any
+                return
+            waiting.cancel()  # a compile not yet started never starts
+            if left is not None and left in done:
+                log.info("a client left while its grammar (%s) compiled", c.param)
+                raise APIError(400, "the client disconnected while its grammar compiled", code="client_disconnected")
             self.timeouts += 1
             log.info("a grammar compile (%s) passed %g s: the request gets a 400", c.param, self.timeout)
             raise InvalidParam(c.param, f"{c.param} took longer than {self.timeout:g} s to compile, this server's "
-                               "limit (--grammar-compile-timeout): make it simpler") from None
-        except asyncio.CancelledError:  # the request ended: a compile not yet started never starts
-            future.cancel()
+                               "limit (--grammar-compile-timeout): make it simpler")
+        except asyncio.CancelledError:  # the request's task ended
+            waiting.cancel()
             raise
+        finally:
+            if left is not None:
+                left.cancel()
 
     def _done(self, future: Any) -> None:
         with self._lock:
@@ -72,3 +86,8 @@ class GrammarPool:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
