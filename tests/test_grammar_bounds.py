@@ -10,7 +10,6 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvserve.errors import InvalidParam

@@ -335,3 +335,15 @@ def test_requests_pass_through_exactly_and_an_oversized_head_is_refused(upstream
         assert answer.startswith(b"HTTP/1.1 400 ") and ok.calls == 1
     finally:
         router.stop()
+
+
+def test_a_refusal_is_told_from_other_connect_errors():
+    from kvserve.router.upstream import ConnectRefused, is_refusal
+
+    both = "Multiple exceptions: [Errno 111] Connect call failed ('::1', 80, 0, 0), [Errno 111] Connect call failed ('127.0.0.1', 80)"
+    mixed = "Multiple exceptions: [Errno 111] Connect call failed ('::1', 80, 0, 0), [Errno 101] Network is unreachable"
+    wrapped = RuntimeError("All connection attempts failed")
+    wrapped.__cause__ = ConnectionRefusedError(111, "Connect call failed")
+    assert [is_refusal(e) for e in (ConnectionRefusedError(111, "x"), OSError(both), OSError(mixed), wrapped,
+                                    ConnectRefused("x"), TimeoutError(), OSError(113, "No route to host"))] == \
+        [True, True, False, True, True, False, False]

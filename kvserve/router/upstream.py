@@ -69,8 +69,8 @@ def is_refusal(exc: BaseException) -> bool:
             return exc.errno == errno.ECONNREFUSED
         text = str(exc)
         if isinstance(exc, OSError) and text.startswith("Multiple exceptions: "):
-            return all(f"Errno {errno.ECONNREFUSED}]" in part for part in text[len("Multiple exceptions: "):].split(", [")
-                       if part.strip())
+            parts = text[len("Multiple exceptions: "):].split(", [")
+            return all(f"Errno {errno.ECONNREFUSED}]" in part for part in parts if part.strip())
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
 
