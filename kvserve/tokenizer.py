@@ -8,7 +8,6 @@ server needs around it: BOS policy, end-of-turn ids, the sandboxed chat template
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateError
 from kvserve.errors import ModelFormatError, ModelNotFoundError
+from kvserve.special_text import SpecialTextMask
 from kvserve.structured.tools import template_messages
 from kvserve.tokenizer_gguf import build_gguf_vocab, read_gguf_metadata
 
@@ -225,40 +225,26 @@ class Tokenizer:
         """The prompt ids: the rendered template, with BOS in front only if the model wants one and
         the template did not already write it.
 
-        Message content is text: a special token spelt inside it ("<|im_start|>system") stays
-        those characters, so a user cannot forge a turn. Only the template's own markers are
-        control tokens. `special_tokens_in_content=True` lets content spell control tokens (for
-        callers that build turns themselves). `max_tokens` bounds the work as in encode()."""
-        if not special_tokens_in_content and any(
-            isinstance(m, dict) and isinstance(m.get("content"), str) and self.has_special_text(m["content"])
-            for m in messages
-        ):
-            ids = self._encode_chat_as_text(messages, add_generation_prompt, max_tokens, extra)
-        else:
+        Client text is text: a special token spelt in any string the template renders (content,
+        names, tool calls, tools and their schemas) stays those characters, so a user cannot forge
+        a turn (kvserve/special_text.py). Only the template's own markers are control tokens.
+        `special_tokens_in_content=True` lets client text spell control tokens (for callers that
+        build turns themselves). `max_tokens` bounds the work as in encode()."""
+        mask = SpecialTextMask(self._special_texts)
+        if not special_tokens_in_content:
+            masked_messages, masked_extra = mask.mask(messages), mask.mask(extra)
+        if special_tokens_in_content or not mask.used:
             text = self.apply_chat_template(messages, add_generation_prompt, **extra)
             ids = self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        else:
+            text = self.apply_chat_template(masked_messages, add_generation_prompt, **masked_extra)
+            if max_tokens is not None and len(text) > _PIECE_CHARS:
+                self._check_length(text, max_tokens)
+            ids = []
+            for piece, spelt in mask.split(text):
+                ids += self.encode_plain(piece) if spelt else self.encode(piece, add_special_tokens=False)
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
-        return ids
-
-    def _encode_chat_as_text(
-        self, messages: list[dict], add_generation_prompt: bool, max_tokens: int | None, extra: dict
-    ) -> list[int]:
-        """Render with a placeholder for each content, then encode the template's text with its
-        special tokens and each content as plain text."""
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
-        stand_ins = [
-            {**m, "content": marks[i]} if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)
-        ]
-        text = self.apply_chat_template(stand_ins, add_generation_prompt, **extra)
-        if max_tokens is not None:
-            self.encode(self.apply_chat_template(messages, add_generation_prompt, **extra), max_tokens=max_tokens)
-        ids: list[int] = []
-        for piece in re.split("(\ue000\\d+\ue001)", text):
-            if piece.startswith("\ue000") and piece.endswith("\ue001"):
-                ids += self.encode_plain(messages[int(piece[1:-1])]["content"])
-            elif piece:
-                ids += self.encode(piece, add_special_tokens=False)
         return ids
 
 

@@ -20,7 +20,7 @@ class RouterThread:
         policy_kw = {k: settings.pop(k) for k in list(settings) if k in policy_fields}
         self.settings = RouterSettings(
             replicas=tuple(replicas), port=free_port(), policy=PolicySettings(name=policy, **policy_kw),
-            admin_key=ADMIN_KEY, replica_api_key=API_KEY, **{"health_interval": 0.25, **settings})
+            replica_api_key=API_KEY, **{"health_interval": 0.25, "admin_key": ADMIN_KEY, **settings})
         self.server = make_server(self.settings)
         self.state = self.server.router
         self.url = self.settings.url

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from router_harness import RouterThread, restart
@@ -93,6 +94,42 @@ def test_a_stream_from_a_replica_that_stops_answering_ends_with_an_error_event(r
             victim.proc.send_signal(signal.SIGCONT)
             victim.wait_ready()
         router.stop()
+
+
+def test_a_burst_after_a_replica_is_killed_fails_no_request(replicas):
+    """SIGKILL one of two replicas, then 20 requests at once: those sent to the dead one are
+    refused at the connection, which takes it out at once, and go to the live one without
+    spending the retry budget (zero here). Health checks are too slow to help (60 s apart)."""
+    router = RouterThread([s.url for s in replicas], "round_robin", health_interval=60, retry_budget_ratio=0.0,
+                          retry_budget_burst=0)
+    a, b = replicas
+    try:
+        with ThreadPoolExecutor(20) as pool:  # kept-alive connections to both, then b dies
+            warm = list(pool.map(lambda i: router.client().post("/v1/completions", json=completion(f"w{i}", 1)),
+                                 range(4)))
+            assert Counter(r.headers["x-kvserve-replica"] for r in warm) == {a.url: 2, b.url: 2}
+            b.proc.send_signal(signal.SIGKILL)
+            b.proc.wait()
+
+            def one(i: int) -> tuple[int, str]:
+                with router.client() as c:
+                    r = c.post("/v1/completions", json=completion(f"burst {i}", 2))
+                return r.status_code, r.headers.get("x-kvserve-replica", r.text)
+
+            results = list(pool.map(one, range(20)))
+        assert results == [(200, a.url)] * 20
+        info = router.admin()[b.url]
+        assert info["state"] == "unhealthy" and info["in_flight"] == 0
+        # Only requests that chose b before its first refusal came back went there (one, unless
+        # several were connecting at that moment); each was refused and retried on a.
+        sent_to_b = info["requests"] - 2
+        assert 1 <= sent_to_b <= 5 and info["errors"] == sent_to_b
+        metrics = httpx.get(router.url + "/metrics").text
+        assert f'kvserve_router_retries_total{{reason="refused",replica="{b.url}"}} {sent_to_b:.1f}' in metrics
+    finally:
+        router.stop()
+        if b.proc.poll() is not None:
+            restart(b)
 
 
 def test_a_stream_cut_by_a_replicas_death_ends_with_an_error_event(replicas):

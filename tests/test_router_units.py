@@ -230,12 +230,14 @@ def test_429_is_retried_elsewhere_and_its_retry_after_honoured(upstreams):
         router.stop()
 
 
-def test_connect_errors_are_retried_and_open_the_circuit_breaker(upstreams):
+def test_a_refused_connection_takes_the_replica_out_at_once_and_spends_no_retry_budget(upstreams):
     ok = upstreams[0]
     dead = f"http://127.0.0.1:{free_port()}"
-    router = RouterThread([ok.url], "round_robin", health_interval=60, breaker_failures=2, breaker_cooldown=60)
+    # No retry budget and no retries at all: a request that never reached a replica needs neither.
+    router = RouterThread([ok.url], "round_robin", health_interval=60, max_retries=0, retry_budget_ratio=0.0,
+                          retry_budget_burst=0)
     try:
-        # A replica that passed its checks, then vanished: requests to it fail before any byte.
+        # A replica that passed its checks, then vanished: nothing listens on its port.
         with httpx.Client() as admin_client:
             admin_client.post(router.url + "/admin/replicas", json={"url": dead},
                               headers={"Authorization": "Bearer admin-key"})
@@ -244,11 +246,56 @@ def test_connect_errors_are_retried_and_open_the_circuit_breaker(upstreams):
         with router.client() as c:
             assert [c.post("/v1/completions", json={"prompt": "x"}).status_code for _ in range(6)] == [200] * 6
         info = router.admin()[dead]
-        assert info["breaker"] == "open" and info["errors"] == 2  # tried twice, then the breaker kept it out
+        assert (info["state"], info["errors"], info["breaker"]) == ("unhealthy", 1, "closed")  # out at the first refusal
+        assert ok.calls == 6 and router.state.budget.tokens == 0.0
         metrics = httpx.get(router.url + "/metrics").text
-        assert f'kvserve_router_retries_total{{reason="connect",replica="{dead}"}} 2.0' in metrics
+        assert f'kvserve_router_retries_total{{reason="refused",replica="{dead}"}} 1.0' in metrics
     finally:
         router.stop()
+
+
+class Dropper:
+    """A replica on loopback that accepts connections and closes each one unanswered."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            conn.recv(65536)
+            conn.close()
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+def test_requests_cut_before_an_answer_are_retried_and_open_the_circuit_breaker(upstreams):
+    ok, dropper = upstreams[0], Dropper()
+    router = RouterThread([ok.url], "round_robin", health_interval=60, breaker_failures=2, breaker_cooldown=60)
+    try:
+        with httpx.Client() as admin_client:
+            admin_client.post(router.url + "/admin/replicas", json={"url": dropper.url},
+                              headers={"Authorization": "Bearer admin-key"})
+        replica = next(r for r in router.state.replicas if r.url == dropper.url)
+        replica.state = HEALTHY
+        with router.client() as c:
+            assert [c.post("/v1/completions", json={"prompt": "x"}).status_code for _ in range(6)] == [200] * 6
+        info = router.admin()[dropper.url]
+        assert info["breaker"] == "open" and info["errors"] == 2  # tried twice, then the breaker kept it out
+        assert info["state"] == "healthy"  # it accepts connections: only its checks can take it out
+        metrics = httpx.get(router.url + "/metrics").text
+        assert f'kvserve_router_retries_total{{reason="connect",replica="{dropper.url}"}} 2.0' in metrics
+    finally:
+        router.stop()
+        dropper.stop()
 
 
 def test_no_healthy_replica_is_a_503_with_an_openai_body():
@@ -288,3 +335,15 @@ def test_requests_pass_through_exactly_and_an_oversized_head_is_refused(upstream
         assert answer.startswith(b"HTTP/1.1 400 ") and ok.calls == 1
     finally:
         router.stop()
+
+
+def test_a_refusal_is_told_from_other_connect_errors():
+    from kvserve.router.upstream import ConnectRefused, is_refusal
+
+    both = "Multiple exceptions: [Errno 111] Connect call failed ('::1', 80, 0, 0), [Errno 111] Connect call failed ('127.0.0.1', 80)"
+    mixed = "Multiple exceptions: [Errno 111] Connect call failed ('::1', 80, 0, 0), [Errno 101] Network is unreachable"
+    wrapped = RuntimeError("All connection attempts failed")
+    wrapped.__cause__ = ConnectionRefusedError(111, "Connect call failed")
+    assert [is_refusal(e) for e in (ConnectionRefusedError(111, "x"), OSError(both), OSError(mixed), wrapped,
+                                    ConnectRefused("x"), TimeoutError(), OSError(113, "No route to host"))] == \
+        [True, True, False, True, True, False, False]

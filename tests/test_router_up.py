@@ -34,7 +34,8 @@ def test_up_starts_replicas_and_a_router_and_stops_them_all_on_sigterm(tmp_path_
            "--kv-cache-gib", "0.01", "--policy", "round_robin"]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_API_KEY": ""})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "KVSERVE_API_KEY": "",
+                                     "KVSERVE_ROUTER_ADMIN_KEY": ""})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -51,6 +52,10 @@ def test_up_starts_replicas_and_a_router_and_stops_them_all_on_sigterm(tmp_path_
         replicas = {httpx.post(url + "/v1/completions", json=body, timeout=30).headers["x-kvserve-replica"]
                     for _ in range(2)}
         assert replicas == {f"http://127.0.0.1:{port + 1}", f"http://127.0.0.1:{port + 2}"}
+        # No --admin-key given: `up` made one, so the admin API is closed even to loopback clients.
+        r = httpx.post(url + "/admin/replicas", json={"url": "http://127.0.0.1:1"}, timeout=5)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "one was made for this run and handed to the replicas" in log_path.read_text()
         text = log_path.read_text()
         pids = [int(p) for p in re.findall(r"thread\(s\), pid (\d+)\)", text)]
         assert len(pids) == 2 and "1 thread(s)" in text  # 2 threads divided between 2 servers

@@ -31,6 +31,7 @@ from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
 from kvserve.server.errors import APIError, install_handlers
+from kvserve.server.hosts import host_error
 
 log = logging.getLogger("kvserve.router")
 PROXIED_METHODS = ["GET", "POST", "DELETE"]
@@ -59,8 +60,12 @@ class RouterApp:
     def __init__(self, api: FastAPI, state: RouterState) -> None:
         self.api = api
         self.state = state
+        self.allowed_hosts = state.settings.allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.allowed_hosts and (error := host_error(scope, self.allowed_hosts)) is not None:
+            await error.response()(scope, receive, send)  # --allowed-hosts: before any route
+            return
         if scope["type"] == "http":
             path, method = scope["path"], scope["method"]
             if (method in PROXIED_METHODS and path.startswith("/v1/")) or (method == "POST" and path in PROXIED_PATHS):

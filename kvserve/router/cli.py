@@ -23,6 +23,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"cache_aware: shorter matches do not count (default: {_P.min_match_tokens})")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
                    help="Bearer key of /admin/replicas (default: $KVSERVE_ROUTER_ADMIN_KEY; none: loopback only)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host header names answered, e.g. localhost,127.0.0.1,*.internal; others "
+                        "get 400 (against DNS rebinding; default: any)")
     p.add_argument("--replica-api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="the replicas' API key, for the router's own calls to /kv/events (default: $KVSERVE_API_KEY)")
     p.add_argument("--health-interval", type=float, default=_R.health_interval,
@@ -35,6 +38,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"other replicas tried when one fails before the first byte (default: {_R.max_retries})")
     p.add_argument("--max-concurrent-requests", type=int, default=_R.max_concurrent_requests,
                    help=f"more get 503 (default: {_R.max_concurrent_requests})")
+    p.add_argument("--header-timeout", type=float, default=_R.header_timeout,
+                   help=f"seconds a client has to send a request's headers (default: {_R.header_timeout:g})")
+    p.add_argument("--max-connections", type=int, default=_R.max_connections,
+                   help=f"open client connections; more are answered 503 and closed (default: {_R.max_connections})")
     p.add_argument("--read-timeout", type=float, default=_R.read_timeout,
                    help=f"seconds of silence from a replica before its answer is given up (default: {_R.read_timeout:g})")
     p.add_argument("--drain-timeout", type=float, default=_R.drain_timeout,
@@ -53,10 +60,10 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterSettings:
-    for name in ("health_interval", "read_timeout", "drain_timeout", "balance_rel"):
+    for name in ("health_interval", "header_timeout", "read_timeout", "drain_timeout", "balance_rel"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ("unhealthy_after", "healthy_after", "max_concurrent_requests"):
+    for name in ("unhealthy_after", "healthy_after", "max_concurrent_requests", "max_connections"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("max_retries", "balance_abs_tokens", "min_match_tokens"):
@@ -65,13 +72,16 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
     policy = PolicySettings(name=args.policy, cache_source=args.cache_source, balance_abs_tokens=args.balance_abs_tokens,
                             balance_rel=args.balance_rel, min_match_tokens=args.min_match_tokens)
     from kvserve.router.replicas import ReplicaSet
+    from kvserve.server.hosts import parse_allowed_hosts
 
     return RouterSettings(
         replicas=tuple(ReplicaSet.normalize(u) for u in replicas), host=args.host, port=args.port, policy=policy,
         admin_key=args.admin_key or None, replica_api_key=args.replica_api_key or None,
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts),
         health_interval=args.health_interval, unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
         max_retries=args.max_retries, max_concurrent_requests=args.max_concurrent_requests,
-        read_timeout=args.read_timeout, drain_timeout=args.drain_timeout,
+        read_timeout=args.read_timeout, drain_timeout=args.drain_timeout, header_timeout=args.header_timeout,
+        max_connections=args.max_connections,
     )
 
 
@@ -82,10 +92,10 @@ def make_server(settings: RouterSettings, access_log: bool = False):
     from kvserve.router.http import http_options
 
     app = build_router_app(settings)
-    # uvicorn's own connection cap is a backstop past the router's 503 (max_concurrent_requests).
+    # The protocol's connection cap (a JSON 503) is a backstop past the router's 503 (max_concurrent_requests).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
                             timeout_graceful_shutdown=2, server_header=False,
-                            limit_concurrency=2 * settings.max_concurrent_requests + 64, **http_options(64 << 10))
+                            **http_options(64 << 10, settings.header_timeout, settings.max_connections))
     return RouterServer(config, app.state)
 
 

@@ -9,17 +9,23 @@ Between routing a request and the replica publishing its blocks (its prefill plu
 the router would not know them yet; a burst of requests with a new shared prefix would then
 scatter. So the blocks of a routed prompt count as "pending" on that replica while the request
 is in flight and for a short grace after, until the replica's own events confirm or drop them.
+
+What a replica says is bounded (kvserve/router/kv_page.py): its answer's bytes, the hashes it
+may hold, the shape of every field; the body is parsed on a worker thread. A replica that
+breaks a rule is taken out (`mark_down`, with a log line) and its blocks forgotten.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 from kvserve.kv.block_pool import hash_block
+from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
 from kvserve.tokenizer import Tokenizer
@@ -64,9 +70,13 @@ class ReplicaBlocks:
 
 class KVIndex:
     def __init__(self, client: httpx.AsyncClient, poll_interval: float, api_key: str | None,
-                 pending_grace: float = 1.0) -> None:
+                 pending_grace: float = 1.0, max_bytes: int = 24 << 20, max_held: int = 1 << 18,
+                 mark_down: Callable[[Replica, str], None] = lambda replica, why: None) -> None:
         self.client = client
         self.poll_interval = poll_interval
+        self.max_bytes = max_bytes  # of one /kv/events answer
+        self.max_held = max_held  # block hashes one replica may say it holds
+        self.mark_down = mark_down
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
         self.blocks: dict[Replica, ReplicaBlocks] = {}
@@ -106,37 +116,47 @@ class KVIndex:
                 continue
             try:
                 wait = await self._poll(replica)
-            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            except BrokenRule as e:
+                self.blocks.pop(replica, None)
+                replica.extra["kv_events"] = f"broke the rules: {e}"
+                replica.extra["blocks_held"] = 0
+                log.warning("%s: its /kv/events broke the rules (%s): taken out", replica.url, e)
+                self.mark_down(replica, f"/kv/events broke the rules: {e}")
+            except (httpx.HTTPError, TimeoutError) as e:
                 log.debug("kv events of %s: %s", replica.url, e)
+            except Exception:  # noqa: BLE001 - following a replica must survive anything
+                log.exception("kv events of %s failed", replica.url)
             await asyncio.sleep(wait)
 
     async def _poll(self, replica: Replica) -> float:
         b = self.blocks.get(replica)
-        r = await self.client.get(replica.url + "/kv/events", params={"since": b.seq if b else 0},
-                                  headers=self.headers, timeout=5.0)
-        if r.status_code == 404:  # an older kvserve, or another server: the text tree it is
-            replica.extra["kv_events"] = "not published"
-            return 30.0
-        if r.status_code in (401, 403):
-            replica.extra["kv_events"] = f"refused ({r.status_code}): give the router --replica-api-key"
-            return 5.0
-        if r.status_code != 200:
-            return self.poll_interval
-        data = r.json()
+        async with asyncio.timeout(10.0):  # the whole answer, however slowly it trickles
+            async with self.client.stream("GET", replica.url + "/kv/events", params={"since": b.seq if b else 0},
+                                          headers=self.headers, timeout=5.0) as r:
+                if r.status_code == 404:  # an older kvserve, or another server: the text tree it is
+                    replica.extra["kv_events"] = "not published"
+                    return 30.0
+                if r.status_code in (401, 403):
+                    replica.extra["kv_events"] = f"refused ({r.status_code}): give the router --replica-api-key"
+                    return 5.0
+                if r.status_code != 200:
+                    return self.poll_interval
+                body = await read_body(r, self.max_bytes)
+        page = await asyncio.to_thread(parse_page, body, self.max_held)
+        data = page.fields
         if not data.get("caching", True):
             replica.extra["kv_events"] = "prefix caching off"
             self.blocks.pop(replica, None)
             return 30.0
         if b is None or b.instance != data["instance"] or b.model != data["model"]:
-            b = ReplicaBlocks(data["model"], int(data["block_size"]), data["instance"])
+            b = ReplicaBlocks(data["model"], data["block_size"], data["instance"])
             self.blocks[replica] = b
             await self._load_tokenizer(b.model, replica)
-        if "held" in data:
-            b.held = {bytes.fromhex(h) for h in data["held"]}
+        if page.held is not None:
+            b.held = page.held
         else:
-            for _, kind, h in data["events"]:
-                (b.held.add if kind == "+" else b.held.discard)(bytes.fromhex(h))
-        b.seq = int(data["seq"])
+            await asyncio.to_thread(apply_events, b.held, page.events, self.max_held)
+        b.seq = data["seq"]
         now = time.monotonic()
         for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
             del b.pending[h]

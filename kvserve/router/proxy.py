@@ -29,7 +29,7 @@ from kvserve.router.policies import Decision
 from kvserve.router.replicas import Load, Replica
 from kvserve.router.request import RoutedRequest, parse_request
 from kvserve.router.state import RouterState
-from kvserve.router.upstream import ConnectTimeout, ReadTimeout, UpstreamError
+from kvserve.router.upstream import ConnectError, ConnectRefused, ConnectTimeout, ReadTimeout, UpstreamError
 from kvserve.router.upstream import Response as Answer
 from kvserve.server.errors import APIError, ErrorResponse
 
@@ -171,12 +171,12 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
     method = scope["method"].encode()
     tried: set[Replica] = set()
     last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # a 429/503 to pass on
-    for attempt_no in range(s.max_retries + 1):
-        candidates = state.replicas.eligible(tried)
-        if not candidates:
-            break
-        if attempt_no > 0:
-            delay = min(s.backoff_max, s.backoff_base * 2 ** (attempt_no - 1)) * random.uniform(0.5, 1.0)
+    retries = 0  # after real failures: at most max_retries, each paid from the retry budget
+    backoff = False  # the next try waits: the last one failed for real
+    while candidates := state.replicas.eligible(tried):
+        if backoff:
+            backoff = False
+            delay = min(s.backoff_max, s.backoff_base * 2 ** (retries - 1)) * random.uniform(0.5, 1.0)
             await asyncio.sleep(delay)
             candidates = state.replicas.eligible(tried) or candidates
         attempt = Attempt(state, state.policy.choose(candidates, req), req, prompt_tokens, max_tokens)
@@ -190,7 +190,17 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         except ConnectTimeout as e:  # connecting, or waiting for a free connection: nothing was sent
             attempt.failed("timeout", f"{type(e).__name__}: {e}")
             reason = "connect"
-        except UpstreamError as e:  # no connection, or it closed before the answer's head (a replica that died)
+        except ConnectError as e:  # no connection (refused: nothing listens there): the request never reached it
+            attempt.failed("connect", f"{type(e).__name__}: {e}")
+            if isinstance(e, ConnectRefused):
+                state.mark_down(replica, "a request's connection was refused")
+            # Another replica gets it at once, free: neither max_retries nor the retry budget,
+            # which are for requests a replica may have seen. `tried` bounds these tries.
+            if state.replicas.eligible(tried):
+                state.metrics.child(state.metrics.retries, replica.url, "refused" if isinstance(
+                    e, ConnectRefused) else "connect").inc()
+            continue
+        except UpstreamError as e:  # it closed before the answer's head (a replica that died)
             attempt.failed("connect", f"{type(e).__name__}: {e}")
             reason = "connect"
         except BaseException:  # cancelled: the client left while the replica was connecting
@@ -218,11 +228,13 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                 replica.request_failed(s, "answered 503")
             attempt.end()
             reason = str(upstream.status)
-        if attempt_no < s.max_retries and state.replicas.eligible(tried):
-            if not state.budget.try_spend():
-                log.warning("retry budget spent: not retrying %s", scope["path"])
-                break
-            state.metrics.child(state.metrics.retries, replica.url, reason).inc()
+        if retries >= s.max_retries or not state.replicas.eligible(tried):
+            break
+        if not state.budget.try_spend():
+            log.warning("retry budget spent: not retrying %s", scope["path"])
+            break
+        retries, backoff = retries + 1, True
+        state.metrics.child(state.metrics.retries, replica.url, reason).inc()
     state.end()
     if last is not None:  # every replica tried said 429 or 503: the client sees the last one's own answer
         status, raw, content = last

@@ -1,7 +1,9 @@
 """The replicas a router sends to: state (health, circuit breaker, Retry-After), load, counters.
 
 A replica is eligible for new work when its health checks pass, its circuit breaker is not open
-and no 429 told the router to wait. Load is what the router itself put there: requests in
+and no 429 told the router to wait. A refused connection (a health check's or a request's) takes
+it out at once, since nothing listens on its port, and so does breaking the /kv/events rules
+(kvserve/router/kv_page.py). Load is what the router itself put there: requests in
 flight and outstanding tokens (prompt tokens plus the tokens still to be generated), since a
 replica's own queue figures would reach the router late.
 """
@@ -113,6 +115,16 @@ class Replica:
                 self.state = UNHEALTHY
                 return UNHEALTHY
         return None
+
+    def mark_down(self, why: str) -> bool:
+        """Out now, not after `unhealthy_after` checks: its host refused a connection (nothing
+        listens there) or it broke the /kv/events rules. Passed checks bring it back. Whether it
+        was in before."""
+        self.passes, self.fails, self.last_error = 0, self.fails + 1, why
+        if self.state == HEALTHY:
+            self.state = UNHEALTHY
+            return True
+        return False
 
     def describe(self, now: float) -> dict:
         return {

@@ -33,6 +33,11 @@ class PolicySettings:
     tree_max_chunks: int = 16384
     # How often the router reads each replica's /kv/events (seconds).
     kv_poll_interval: float = 0.1
+    # What a replica's /kv/events may say: block hashes held (256 Ki: a pool of 4 Mi tokens in
+    # 16-token blocks; ~25 MiB of the router's memory) and bytes per answer (a snapshot of that
+    # many is ~17 MiB). A replica past either is taken out (kvserve/router/kv_page.py).
+    kv_max_held: int = 1 << 18
+    kv_max_bytes: int = 24 << 20
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class RouterSettings:
     port: int = 8000
     policy: PolicySettings = field(default_factory=PolicySettings)
     admin_key: str | None = None  # Bearer key of /admin/*; without one only loopback clients may use it
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
     replica_api_key: str | None = None  # sent to replicas on the router's own calls (/kv/events)
     # Health: a replica failing `unhealthy_after` checks in a row is out; `healthy_after` passes bring it back.
     health_interval: float = 1.0
@@ -64,6 +70,12 @@ class RouterSettings:
     max_body_bytes: int = 4 << 20
     max_headers: int = 100
     max_concurrent_requests: int = 1024
+    # Seconds a client has to send a request's headers (from the connection's opening, or the
+    # previous answer on a keep-alive one): clients trickling header bytes lose their connection.
+    header_timeout: float = 10.0
+    # Open client connections; one more is answered 503 and closed. Room for every concurrent
+    # request and as many idle keep-alive connections, plus a few.
+    max_connections: int = 2112
     upstream_connections: int = 512
     connect_timeout: float = 2.0
     # Longest silence between two chunks of a replica's answer before the router gives up on it.

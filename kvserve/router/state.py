@@ -17,7 +17,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
 from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet
 from kvserve.router.settings import RouterSettings
-from kvserve.router.upstream import Upstream, make_client
+from kvserve.router.upstream import Upstream, is_refusal, make_client
 
 log = logging.getLogger("kvserve.router")
 KEEP_DECISIONS = 50  # routing decisions the page at / shows (bounded memory)
@@ -68,7 +68,9 @@ class RouterState:
         self.client = make_client(limits, timeout)
         self.upstream = Upstream(s.upstream_connections, s.connect_timeout, s.read_timeout)
         if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
-            self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key)
+            self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key,
+                                 max_bytes=s.policy.kv_max_bytes, max_held=s.policy.kv_max_held,
+                                 mark_down=self.mark_down)
         self.policy = make_policy(s.policy, self.index)
         await self.check_all()  # know who is up before the first request
         for r in self.replicas:
@@ -131,14 +133,24 @@ class RouterState:
             self.index.follow(replica)
 
     # -- health -----------------------------------------------------------------------------
+    def mark_down(self, replica: Replica, why: str) -> None:
+        """Out at once (kvserve/router/replicas.py): a refused connection, a broken /kv/events rule."""
+        if replica.mark_down(why):
+            log.warning("replica out: %s (%s)", replica.url, why)
+            self.policy.forget(replica)
+
     async def check(self, replica: Replica) -> None:
-        reachable = True
+        reachable, refused = True, False
         try:
             r = await self.client.get(replica.url + "/health", timeout=self.settings.health_timeout)
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
-            ok, why, reachable = False, f"/health: {type(e).__name__}: {e}", False
-        changed = replica.health_result(ok, self.settings, None if ok else why)
+            ok, why, reachable, refused = False, f"/health: {type(e).__name__}: {e}", False, is_refusal(e)
+        if refused:
+            self.mark_down(replica, why)
+            changed = None
+        else:
+            changed = replica.health_result(ok, self.settings, None if ok else why)
         if changed == HEALTHY:
             log.info("replica in: %s", replica.url)
         elif changed == UNHEALTHY:

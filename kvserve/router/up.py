@@ -5,6 +5,8 @@ engines step in parallel instead of contending for one). Each server's log is pr
 number. The first Ctrl-C or SIGTERM drains the router (requests in flight finish), then each
 server drains in turn, and the command exits 0 with no process left; a second signal hurries
 it. The servers die with this process even if it is killed outright (PR_SET_PDEATHSIG, Linux).
+Without --admin-key a random admin key is made for the run (the router's admin API is never
+open), and handed to the servers as $KVSERVE_ROUTER_ADMIN_KEY.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import argparse
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -72,6 +75,8 @@ class Replicas:
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
             if a.api_key:
                 env["KVSERVE_API_KEY"] = a.api_key
+            if a.admin_key:  # the router's: a replica that (re)joins with --join needs it
+                env["KVSERVE_ROUTER_ADMIN_KEY"] = a.admin_key
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                                     start_new_session=True, preexec_fn=_die_with_parent)
             threading.Thread(target=_prefix_lines, args=(proc, f"[replica {i + 1}] "), daemon=True).start()
@@ -130,6 +135,11 @@ def run_up(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.api_key and not args.replica_api_key:
         args.replica_api_key = args.api_key  # the router reads the servers' /kv/events with it
+    if not args.admin_key:  # the admin API is never open without a key under `up`
+        args.admin_key = secrets.token_urlsafe(24)
+        print("kvserve up: the router's admin API needs a key; none was given, so one was made for this run and "
+              "handed to the replicas (set --admin-key or $KVSERVE_ROUTER_ADMIN_KEY to use /admin/replicas "
+              "yourself)", file=sys.stderr, flush=True)
     replicas, rc = Replicas(args), 0
     previous = signal.signal(signal.SIGTERM, _interrupt)  # until the router takes over the signals
     try:

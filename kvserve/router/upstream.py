@@ -17,12 +17,14 @@ first byte. What is left here:
   task or future per chunk); past 64 KiB queued the connection stops reading, so a slow client
   slows the replica's socket instead of growing the router's memory;
 - errors that tell the proxy what it may do: `ConnectError` / `ConnectTimeout` (nothing was
-  sent: another replica may have the request), `ReadTimeout` (no byte for `read_timeout`: the
+  sent: another replica may have the request; `ConnectRefused`: nothing listens there, the
+  replica is down), `ReadTimeout` (no byte for `read_timeout`: the
   replica may be working on it), `ConnectionLost` (closed before or during the answer).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 from collections import deque
 from urllib.parse import urlsplit
@@ -49,6 +51,28 @@ class UpstreamError(Exception):
 
 class ConnectError(UpstreamError):
     """No connection could be made: nothing was sent."""
+
+
+class ConnectRefused(ConnectError):
+    """The replica's host refused the connection: nothing listens on its port (it died or stopped)."""
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """Whether a connect error (ours, asyncio's or httpx's) was a refused connection: the first
+    OS error along its causes decides; asyncio's "Multiple exceptions" (one per address of a host
+    name) counts when every address refused."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, ConnectRefused):
+            return True
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno == errno.ECONNREFUSED
+        text = str(exc)
+        if isinstance(exc, OSError) and text.startswith("Multiple exceptions: "):
+            parts = text[len("Multiple exceptions: "):].split(", [")
+            return all(f"Errno {errno.ECONNREFUSED}]" in part for part in parts if part.strip())
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 class ConnectTimeout(ConnectError, TimeoutError):
@@ -303,7 +327,8 @@ class Pool:
         try:
             _, conn = await self.loop.create_connection(lambda: Connection(self), self.host, self.port, ssl=self.ssl)
         except OSError as e:
-            raise ConnectError(f"cannot connect to {self.origin}: {e}") from None
+            kind = ConnectRefused if is_refusal(e) else ConnectError
+            raise kind(f"cannot connect to {self.origin}: {e}") from None
         conn.in_use = True
         self.open.add(conn)
         return conn

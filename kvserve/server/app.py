@@ -26,6 +26,8 @@ from kvserve.engine.engine import EngineStats
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server.errors import APIError, from_invalid, install_handlers
+from kvserve.server.grammar_pool import GrammarPool
+from kvserve.server.hosts import HostAllowList
 from kvserve.server import insight
 from kvserve.server.generation import EngineClient
 from kvserve.server.kv_events import add_kv_event_routes
@@ -50,6 +52,7 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # Bearer token for every route but /health and /metrics
     allowed_origins: tuple[str, ...] = ()  # CORS stays off while empty
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
     # Sequences that may wait beyond the engine's max_num_seqs running ones; more get 429.
     max_queued_requests: int = 256
     max_n: int = 8  # completions per request
@@ -64,6 +67,7 @@ class ServerSettings:
     header_timeout: float = 10.0  # seconds a client has to send a request's headers
     max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
     special_tokens_in_messages: bool = False  # let chat content spell control tokens
+    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar (kvserve/server/grammar_pool.py)
     # For sampling fields a request leaves out: the model's recommendation or the server's
     # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
     sampling_defaults: SamplingDefaults | None = None
@@ -85,11 +89,19 @@ class ServerContext:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.state = ServerState(settings)
-        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests)
-        self.client = EngineClient(self.state, self.metrics)
+        self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
+        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
+        self.client = EngineClient(self.state, self.metrics, self.grammars)
 
     def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None
+
+    def _grammar_stats(self) -> dict[str, float] | None:
+        if self.state.llm is None:
+            return None
+        cache = self.state.llm.engine.grammars.cache
+        return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
+                "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
     async def parse(self, request: Request, model: type) -> object:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)
@@ -154,6 +166,7 @@ def build_app(
             app.state.loader = ctx.state.load_in_background(load, load_failed)
         yield
         ctx.state.shutdown()
+        ctx.grammars.shutdown()
 
     # /docs and /openapi.json list the routes; request bodies are read by parsing.py, not FastAPI.
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
@@ -166,6 +179,8 @@ def build_app(
     if settings.allowed_origins:  # outermost, so even a 401 carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
+    if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
+        app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     insight.add_routes(app, ctx)

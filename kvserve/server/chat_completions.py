@@ -49,7 +49,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
     try:
         ids = await ctx.client.encode_chat(messages, req.add_generation_prompt, **({"tools": tools} if tools else {}))
-        ids = (await ctx.client.tokenize([ids], params))[0]
+        ids = (await ctx.client.tokenize([ids], params, request.receive))[0]
     except ValueError as e:  # the template refused the messages, or the prompt does not fit
         admission.release()
         raise from_invalid(e, renames) from None

@@ -26,6 +26,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require Authorization: Bearer <key> (default: $KVSERVE_API_KEY; /health and /metrics stay open)")
     p.add_argument("--allowed-origins", default="", help="comma-separated origins for CORS (default: CORS off)")
+    p.add_argument("--allowed-hosts", default="",
+                   help="comma-separated Host header names answered, e.g. localhost,127.0.0.1,*.internal; others "
+                        "get 400 (against DNS rebinding; default: any)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-queued-requests", type=int, default=256,
                    help="sequences that may wait beyond --max-num-seqs running ones; more get 429 (default: 256)")
@@ -48,7 +51,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-connections", type=int, default=1024,
                    help="open HTTP connections; one more is answered 503 and closed (default: 1024)")
     g.add_argument("--allow-special-tokens-in-messages", action="store_true",
-                   help="let chat message content spell control tokens such as <|im_start|> (default: it is text)")
+                   help="let client text in chat requests (content, names, tools) spell control tokens such as <|im_start|> (default: it is text)")
+    g.add_argument("--grammar-cache-mib", type=float, default=64.0,
+                   help="memory for compiled structured-output grammars kept for reuse, least recently used "
+                        "dropped first (default: 64)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="seconds a request waits for its grammar to compile before a 400 (default: 10)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
@@ -98,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import ServerSettings, build_app
+    from kvserve.server.hosts import parse_allowed_hosts
     from kvserve.server.http import guarded_protocol
     from kvserve.server.lifecycle import DrainingServer, exit_now
 
@@ -118,6 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         api_key=args.api_key or None,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        allowed_hosts=parse_allowed_hosts(args.allowed_hosts),
         max_queued_requests=args.max_queued_requests,
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
@@ -131,6 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         header_timeout=args.header_timeout,
         max_connections=args.max_connections,
         special_tokens_in_messages=args.allow_special_tokens_in_messages,
+        grammar_compile_timeout=args.grammar_compile_timeout,
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
     )
@@ -171,6 +182,7 @@ def _check_limits(args: argparse.Namespace) -> None:
               "max_num_seqs": (1, None), "max_num_batched_tokens": (1, None), "max_body_mib": (0.001, None),
               "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
+              "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
               "max_connections": (1, None), "max_tokens_default": (1, None)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
@@ -195,4 +207,5 @@ def _load(args: argparse.Namespace) -> LLM:
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)
+    llm.engine.grammars.cache.resize(int(args.grammar_cache_mib * (1 << 20)))
     return llm

@@ -40,7 +40,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     prompts = _prompts(req.prompt)
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
-        ids = await ctx.client.tokenize(prompts, params)
+        ids = await ctx.client.tokenize(prompts, params, request.receive)
     except ValueError as e:
         admission.release()
         raise from_invalid(e) from None

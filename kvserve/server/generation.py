@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from starlette.types import Receive
+
 from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, StreamStalledError
 from kvserve.errors import InvalidParam
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError
+from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.metrics import ServerMetrics
 from kvserve.tokenizer import PromptTooLong
 from kvserve.server.lifecycle import ServerState
@@ -43,13 +46,19 @@ class Job:
 
 
 class EngineClient:
-    def __init__(self, state: ServerState, metrics: ServerMetrics) -> None:
+    def __init__(self, state: ServerState, metrics: ServerMetrics, grammars: GrammarPool) -> None:
         self.state = state
         self.metrics = metrics
+        self.grammars = grammars
 
-    async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> list[list[int]]:
+    async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams,
+                       receive: Receive | None = None) -> list[list[int]]:
         """Token ids of each prompt, checked against the context and the KV pool (InvalidParam if
-        not). On a worker thread; a long prompt is refused after about a context's worth of it."""
+        not). On a worker thread; a long prompt is refused after about a context's worth of it.
+        A constraint is compiled first, on the grammar pool (kvserve/server/grammar_pool.py),
+        given up if the client leaves (`receive`: the request's, its body read)."""
+        if params.constraint is not None:
+            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
         return await self.state.engine.validate_all(prompts, params)
 
     async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> list[int]:

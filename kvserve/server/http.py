@@ -24,7 +24,8 @@ from kvserve.server.errors import error_body
 log = logging.getLogger("kvserve.server")
 
 
-def _raw_response(status: int, reason: str, message: str) -> bytes:
+def raw_error_response(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response with the OpenAI error body, for writing before any parsing."""
     body = json.dumps(error_body(status, message, None, "connection_refused" if status == 503 else None)).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n")
@@ -42,7 +43,7 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             if len(self.connections) > max_connections:
                 log.warning("refused a connection: %d open, the limit is %d", len(self.connections) - 1,
                             max_connections)
-                transport.write(_raw_response(503, "Service Unavailable",
+                transport.write(raw_error_response(503, "Service Unavailable",
                                               f"the server has {max_connections} connections open, its limit: "
                                               "retry after a moment"))
                 transport.close()

@@ -50,8 +50,33 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
+class _GrammarCollector(Collector):
+    """The compiled-grammar cache and the compile pool (kvserve/structured/grammar_cache.py,
+    kvserve/server/grammar_pool.py), read at scrape time."""
+
+    def __init__(self, grammar: Callable[[], dict[str, float] | None]) -> None:
+        self._grammar = grammar
+
+    def collect(self) -> Iterator[Metric]:
+        g = self._grammar()
+        if g is None:  # still loading
+            return
+        for name, doc in (("hits", "Structured-output requests whose grammar was in the cache."),
+                          ("misses", "Structured-output requests whose grammar had to be compiled."),
+                          ("evictions", "Compiled grammars dropped from the cache (least recently used first)."),
+                          ("compile_timeouts", "Grammar compiles that passed --grammar-compile-timeout.")):
+            yield CounterMetricFamily(f"kvserve_grammar_{name}" if name == "compile_timeouts"
+                                      else f"kvserve_grammar_cache_{name}", doc, value=g[name])
+        yield GaugeMetricFamily("kvserve_grammar_cache_bytes", "Bytes of compiled grammars in the cache.",
+                                value=g["bytes"])
+        yield GaugeMetricFamily("kvserve_grammar_cache_entries", "Compiled grammars in the cache.", value=g["entries"])
+        yield GaugeMetricFamily("kvserve_grammar_compiles_pending", "Grammar compiles queued or running.",
+                                value=g["pending"])
+
+
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int],
+                 grammar: Callable[[], dict[str, float] | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -70,6 +95,7 @@ class ServerMetrics:
             "kvserve_request_finished", "Completions ended, by finish reason (stop, length, abort, error).",
             ["finish_reason"], registry=r)
         r.register(_EngineCollector(stats, admitted))
+        r.register(_GrammarCollector(grammar))
 
     def observe_finished(self, m: RequestMetrics | None, reasons: list[str], end: float) -> None:
         """A request ended (finished, aborted or failed); `end` is time.monotonic() then."""

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.errors import InvalidParam
+from kvserve.structured import limits
+from kvserve.structured.grammar_cache import GrammarCache
 from kvserve.structured.spec import Constraint
 
 if TYPE_CHECKING:
@@ -52,8 +54,13 @@ def _choice_grammar(choices: list[str]) -> str:
 
 
 class GrammarCompiler:
-    """Constraint → compiled grammar (cached), for one tokenizer. Built on first use: loading the
-    vocabulary into xgrammar takes ~0.5 s, which a server that never sees a grammar need not pay."""
+    """Constraint → compiled grammar, for one tokenizer. Built on first use: loading the
+    vocabulary into xgrammar takes ~0.5 s, which a server that never sees a grammar need not pay.
+
+    A constraint over the size limits (kvserve/structured/limits.py) is refused before any work.
+    Compiled grammars are kept in a cache bounded by bytes (kvserve/structured/grammar_cache.py;
+    xgrammar's own cache, which never evicts, is off) and on the request's Constraint.
+    """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
@@ -61,7 +68,8 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
         self._lock = threading.Lock()
-        self._cache: dict[tuple[str, str], Any] = {}
+        self.cache = GrammarCache()
+        self.limits = limits.LIMITS
 
     def _xgr_compiler(self) -> Any:
         with self._lock:
@@ -74,14 +82,25 @@ class GrammarCompiler:
                 vocab = [backend.id_to_token(i) or "" for i in range(self._tokenizer.vocab_size)]
                 info = xgr.TokenizerInfo(vocab, _vocab_type(backend.to_str()), vocab_size=self._vocab_size,
                                          stop_token_ids=self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
+
+    def cached(self, c: Constraint) -> bool:
+        """Whether c is compiled already: for its request, or in the cache (then pinned on c)."""
+        if c.compiled:
+            return True
+        hit = self.cache.get(c.key)
+        if hit is not None:
+            c.compiled[:] = [hit]
+        return hit is not None
 
     def compile(self, c: Constraint) -> Any:
         """The compiled grammar, or a ValueError that names the request field and what is wrong."""
-        hit = self._cache.get(c.key)
-        if hit is not None:
-            return hit
+        return c.compiled[0] if self.cached(c) else self.build(c)
+
+    def build(self, c: Constraint) -> Any:
+        """Compile c (no cache lookup), keep it in the cache and on c."""
+        limits.check(c, self.limits)
         compiler = self._xgr_compiler()
         try:
             if c.kind == "json":
@@ -100,8 +119,8 @@ class GrammarCompiler:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
             raise InvalidParam(c.param, f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
-        with self._lock:
-            self._cache[c.key] = grammar
+        self.cache.put(c.key, grammar, grammar.memory_size_bytes)
+        c.compiled[:] = [grammar]
         return grammar
 
     def matcher(self, c: Constraint) -> Any:

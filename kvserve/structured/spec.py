@@ -9,7 +9,7 @@ grammar module compiles. Errors are InvalidParam (a ValueError) naming the reque
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.errors import InvalidParam
@@ -25,6 +25,9 @@ class Constraint:
     kind: str
     value: str = ""
     param: str = "response_format"  # the request field it came from, for error messages
+    # The compiled grammar, once compiled for this request: it stays with the request whatever
+    # the shared cache evicts (kvserve/structured/grammar_cache.py). Not part of equality.
+    compiled: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str]:
