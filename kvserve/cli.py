@@ -104,10 +104,6 @@ def _exit_quietly_on_signals() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("serve", "chat", "generate", "explain"):
-        from kvserve import cpu
-
-        cpu.limit_openmp_spinning()  # before torch loads libgomp
     if args.command == "serve":
         _exit_quietly_on_signals()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -82,19 +82,3 @@ def describe() -> str:
     shown = [f for f in wanted if f in cpu_flags()]
     return f"{cpu_model()} [{' '.join(shown) or 'no vector flags read'}] kernels: {isa()}"
 
-
-# libgomp spins a waiting thread this many times before it sleeps, under the commands that run a
-# model (kvserve.cli); measured in docs/benchmarks.md ("The serving path").
-SPINCOUNT = 20_000
-
-
-def limit_openmp_spinning(spins: int = SPINCOUNT) -> None:
-    """Let the kernels' OpenMP threads sleep soon after a parallel region.
-
-    libgomp's default (300,000 spins: ~10-40 ms) keeps a core busy through the whole gap between
-    two decode steps, the gap in which the server streams the token and its client reads it; a
-    short spin still covers the waits inside a step (microseconds). libgomp reads it when torch
-    loads it, so this must run before the first torch import. A GOMP_SPINCOUNT or
-    OMP_WAIT_POLICY already in the environment wins."""
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", str(spins))

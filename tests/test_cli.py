@@ -82,21 +82,3 @@ def test_version_and_an_unreachable_chat_url_in_one_line() -> None:
     assert error_lines == [error_lines[0]] and "cannot reach the server at http://127.0.0.1:9/v1" in error_lines[0]
     assert "Traceback" not in r.stderr
 
-
-def test_openmp_spin_is_limited_before_torch_loads() -> None:
-    # libgomp reads GOMP_SPINCOUNT when torch loads it: the command must set it before any torch
-    # import, and must leave a value the user chose alone.
-    code = ("import os, sys; import kvserve.cli; assert 'torch' not in sys.modules; from kvserve import cpu; "
-            "cpu.limit_openmp_spinning(); print(os.environ.get('GOMP_SPINCOUNT'))")
-
-    def spin(**env: str) -> str:
-        base = {k: v for k, v in __import__("os").environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-        r = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
-
-    from kvserve import cpu
-
-    assert spin() == str(cpu.SPINCOUNT)
-    assert spin(GOMP_SPINCOUNT="5") == "5"
-    assert spin(OMP_WAIT_POLICY="passive") == "None"
