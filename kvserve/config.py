@@ -42,6 +42,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Sliding-window attention (Mistral v0.1: 4096): each token attends to this many before it.
+    # Not modelled: kvserve caps the context at the window, within which attention is exact.
+    sliding_window: int | None = None
 
     def describe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -56,14 +56,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 def default_dtype() -> torch.dtype:
-    """bfloat16 where the hardware computes it natively (CUDA, CPUs with AVX-512 BF16 or AMX):
+    """bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX; kvserve runs on the CPU):
     decode reads every weight once per token, and half the bytes is nearly twice the speed
     (see docs/benchmarks.md). float32 elsewhere, where bfloat16 is emulated and slower: there an
     explicit dtype="bfloat16" keeps bf16 weights (half the bytes) widened in registers by the
     kernel (model/linear.py), but "auto" stays float32 so the default float path stays exact;
     a GGUF's quantized blocks (quantization="auto") already read fewer bytes than either."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
@@ -167,6 +165,11 @@ class LLM:
                          else parse_dtype(cache.dtype, "KV cache dtype"))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
+        window = self.config.sliding_window
+        if window and self.max_model_len > window:  # full attention equals the window's only within it
+            log.warning("context capped at %d tokens: the model attends through a sliding window of %d, "
+                        "which kvserve does not model", window, window)
+            self.max_model_len = window
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
         self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,

@@ -458,3 +458,16 @@ def test_a_loaded_model_keeps_no_parsed_file_and_still_reads_its_mapped_weights(
         .reshape(llm.model.embed.blocks.shape)))
     first[0].close()
     second[0].close()
+
+
+def test_a_sliding_window_caps_the_context_where_it_is_on(tmp_path) -> None:
+    from kvserve import LLM
+    from kvserve.config import CacheConfig
+
+    _, on = make_tiny_hf_model(tmp_path / "on", sliding_window=48)
+    llm = LLM(str(on), dtype="float32", cache=CacheConfig(num_blocks=64))
+    assert llm.config.sliding_window == 48 and llm.max_model_len == 48
+    # Qwen2 configs list a window with use_sliding_window false: full attention, no cap.
+    _, off = make_tiny_hf_model(tmp_path / "off", arch="qwen2", sliding_window=48, use_sliding_window=False)
+    llm = LLM(str(off), dtype="float32", cache=CacheConfig(num_blocks=64))
+    assert llm.config.sliding_window is None and llm.max_model_len == 64 * 16  # the pool caps it, not a window

@@ -230,6 +230,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=path.stem,
+        sliding_window=int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
     )
 
 

@@ -84,7 +84,7 @@ def read_config(directory: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            # Sliding-window attention (Mistral v0.1) is not modelled: exact within the window.
+            sliding_window=_sliding_window(cfg),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -93,6 +93,14 @@ def read_config(directory: Path) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelFormatError(f"{path}: missing {e.args[0]!r}, which kvserve needs") from None
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """The window where the config turns it on (Qwen2 lists one with use_sliding_window false)."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 def _weight_files(directory: Path) -> list[Path]:
