@@ -1,0 +1,1 @@
+"""HTTP pieces the server and the router share."""

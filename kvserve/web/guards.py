@@ -1,0 +1,79 @@
+"""Connection guards for uvicorn's HTTP/1.1 protocols, shared by the server and the router.
+
+uvicorn keeps a connection open for as long as its client takes to send the headers, so a
+client that sends half a request line and waits ("slow loris") holds a connection forever, and
+enough of them hold them all; and its own connection limit answers in plain text. A protocol
+class that mixes in `ConnectionGuards` (before uvicorn's protocol in the bases) gets:
+  - a header timeout: a request's headers must arrive within `header_timeout` seconds of the
+    connection opening (or of the previous response on a keep-alive connection), else the
+    connection is closed;
+  - a connection cap: with `max_connections` open, one more is answered 503 with the OpenAI error
+    body and closed before anything is read.
+Each protocol says when a request head is still pending (`_head_pending`), as only it can tell.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from kvserve.server.errors import error_body
+
+
+def raw_error_response(status: int, reason: str, message: str) -> bytes:
+    """A whole HTTP/1.1 response with the OpenAI error body, for writing before any parsing."""
+    body = json.dumps(error_body(status, message, None, "connection_refused" if status == 503 else None)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+class ConnectionGuards:
+    """The header timeout and the connection cap (see the module docstring)."""
+
+    header_timeout: float
+    max_connections: int
+    who: str  # "server" or "router", for the 503's message
+    guard_log: logging.Logger
+    _header_timer: asyncio.TimerHandle | None = None
+    # Given by uvicorn's protocol classes:
+    connections: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        if len(self.connections) > self.max_connections:
+            self.guard_log.warning("refused a connection: %d open, the limit is %d", len(self.connections) - 1,
+                                   self.max_connections)
+            transport.write(raw_error_response(
+                503, "Service Unavailable",
+                f"the {self.who} has {self.max_connections} connections open, its limit: retry after a moment"))
+            transport.close()
+            return
+        self._arm_header_timer()
+
+    def _head_pending(self) -> bool:
+        """Whether the connection is waiting for (the rest of) a request head."""
+        raise NotImplementedError
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if self._head_pending() and not self.transport.is_closing():
+            self.guard_log.info("closed a connection that sent no complete request headers within %g s",
+                                self.header_timeout)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)  # type: ignore[misc]
