@@ -55,8 +55,8 @@ class CacheConfig:
     """The paged KV pool: fixed-size blocks, as many as the memory budget holds."""
 
     block_size: int = 16  # tokens per block
-    # Bytes for K and V of all layers; None means "enough for max_model_len x max_num_seqs tokens,
-    # capped at a quarter of free RAM" (see kv/pool sizing in llm.py).
+    # Bytes for K and V of all layers; None means a fifth of the available RAM, at most 4 GiB
+    # (kv/sizing.py: DEFAULT_BUDGET_FRACTION, DEFAULT_BUDGET_CAP).
     memory_bytes: int | None = None
     num_blocks: int | None = None  # overrides memory_bytes when set (tests use tiny pools)
     enable_prefix_caching: bool = True
