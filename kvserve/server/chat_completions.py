@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -11,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import openai_compat
+from kvserve.server import openai_compat, request_id
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
@@ -56,7 +55,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     except BaseException:
         admission.release()
         raise
-    job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
+    job = Job([ids], params, arrival, request_id=request_id.name(request, "chatcmpl"))
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, req, final), **timeline_extension(ctx, job, req.kvserve)})
 
@@ -70,7 +69,8 @@ async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
-    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name}
+    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name,
+            "system_fingerprint": ctx.system_fingerprint}
 
 
 def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput) -> dict:
@@ -85,6 +85,8 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
 
 async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
     head = _head(job, ctx, "chat.completion.chunk")
+    if req.include_usage:
+        head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
               extra: dict | None = None) -> bytes:
