@@ -259,3 +259,29 @@ def test_usage_is_null_on_every_chunk_but_the_last(server, route):
     with server.client() as c:
         lines = c.post(path, json=plain).text.split("\n\n")
     assert not any('"usage"' in line for line in lines)
+
+
+def test_logit_bias_reaches_the_sampler(server, client):
+    """+100 on two tokens: greedy picks one of them (A); -100 on A then leaves B."""
+    with server.client() as c:
+        a_b = c.post("/tokenize", json={"prompt": " blue green", "add_special_tokens": False}).json()["tokens"][:2]
+        kw = dict(model=MODEL_NAME, temperature=0, max_tokens=3, extra_body={"ignore_eos": True})
+        both = client.completions.create(prompt=PROMPT, logit_bias={str(t): 100 for t in a_b}, **kw).choices[0].text
+        first = next(t for t in a_b if c.post("/detokenize", json={"tokens": [t] * 3}).json()["prompt"] == both)
+        [second] = [t for t in a_b if t != first]
+        only = {str(first): -100, str(second): 100}
+        reply = client.chat.completions.create(messages=MESSAGES, logit_bias=only, **kw)
+        assert reply.choices[0].message.content == c.post("/detokenize", json={"tokens": [second] * 3}).json()["prompt"]
+        streamed = client.completions.create(prompt=PROMPT, logit_bias=only, stream=True, **kw)
+        assert "".join(ch.choices[0].text for ch in streamed) == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("bias, words", [({"hello": 1}, "decimal strings"), ({"99999999": 1}, "outside the vocabulary"),
+                                         ({"5": 101}, "[-100, 100]"), ({str(i): 1 for i in range(301)}, "at most 300")])
+def test_bad_logit_bias_is_a_400_naming_it(client, bias, words):
+    for create in (lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, logit_bias=bias),
+                   lambda: client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                                          logit_bias=bias)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.param == "logit_bias" and words in e.value.message

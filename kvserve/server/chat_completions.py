@@ -33,7 +33,6 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     openai_compat.log_ignored(req)
     reject_unsupported_extras(req)
     reject(not req.messages, "messages", "must not be empty")
-    reject(bool(req.logit_bias), "logit_bias", "is not supported")
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
     check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

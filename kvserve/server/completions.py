@@ -32,7 +32,6 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     reject(req.echo, "echo", "is not supported")
     reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
-    reject(bool(req.logit_bias), "logit_bias", "is not supported")
     check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
                                                          openai_compat.constraint(req)))

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from kvserve.errors import InvalidParam
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.openai_compat import IGNORED_FIELDS
 
@@ -70,7 +71,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, float] | None = None  # only empty: the engine has no logit bias
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, OpenAI's form
     # Extras (not in OpenAI's API).
     top_k: int | None = None
     min_p: float | None = None
@@ -131,8 +132,20 @@ class _Sampling(_Strict):
         return SamplingParams(
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint, **given,
+            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
+            logit_bias=_token_ids(self.logit_bias), **given,
         )
+
+
+def _token_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings: "15339", not "hello"."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+    if bad is not None:
+        raise InvalidParam("logit_bias", f"logit_bias keys must be token ids written as decimal strings (\"15339\"), "
+                           f"got {bad!r:.60}: POST /tokenize gives a text's ids")
+    return {int(k): b for k, b in bias.items()}
 
 
 class CompletionRequest(_Sampling):
