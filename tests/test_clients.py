@@ -145,6 +145,59 @@ def test_named_tool_choice_and_parallel_off(client) -> None:
     assert tc.function.name == "get_weather" and r.choices[0].message.content is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_legacy_functions_are_answered_in_the_legacy_shape(client, stream: bool) -> None:
+    """functions / function_call (OpenAI's deprecated tools) map onto tools; the answer comes back as
+    message.function_call with finish_reason "function_call", and a function message is a tool result."""
+    kw = dict(model=NAME, functions=[WEATHER["function"]], function_call={"name": "get_weather"}, max_tokens=60, seed=3)
+    if stream:
+        name, arguments, finish = "", "", None
+        for chunk in client.chat.completions.create(messages=ASK, stream=True, **kw):
+            delta = chunk.choices[0].delta
+            assert delta.tool_calls is None
+            finish = chunk.choices[0].finish_reason or finish
+            if delta.function_call is not None:
+                name += delta.function_call.name or ""
+                arguments += delta.function_call.arguments or ""
+        assistant = {"role": "assistant", "content": None, "function_call": {"name": name, "arguments": arguments}}
+    else:
+        r = client.chat.completions.create(messages=ASK, **kw)
+        finish, message = r.choices[0].finish_reason, r.choices[0].message
+        assert message.tool_calls is None and message.content is None
+        name, arguments = message.function_call.name, message.function_call.arguments
+        assistant = message.model_dump()  # echoed back as the SDK returns it
+    assert finish == "function_call" and name == "get_weather"
+    args = json.loads(arguments)
+    assert isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
+    result = {"role": "function", "name": "get_weather", "content": '{"temperature": 21}'}
+    r = client.chat.completions.create(model=NAME, messages=[*ASK, assistant, result], functions=[WEATHER["function"]],
+                                       max_tokens=40, seed=3)
+    assert r.choices[0].finish_reason in ("stop", "length", "function_call")
+
+
+def test_legacy_function_messages_render_as_tool_messages(server) -> None:
+    call = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
+    legacy = [*ASK, {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "get_weather", "content": '{"temperature": 21}'}]
+    tools = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_get_weather", "type": "function", "function": call}]},
+        {"role": "tool", "name": "get_weather", "tool_call_id": "call_get_weather", "content": '{"temperature": 21}'}]
+    tokens = [httpx.post(server.url + "/tokenize", json={"messages": m}, timeout=60).json()["tokens"] for m in (legacy, tools)]
+    assert tokens[0] == tokens[1]
+    assert "<tool_response>" in httpx.post(server.url + "/detokenize", json={"tokens": tokens[0]}, timeout=60).json()["prompt"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "get_time"}}, "function_call"),
+    ({"functions": [WEATHER["function"]], "function_call": "always"}, "function_call"),
+])
+def test_legacy_functions_misuse_is_a_400_naming_the_field(server, body, param) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_standard_fields_and_nulls_are_accepted(server) -> None:
     body = {"model": NAME, "messages": [
         {"role": "user", "content": "Hi"},

@@ -9,7 +9,7 @@ for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
@@ -17,7 +17,7 @@ from kvserve.errors import InvalidParam
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.openai_compat import IGNORED_FIELDS
 
-ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # function: legacy tool results
 
 # What a union-typed field accepts, for the error message (pydantic would list every branch).
 UNION_FIELDS = {
@@ -27,6 +27,11 @@ UNION_FIELDS = {
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "guided_json": "a JSON schema (an object, or a string holding one)",
 }
+
+
+def legacy_call_id(name: str) -> str:
+    """The id pairing an assistant's legacy function_call with the `function` message answering it."""
+    return f"call_{name}"
 
 
 class _Strict(BaseModel):
@@ -111,7 +116,9 @@ class _Sampling(_Strict):
     prompt_cache_retention: Any = None
 
     def ignored_fields(self) -> list[str]:
-        return sorted(k for k in IGNORED_FIELDS if getattr(self, k, None) is not None)
+        return sorted(k for k in IGNORED_FIELDS - self.USED_FIELDS if getattr(self, k, None) is not None)
+
+    USED_FIELDS: ClassVar[frozenset[str]] = frozenset()  # of IGNORED_FIELDS, those this endpoint uses
     kvserve: KVServeOptions | None = None
 
     @property
@@ -179,11 +186,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    function_call: FunctionCall | None = None  # assistant, legacy: rendered as one tool call
     # Echoed back from an OpenAI response (model_dump()): accepted, not rendered.
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None
-    function_call: Any = None
 
     @field_validator("role")
     @classmethod
@@ -193,18 +200,25 @@ class ChatMessage(_Strict):
         return role
 
     def for_template(self) -> dict[str, Any]:
-        """The plain message a chat template expects: content as one string; developer is system."""
+        """The plain message a chat template expects: content as one string; developer is system;
+        legacy function calls and results as tool calls and results (server/legacy_functions.py)."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": text}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        elif self.function_call is not None and self.role == "assistant":
+            out["tool_calls"] = [{"id": legacy_call_id(self.function_call.name), "type": "function",
+                                  "function": self.function_call.model_dump()}]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        elif self.role == "function" and self.name is not None:
+            out["tool_call_id"] = legacy_call_id(self.name)
         return out
 
 
@@ -238,6 +252,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/legacy_functions.py).
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
 
