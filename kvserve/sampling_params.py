@@ -7,6 +7,8 @@ allowed range, before any KV block is allocated.
 Edge cases, decided here once:
 - A temperature below GREEDY_TEMPERATURE (1e-5) is greedy: dividing logits by a smaller one
   overflows float32 (1e-46 is 0 there) and could only approximate argmax anyway.
+- logit_bias maps token ids to a number in [-100, 100] added to their logits (OpenAI's range and
+  its 300-entry cap); ids are checked against the vocabulary by the engine, which knows it.
 - A seed is any integer in [SEED_MIN, SEED_MAX] = [-2^63, 2^64 - 1]: all 64 bits count (seeds
   that differ only above bit 32 draw differently); a negative seed is its two's complement.
 """
@@ -23,6 +25,7 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (argmax)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Stop conditions are checked on every token: bounded so no request can make that expensive.
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
+MAX_LOGIT_BIAS, LOGIT_BIAS_LIMIT = 300, 100.0  # entries; |bias| (OpenAI's limits)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus k top ones
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the "priority" policy
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # The output must match this (JSON schema, regex, choice, grammar): kvserve/structured/.
     constraint: Constraint | None = None
 
@@ -97,6 +101,14 @@ class SamplingParams:
         ids_ok = all(is_int(t) and t >= 0 for t in self.stop_token_ids)
         if not ids_ok or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            ok = isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
+                is_int(t) and t >= 0 and is_num(b) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                for t, b in bias.items())
+            if not ok:
+                raise InvalidParam("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers "
+                                   f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r:.200}")
         if not is_int(self.priority):
             raise bad("priority", "an integer")
 

@@ -313,3 +313,39 @@ def test_fast_argmax_equals_torch_with_ties():
     x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3))
     x[2, [10, 20, 30]] = 100.0  # a tie: the lowest id wins, as in torch
     assert argmax(x).tolist() == x.argmax(dim=-1).tolist() and argmax(x)[2] == 10
+
+
+def test_logit_bias_plus_100_is_picked_and_minus_100_is_banned():
+    logits = random_logits(3)
+    best = logits.argmax(dim=-1).tolist()
+    worst = logits.argmin(dim=-1).tolist()
+    rows = [row(temperature=0.0, logit_bias={worst[0]: 100.0}),  # the least likely token wins
+            row(temperature=0.0, logit_bias={best[1]: -100.0}),  # the best is out of reach
+            row(temperature=0.0)]  # a row without a bias in the same batch is untouched
+    out = Sampler(V)(logits, rows)
+    second = logits[1].clone()
+    second[best[1]] = float("-inf")
+    assert out.token_ids == [worst[0], int(second.argmax()), best[2]]
+    # Sampled rows too: at temperature 1, a -100 bias keeps a token out of 200 draws, +100 makes it every draw.
+    gen = Sampler.make_generator(7)
+    flat = torch.zeros(1, 8)  # eight equally likely tokens
+    banned = [Sampler(8)(flat, [row(generator=gen, temperature=1.0, logit_bias={t: -100.0 for t in range(7)})])
+              for _ in range(200)]
+    assert {o.token_ids[0] for o in banned} == {7}
+    forced = [Sampler(8)(flat, [row(generator=gen, temperature=1.0, logit_bias={5: 100.0})]) for _ in range(200)]
+    assert {o.token_ids[0] for o in forced} == {5}
+
+
+def test_logit_bias_leaves_logprobs_raw():
+    logits = random_logits(1)
+    worst = int(logits.argmin())
+    out = Sampler(V)(logits, [row(temperature=0.0, logprobs=0, logit_bias={worst: 100.0})])
+    assert out.token_ids == [worst]
+    assert out.logprobs[0].logprob == pytest.approx(float(logits.log_softmax(-1)[0, worst]), abs=1e-5)
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}, {i: 1.0 for i in range(301)}, {1: True}])
+def test_logit_bias_out_of_range_names_the_field(bias):
+    with pytest.raises(InvalidParam) as e:
+        SamplingParams(logit_bias=bias)
+    assert e.value.param == "logit_bias" and "at most 300 token ids" in str(e.value)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API against a real server process, through the official `openai` client."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -214,3 +215,73 @@ def test_chat_cli_in_process_gives_the_same_answer(server, tmp_path_factory):
     want = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY).chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=6)
     assert run.stdout.strip() == want.choices[0].message.content.strip()
+
+
+def test_request_id_header_and_system_fingerprint(server):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+        made = r.headers["x-request-id"]
+        assert r.status_code == 200 and made == r.json()["id"] and made.startswith("chatcmpl-")
+        assert c.get(f"/v1/requests/{made}/timeline").json()["id"] == made  # the timeline's key too
+        fp = r.json()["system_fingerprint"]
+        assert fp.startswith("fp_") and len(fp) == 15
+        done = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+        assert done.headers["x-request-id"] == done.json()["id"] and done.json()["system_fingerprint"] == fp
+        mine = c.post("/v1/chat/completions", json=body, headers={"x-request-id": "client-42_a.b"})
+        assert mine.headers["x-request-id"] == "client-42_a.b" and mine.json()["id"].startswith("chatcmpl-")
+        assert "x-request-id client-42_a.b is " + mine.json()["id"] in server.log()
+        for insane in ("a" * 129, "has space", "tab\there"):
+            r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1},
+                       headers={"x-request-id": insane})
+            assert r.headers["x-request-id"] == r.json()["id"]
+        assert c.get("/v1/models", headers={"x-request-id": "m1"}).headers["x-request-id"] == "m1"
+        assert len(c.get("/v1/nope").headers["x-request-id"]) == 32  # errors too: a made-up hex id
+        bad = c.post("/v1/chat/completions", json={**body, "temperature": 9}, headers={"x-request-id": "e1"})
+        assert bad.status_code == 400 and bad.headers["x-request-id"] == "e1"
+    unauthorized = httpx.get(server.url + "/v1/models", headers={"x-request-id": "u1"})
+    assert unauthorized.status_code == 401 and unauthorized.headers["x-request-id"] == "u1"
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_usage_is_null_on_every_chunk_but_the_last(server, route):
+    """Under stream_options.include_usage the OpenAI SDK expects the key on every chunk."""
+    path, body = (("/v1/chat/completions", {"messages": MESSAGES}) if route == "chat"
+                  else ("/v1/completions", {"prompt": PROMPT}))
+    body = {**body, "model": MODEL_NAME, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with server.client() as c:
+        lines = c.post(path, json=body).text.split("\n\n")
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line and line != "data: [DONE]"]
+    assert len(chunks) >= 3 and all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(ch["system_fingerprint"].startswith("fp_") for ch in chunks)
+    plain = {k: v for k, v in body.items() if k != "stream_options"}
+    with server.client() as c:
+        lines = c.post(path, json=plain).text.split("\n\n")
+    assert not any('"usage"' in line for line in lines)
+
+
+def test_logit_bias_reaches_the_sampler(server, client):
+    """+100 on two tokens: greedy picks one of them (A); -100 on A then leaves B."""
+    with server.client() as c:
+        a_b = c.post("/tokenize", json={"prompt": " blue green", "add_special_tokens": False}).json()["tokens"][:2]
+        kw = dict(model=MODEL_NAME, temperature=0, max_tokens=3, extra_body={"ignore_eos": True})
+        both = client.completions.create(prompt=PROMPT, logit_bias={str(t): 100 for t in a_b}, **kw).choices[0].text
+        first = next(t for t in a_b if c.post("/detokenize", json={"tokens": [t] * 3}).json()["prompt"] == both)
+        [second] = [t for t in a_b if t != first]
+        only = {str(first): -100, str(second): 100}
+        reply = client.chat.completions.create(messages=MESSAGES, logit_bias=only, **kw)
+        assert reply.choices[0].message.content == c.post("/detokenize", json={"tokens": [second] * 3}).json()["prompt"]
+        streamed = client.completions.create(prompt=PROMPT, logit_bias=only, stream=True, **kw)
+        assert "".join(ch.choices[0].text for ch in streamed) == reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("bias, words", [({"hello": 1}, "decimal strings"), ({"99999999": 1}, "outside the vocabulary"),
+                                         ({"5": 101}, "[-100, 100]"), ({str(i): 1 for i in range(301)}, "at most 300")])
+def test_bad_logit_bias_is_a_400_naming_it(client, bias, words):
+    for create in (lambda: client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, logit_bias=bias),
+                   lambda: client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                                          logit_bias=bias)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.param == "logit_bias" and words in e.value.message

@@ -118,7 +118,8 @@ CASES = [
     ("bad-schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
      400, BAD, "response_format.json_schema.schema"),
     ("two-constraints", C, comp(guided_regex="a", guided_choice=["a"]), 400, BAD, "guided_regex"),
-    ("logit-bias", C, comp(logit_bias={"5": 1.0}), 400, BAD, "logit_bias"),
+    ("logit-bias-out-of-vocab", C, comp(logit_bias={"999999": 1.0}), 400, BAD, "logit_bias"),
+    ("logit-bias-not-an-id", CHAT, chat(logit_bias={"hi": 1.0}), 400, BAD, "logit_bias"),
     # other endpoints
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, BAD, "prompt"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, -5]}, 400, BAD, "tokens"),

@@ -31,6 +31,11 @@ RENDERED = {
     "messages[].tool_calls[].function.arguments":
         lambda b, v: b["messages"][2]["tool_calls"][0]["function"].update(arguments=json.dumps({"city": v, v: 1})),
     "messages[].tool_call_id": lambda b, v: b["messages"][3].update(tool_call_id=v),
+    # OpenAI's legacy form of one tool call (kvserve/server/legacy_functions.py), in place of tool_calls.
+    "messages[].function_call.name": lambda b, v: b["messages"][2].update(
+        tool_calls=None, function_call={"name": v, "arguments": '{"city": "Paris"}'}),
+    "messages[].function_call.arguments": lambda b, v: b["messages"][2].update(
+        tool_calls=None, function_call={"name": "get_weather", "arguments": json.dumps({"city": v, v: 1})}),
     "tools[].function.name": lambda b, v: b["tools"][0]["function"].update(name=v),
     "tools[].function.description": lambda b, v: b["tools"][0]["function"].update(description=v),
     "tools[].function.parameters":  # a schema's keys and values both
@@ -42,7 +47,6 @@ NOT_RENDERED = {
     "messages[].refusal": "echoed back from an OpenAI answer: accepted, dropped by for_template",
     "messages[].annotations[]": "accepted, dropped by for_template",
     "messages[].audio": "accepted, dropped by for_template",
-    "messages[].function_call": "accepted, dropped by for_template",
 }
 BASE = {
     "model": "m",
@@ -145,7 +149,7 @@ def test_content_with_a_forged_turn_keeps_the_turn_count(tok):
     assert tok.decode(ids) == tok.apply_chat_template(messages)
 
 
-@pytest.mark.parametrize("field", ["refusal", "annotations", "audio", "function_call"])
+@pytest.mark.parametrize("field", ["refusal", "annotations", "audio"])
 def test_fields_never_rendered_change_nothing_and_roles_are_checked(tok, field):
     body = copy.deepcopy(BASE)
     body["messages"][0][field] = [FORGED] if field == "annotations" else FORGED

@@ -164,3 +164,21 @@ def test_sampling_defaults(tmp_path) -> None:
         resolve(tmp_path, "auto", '{"temp": 0.1}')
     with pytest.raises(ValueError, match="temperature must be a finite number in"):
         resolve(tmp_path, "auto", '{"temperature": 9}')
+
+
+def test_unbounded_integers_and_numbers_get_bounds_and_given_ones_stay() -> None:
+    from kvserve.structured.bounds import INT_MAX, INT_MIN, NUMBER_LIMIT, bounded
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer", "minimum": 0}, "c": {"type": ["number", "null"]},
+        "d": {"type": "integer", "exclusiveMaximum": 10}, "e": {"enum": [{"type": "integer"}]},
+        "f": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+        "type": {"type": "string"}}}
+    out = json.loads(bounded(json.dumps(schema)))["properties"]
+    assert out["a"] == {"type": "integer", "minimum": INT_MIN, "maximum": INT_MAX}
+    assert out["b"] == {"type": "integer", "minimum": 0, "maximum": INT_MAX}
+    assert out["c"] == {"type": ["number", "null"], "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT}
+    assert out["d"] == {"type": "integer", "minimum": INT_MIN, "exclusiveMaximum": 10}
+    assert out["e"] == {"enum": [{"type": "integer"}]}  # data, not a schema
+    assert out["f"]["items"]["anyOf"][0] == {"type": "integer", "minimum": INT_MIN, "maximum": INT_MAX}
+    assert out["type"] == {"type": "string"}

@@ -92,6 +92,10 @@ class LLMEngine:
                 raise InvalidParam("prompt", f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
         if not ids:
             raise InvalidParam("prompt", "prompt must not be empty")
+        outside = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
+        if outside is not None:
+            raise InvalidParam("logit_bias", f"logit_bias: token id {outside} is outside the vocabulary "
+                               f"[0, {self.vocab_size}): use ids from POST /tokenize")
         n = len(ids)
         if n >= self.max_model_len:
             raise InvalidParam(

@@ -1,9 +1,9 @@
 """The batched sampler: one engine step's logits [B, V] → one token (and logprobs) per row.
 
-Rows belong to different requests, so every parameter is per row: bans, penalties and greedy
+Rows belong to different requests, so every parameter is per row: bans, biases, penalties and greedy
 rows run as torch ops over the rows that need them, sampled rows one by one in numpy (below).
 Order of the stages:
-  float32 → min_tokens ban → repetition penalty → frequency/presence penalties
+  float32 → min_tokens ban → logit bias → repetition penalty → frequency/presence penalties
   → greedy argmax (temperature 0) | temperature → top-k → top-p → min-p → sample.
 Filters are thresholds on the temperature-scaled logit (the best token is 0): min-p is one
 directly (p >= min_p * p_best  <=>  s >= ln(min_p)); top-k and top-p sort only the tokens near the
@@ -131,6 +131,19 @@ def ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[list(row_idx), list(tok_idx)] = NEG_INF
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """logit_bias: add each row's bias to its tokens' logits, in place (ids are unique per row)."""
+    vocab_size = logits.shape[1]
+    triples = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()
+               if 0 <= t < vocab_size]
+    if triples:
+        row_idx, tok_idx, bias = zip(*triples)
+        rows_t = torch.tensor(row_idx, device=logits.device)
+        toks_t = torch.tensor(tok_idx, device=logits.device)
+        logits.index_put_((rows_t, toks_t), torch.tensor(bias, dtype=logits.dtype, device=logits.device),
+                          accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition penalty over prompt+output (positive logits divided, negative multiplied),
     then logit -= frequency * count + presence * (count > 0) over the output only."""
@@ -230,7 +243,7 @@ class Sampler:
             )
         logits = logits[:, : self.vocab_size]
         if all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
-               and not r.banned_token_ids for r in rows):
+               and not r.banned_token_ids and not r.params.logit_bias for r in rows):
             # Hot path: argmax (exact in any float dtype, no float32 copy); a row was finite iff
             # the value it picked is (argmax picks a NaN or +inf where there is one; an all -inf
             # row picks -inf). On the CPU in numpy: a torch reduction over the row would start the
@@ -250,6 +263,10 @@ class Sampler:
         if any(r.banned_token_ids for r in rows):
             x = raw.clone()
             ban_tokens(x, rows)
+        if any(r.params.logit_bias for r in rows):
+            if x is raw:
+                x = raw.clone()
+            apply_logit_bias(x, rows)
         penalised = [i for i, r in enumerate(rows) if r.has_penalties]
         if penalised:
             if x is raw and len(penalised) < len(rows):

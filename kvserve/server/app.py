@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from kvserve.server.request_id import RequestIdMiddleware
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -111,6 +113,13 @@ class ServerContext:
         """Token texts for logprobs (made once the model is loaded)."""
         return TokenTexts(self.state.llm.tokenizer)
 
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """OpenAI's `system_fingerprint`: changes when kvserve's version or the model served does."""
+        llm = self.state.llm
+        model = f"{self.settings.model_name}|{getattr(llm, 'model_path', '')}|{llm.config.vocab_size}"
+        return "fp_" + hashlib.sha256(f"kvserve {__version__}|{model}".encode()).hexdigest()[:12]
+
     @property
     def special_token_ids(self) -> frozenset[int]:
         return self.state.llm.tokenizer.special_token_ids
@@ -181,6 +190,7 @@ def build_app(
                            allow_headers=["Authorization", "Content-Type"])
     if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, even a refused Host, has its id
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     insight.add_routes(app, ctx)

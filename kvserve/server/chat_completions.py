@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -11,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import openai_compat
+from kvserve.server import legacy_functions, openai_compat, request_id
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
@@ -33,8 +32,8 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     req = await ctx.parse(request, ChatCompletionRequest)
     openai_compat.log_ignored(req)
     reject_unsupported_extras(req)
+    legacy_functions.apply(req)  # functions / function_call: as tools / tool_choice from here on
     reject(not req.messages, "messages", "must not be empty")
-    reject(bool(req.logit_bias), "logit_bias", "is not supported")
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
     check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -56,7 +55,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     except BaseException:
         admission.release()
         raise
-    job = Job([ids], params, arrival, request_id=f"chatcmpl-{uuid.uuid4().hex}")
+    job = Job([ids], params, arrival, request_id=request_id.name(request, "chatcmpl"))
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, req, final), **timeline_extension(ctx, job, req.kvserve)})
 
@@ -70,13 +69,16 @@ async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
-    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name}
+    return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": ctx.settings.model_name,
+            "system_fingerprint": ctx.system_fingerprint}
 
 
 def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput) -> dict:
     choices = []
     for c in final.outputs:
         message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req))
+        if req.functions is not None:
+            message, finish_reason = legacy_functions.message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
                         "finish_reason": finish_reason})
@@ -85,9 +87,18 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
 
 async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
     head = _head(job, ctx, "chat.completion.chunk")
+    if req.include_usage:
+        head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
+
+    legacy = legacy_functions.LegacyDeltas() if req.functions is not None else None
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes:
+              extra: dict | None = None) -> bytes | None:
+        """One choice's chunk; None for what the legacy function_call shape has no room for."""
+        if legacy is not None:
+            delta, finish_reason = legacy.delta(delta), legacy.finish_reason(finish_reason)
+            if delta is None:
+                return None
         return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}], **(extra or {})})
 
@@ -108,12 +119,14 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
                     if lp and not out_deltas:
                         out_deltas = [{"content": ""}]
                     for j, delta in enumerate(out_deltas):
-                        yield chunk(c.index, delta, lp if j == 0 else None)
+                        if event := chunk(c.index, delta, lp if j == 0 else None):
+                            yield event
                     if c.finished:
                         done.add(c.index)
                         rest, finish_reason = deltas[c.index].finish(c.finish_reason)
                         for delta in rest:
-                            yield chunk(c.index, delta)
+                            if event := chunk(c.index, delta):
+                                yield event
                         last = len(done) == job.params.n  # the final chunk carries the timeline if asked
                         yield chunk(c.index, {}, None, finish_reason, timeline_extension(ctx, job, req.kvserve) if last else None)
         if req.include_usage:

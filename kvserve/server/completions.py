@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs
-from kvserve.server import openai_compat
+from kvserve.server import openai_compat, request_id
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
@@ -33,7 +32,6 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     reject(req.echo, "echo", "is not supported")
     reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
-    reject(bool(req.logit_bias), "logit_bias", "is not supported")
     check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
                                                          openai_compat.constraint(req)))
@@ -47,7 +45,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     except BaseException:
         admission.release()
         raise
-    job = Job(ids, params, arrival, request_id=f"cmpl-{uuid.uuid4().hex}")
+    job = Job(ids, params, arrival, request_id=request_id.name(request, "cmpl"))
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: _collect(ctx, job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
 
@@ -71,7 +69,7 @@ async def _collect(ctx: ServerContext, job: Job) -> list[RequestOutput]:
 
 def _head(job: Job, ctx: ServerContext) -> dict:
     return {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": ctx.settings.model_name}
+            "model": ctx.settings.model_name, "system_fingerprint": ctx.system_fingerprint}
 
 
 def _logprobs(ctx: ServerContext, lps, offset: int, skip: bool) -> tuple[dict, int]:
@@ -90,6 +88,8 @@ def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list
 
 async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest) -> AsyncIterator[bytes]:
     head = _head(job, ctx)
+    if req.include_usage:
+        head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
     finals: list[RequestOutput | None] = [None] * len(job.prompts)
     offsets: dict[int, int] = {}
     done: set[int] = set()

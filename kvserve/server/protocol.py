@@ -9,14 +9,15 @@ for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from kvserve.errors import InvalidParam
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.openai_compat import IGNORED_FIELDS
 
-ROLES = ("system", "user", "assistant", "developer", "tool")
+ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # function: legacy tool results
 
 # What a union-typed field accepts, for the error message (pydantic would list every branch).
 UNION_FIELDS = {
@@ -26,6 +27,11 @@ UNION_FIELDS = {
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "guided_json": "a JSON schema (an object, or a string holding one)",
 }
+
+
+def legacy_call_id(name: str) -> str:
+    """The id pairing an assistant's legacy function_call with the `function` message answering it."""
+    return f"call_{name}"
 
 
 class _Strict(BaseModel):
@@ -70,7 +76,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, float] | None = None  # only empty: the engine has no logit bias
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, OpenAI's form
     # Extras (not in OpenAI's API).
     top_k: int | None = None
     min_p: float | None = None
@@ -110,7 +116,9 @@ class _Sampling(_Strict):
     prompt_cache_retention: Any = None
 
     def ignored_fields(self) -> list[str]:
-        return sorted(k for k in IGNORED_FIELDS if getattr(self, k, None) is not None)
+        return sorted(k for k in IGNORED_FIELDS - self.USED_FIELDS if getattr(self, k, None) is not None)
+
+    USED_FIELDS: ClassVar[frozenset[str]] = frozenset()  # of IGNORED_FIELDS, those this endpoint uses
     kvserve: KVServeOptions | None = None
 
     @property
@@ -131,8 +139,20 @@ class _Sampling(_Strict):
         return SamplingParams(
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint, **given,
+            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
+            logit_bias=_token_ids(self.logit_bias), **given,
         )
+
+
+def _token_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings: "15339", not "hello"."""
+    if not bias:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+    if bad is not None:
+        raise InvalidParam("logit_bias", f"logit_bias keys must be token ids written as decimal strings (\"15339\"), "
+                           f"got {bad!r:.60}: POST /tokenize gives a text's ids")
+    return {int(k): b for k, b in bias.items()}
 
 
 class CompletionRequest(_Sampling):
@@ -166,11 +186,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
+    function_call: FunctionCall | None = None  # assistant, legacy: rendered as one tool call
     # Echoed back from an OpenAI response (model_dump()): accepted, not rendered.
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None
-    function_call: Any = None
 
     @field_validator("role")
     @classmethod
@@ -180,18 +200,25 @@ class ChatMessage(_Strict):
         return role
 
     def for_template(self) -> dict[str, Any]:
-        """The plain message a chat template expects: content as one string; developer is system."""
+        """The plain message a chat template expects: content as one string; developer is system;
+        legacy function calls and results as tool calls and results (server/legacy_functions.py)."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
             text = self.content or ""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
+        out: dict[str, Any] = {"role": role, "content": text}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        elif self.function_call is not None and self.role == "assistant":
+            out["tool_calls"] = [{"id": legacy_call_id(self.function_call.name), "type": "function",
+                                  "function": self.function_call.model_dump()}]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        elif self.role == "function" and self.name is not None:
+            out["tool_call_id"] = legacy_call_id(self.name)
         return out
 
 
@@ -225,6 +252,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/legacy_functions.py).
+    functions: list[FunctionDef] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve.errors import InvalidParam
-from kvserve.structured import limits
+from kvserve.structured import bounds, limits
 from kvserve.structured.grammar_cache import GrammarCache
 from kvserve.structured.spec import Constraint
 
@@ -104,8 +104,9 @@ class GrammarCompiler:
         compiler = self._xgr_compiler()
         try:
             if c.kind == "json":
-                # No free whitespace: small models otherwise fill the output with blank lines.
-                grammar = compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
+                # No free whitespace: small models otherwise fill the output with blank lines; and
+                # no unbounded numbers, which a sampled model may extend until max_tokens (bounds.py).
+                grammar = compiler.compile_json_schema(bounds.bounded(c.value), any_whitespace=False, strict_mode=True)
             elif c.kind == "json_object":
                 grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif c.kind == "regex":
