@@ -11,7 +11,7 @@ ARGS ?=
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
-.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-router clean
+.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-router soak clean
 
 setup: $(STAMP)
 
@@ -87,3 +87,10 @@ bench-formats: $(BENCH_STAMP)  ## kvserve vs llama-server per weight format and 
 
 bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.router --write docs/benchmarks.md $(ARGS)
+
+# Two replicas and a router as real processes, 30 minutes of mixed load (streamed or not, structured
+# output, tools, 20% of streams dropped by their client), replica 0 SIGKILLed every 3 minutes, replica 1
+# drained once; reports failures by cause, KV blocks left in use, RSS over time (docs/soak.md).
+# tests/test_soak.py runs it for 75 s in CI. ARGS=--duration=300 for a shorter one.
+soak: setup  ## 30 min of mixed load through the router while replicas die; writes /tmp/kvserve-soak/soak.{json,md,png}
+	$(PY) -m kvserve.bench.soak $(ARGS)

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: a conversation rendered by the model's (sandboxed) chat template."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -37,8 +38,9 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
     check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if max_tokens is None:
-        max_tokens = ctx.settings.max_tokens_default  # the engine checks it against the context
+    defaulted = max_tokens is None
+    if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
+        max_tokens = ctx.settings.max_tokens_default
     renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(
@@ -48,6 +50,9 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
     try:
         ids = await ctx.client.encode_chat(messages, req.add_generation_prompt, **({"tools": tools} if tools else {}))
+        if defaulted:  # a default the client never sent must not be the reason its request is refused
+            room = ctx.state.llm.max_model_len - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
         ids = (await ctx.client.tokenize([ids], params, request.receive))[0]
     except ValueError as e:  # the template refused the messages, or the prompt does not fit
         admission.release()

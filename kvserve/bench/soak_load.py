@@ -1,0 +1,158 @@
+"""The soak's mixed load (`make soak`, kvserve/bench/soak.py): clients that loop until a deadline,
+each request one of chat or completions, streamed or not, with structured output or tools, a share
+of the streams dropped by their client after the first event; and each outcome classified by cause.
+
+Why a cause per outcome and not a status: the soak's targets are about *why* a request failed. A
+stream cut by a replica that was SIGKILLed while it held the stream (`replica_failed`) is the one
+failure a router cannot hide; a request that never reached a replica (`no_replica`, a refused
+connection to the router, `router_busy`) or any other 5xx is a loss the router should have
+prevented.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+SCHEMAS = [  # a few structured-output schemas, so the grammar cache holds several and reuses them
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+     "required": ["city"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                               "maxItems": 3}}, "required": ["tags"]},
+]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
+TOPICS = "rivers lanterns harbors glaciers orchards falcons copper meadows".split()
+
+
+@dataclass
+class Outcome:
+    kind: str  # chat, completion, structured, tools
+    stream: bool
+    start: float  # seconds since the soak began
+    end: float
+    result: str  # ok, disconnected (by the client, on purpose), or failed
+    cause: str = ""  # for failed: "<status>:<code>", "midstream:<code>", "transport:<exception>"
+    replica: str = ""  # x-kvserve-replica of the answer, if one came
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_body(kind: str, stream: bool, rng: random.Random, model: str, max_tokens: int) -> tuple[str, dict]:
+    """(path, body) of one request of this kind."""
+    topic = rng.choice(TOPICS)
+    body: dict = {"model": model, "max_tokens": max_tokens, "stream": stream, "temperature": rng.choice([0, 0.8]),
+                  "seed": rng.randrange(1 << 30)}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kind == "completion":
+        return "/v1/completions", body | {"prompt": f"A short note about {topic}:"}
+    body["messages"] = [{"role": "system", "content": "You are brief."},
+                        {"role": "user", "content": f"Tell me about {topic}."}]
+    if kind == "structured":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": rng.choice(SCHEMAS)}}
+    elif kind == "tools":
+        body["messages"][1]["content"] = f"What is the weather where {topic} are?"
+        body["tools"] = TOOLS
+        body["tool_choice"] = rng.choice(["required", {"type": "function", "function": {"name": "get_weather"}}])
+    return "/v1/chat/completions", body
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict, disconnect: bool) -> tuple[str, str, str]:
+    """(result, cause, replica). A client that disconnects leaves after the first event with text."""
+    try:
+        if not body["stream"]:
+            r = await client.post(path, json=body)
+            replica = r.headers.get("x-kvserve-replica", "")
+            if r.status_code == 200:
+                return "ok", "", replica
+            return "failed", f"{r.status_code}:{_code(r.content)}", replica
+        async with client.stream("POST", path, json=body) as r:
+            replica = r.headers.get("x-kvserve-replica", "")
+            if r.status_code != 200:
+                return "failed", f"{r.status_code}:{_code(await r.aread())}", replica
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return "failed", f"midstream:{event['error'].get('code')}", replica
+                if disconnect and event.get("choices"):
+                    return "disconnected", "", replica  # leaving the block closes the connection
+            return ("ok", "", replica) if done else ("failed", "midstream:no_done", replica)
+    except httpx.HTTPError as e:
+        return "failed", f"transport:{type(e).__name__}", ""
+
+
+def _code(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw)["error"].get("code"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "not_openai_error"
+
+
+async def run_load(url: str, model: str, seconds: float, clients: int, max_tokens: int, disconnect_share: float,
+                   t0: float, seed: int = 0) -> list[Outcome]:
+    """Run `clients` loops until `seconds` pass; every outcome, in the order they ended."""
+    outcomes: list[Outcome] = []
+    deadline = t0 + seconds
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients)
+    timeout = httpx.Timeout(120, connect=10)  # no request of the soak's size takes minutes: a hang fails it
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        async def loop(i: int) -> None:
+            rng = random.Random(seed * 1000 + i)
+            while time.monotonic() < deadline:
+                kind = rng.choice(["chat", "chat", "completion", "structured", "tools"])
+                stream = rng.random() < 0.6
+                disconnect = stream and rng.random() < disconnect_share
+                path, body = make_body(kind, stream, rng, model, max_tokens)
+                start = time.monotonic() - t0
+                result, cause, replica = await one_request(client, path, body, disconnect)
+                outcomes.append(Outcome(kind, stream, round(start, 3), round(time.monotonic() - t0, 3), result,
+                                        cause, replica))
+                if result == "failed" and cause.split(":")[0] in ("503", "429", "transport"):
+                    await asyncio.sleep(0.2)  # as a real client backs off; keeps a failure from spinning
+
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+    return outcomes
+
+
+def classify(outcomes: list[Outcome], kills: list[float], slack: float = 5.0) -> dict:
+    """Counts by result and cause, and which failures the targets allow.
+
+    Allowed: `replica_failed` (mid-stream event, or a 503 with that code) of a request that was in
+    flight when a replica was SIGKILLed (started before the kill, ended within `slack` s after it):
+    the replica died holding it, after bytes of it may have reached the client, so no retry is safe.
+    Lost: the request never reached a replica (`no_replica`, `router_busy`, a transport error to the
+    router). Every other failure is unexpected."""
+    by_cause: dict[str, int] = {}
+    allowed = lost = unexpected = 0
+    for o in outcomes:
+        if o.result != "failed":
+            continue
+        by_cause[o.cause] = by_cause.get(o.cause, 0) + 1
+        code = o.cause.split(":", 1)[1] if ":" in o.cause else ""
+        if code == "replica_failed" and any(o.start <= k <= o.end <= k + slack for k in kills):
+            allowed += 1
+        elif code in ("no_replica", "router_busy") or o.cause.startswith("transport:"):
+            lost += 1
+        else:
+            unexpected += 1
+    count = lambda r: sum(o.result == r for o in outcomes)  # noqa: E731
+    return {"requests": len(outcomes), "ok": count("ok"), "disconnected": count("disconnected"),
+            "failed": count("failed"), "failures_by_cause": dict(sorted(by_cause.items())),
+            "failed_allowed_killed_in_flight": allowed, "lost_never_reached_replica": lost,
+            "failed_unexpected": unexpected}
