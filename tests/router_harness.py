@@ -14,6 +14,25 @@ from server_harness import API_KEY, free_port
 ADMIN_KEY = "admin-key"
 
 
+class AppThread:
+    """An ASGI app (a stand-in replica) served by uvicorn on a free loopback port, on a thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
 class RouterThread:
     def __init__(self, replicas: list[str], policy: str = "round_robin", **settings) -> None:
         policy_fields = {f.name for f in dataclasses.fields(PolicySettings)}

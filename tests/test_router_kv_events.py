@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page
-from router_harness import RouterThread
-from server_harness import free_port
+from router_harness import AppThread, RouterThread
 
 HASHES = [os.urandom(32).hex() for _ in range(8)]
 
@@ -44,17 +41,11 @@ class EventsReplica:
             return self.answer(int(request.query_params.get("since", 0)))
 
         app = Starlette(routes=[Route("/health", health), Route("/kv/events", events)])
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self.http = AppThread(app)
+        self.port, self.url = self.http.port, self.http.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.http.stop()
 
 
 @pytest.fixture

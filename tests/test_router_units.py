@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -25,7 +24,7 @@ from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import parse_request
 from kvserve.router.settings import PolicySettings, RouterSettings
 from kvserve.router.state import RetryBudget
-from router_harness import RouterThread
+from router_harness import AppThread, RouterThread
 from server_harness import free_port
 
 
@@ -177,17 +176,11 @@ class Upstream:
                                 status_code=self.status, headers=self.headers)
 
         app = Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])])
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        self.http = AppThread(app)
+        self.port, self.url = self.http.port, self.http.url
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(5)
+        self.http.stop()
 
 
 @pytest.fixture

@@ -20,11 +20,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from kvserve.bench import peers
-from kvserve.bench.compare import CTX_PER_SLOT, REPO, THREADS, Server, _tokenizer, resident_mib, results_dir
+from kvserve.bench.compare import CTX_PER_SLOT, REPO, THREADS, Plan, Server, _tokenizer, resident_mib, results_dir
 from kvserve.bench.datasets import DatasetConfig, load_samples
 from kvserve.bench.serve import BenchConfig, run
 
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvserve import cpu
     from kvserve.bench import limits as limits_mod
 
-    out = results_dir(args.fresh, replace_plan_name("formats"))
+    out = results_dir(args.fresh, Plan(name="formats"))  # the plan names the results folder only
     lim_path = out / "limits.json"
     if not lim_path.exists():
         lim_path.write_text(json.dumps(limits_mod.measure(THREADS).__dict__, indent=2) + "\n")
@@ -211,12 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     args.write.write_text(doc)
     print("\n".join(section))
     return 0
-
-
-def replace_plan_name(name: str):
-    from kvserve.bench.compare import QUICK
-
-    return replace(QUICK, name=name)
 
 
 if __name__ == "__main__":

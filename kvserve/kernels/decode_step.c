@@ -115,7 +115,7 @@ static int linear_ok(const kv_linear *L, long cols, long rows) {
 
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
 int kvserve_decode_check(const kv_model *m) {
-    if (m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_ok(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
+    if (m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
         return -1;
     if (m->embed_type != 0 && (block_bytes(m->embed_type) == 0 || m->hidden % block_values(m->embed_type))) return -1;
     const long qkv_rows = (long)(m->H + 2 * m->Hkv) * m->D;

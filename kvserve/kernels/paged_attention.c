@@ -111,8 +111,8 @@ static void attend_item(const void *q, const void *kv, void *out, const int32_t 
 #undef ATTEND
 }
 
-/* The shapes and formats the kernel takes (0), or -1. */
-static int attention_shapes_ok(int H, int Hkv, int D, int q_fmt, int kv_fmt) {
+/* 0 for shapes and formats the kernel takes, else -1. */
+static int attention_shapes_check(int H, int Hkv, int D, int q_fmt, int kv_fmt) {
     return D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != FMT_F32 && q_fmt != FMT_BF16) ||
                    kv_fmt < FMT_F32 || kv_fmt > FMT_F16
                ? -1
@@ -139,7 +139,7 @@ static int attention_tables_ok(const int32_t *tables, int max_blocks, const int3
 int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
                          const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
                          float scale, int q_fmt, int kv_fmt, int nthreads) {
-    if (attention_shapes_ok(H, Hkv, D, q_fmt, kv_fmt)) return -1;
+    if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt)) return -1;
     const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs);
     if (max_len < 0) return max_len;
     const size_t head_rows = (size_t)num_blocks * bs;
