@@ -69,6 +69,23 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
         raise ModelFormatError(f"{path}: corrupt GGUF metadata ({e}); download or convert it again") from None
 
 
+def write_gguf_fields(writer: Any, fields: dict[str, Any]) -> None:
+    """read_gguf_metadata's fields back into a gguf.GGUFWriter, each in the type it was read as
+    (integer lists as arrays, ints as uint32): models and test files built with the default
+    model's tokenizer copy it this way."""
+    import gguf
+
+    for key, value in fields.items():
+        if isinstance(value, list) and value and isinstance(value[0], int):
+            writer.add_array(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+
+
 def build_gguf_vocab(meta: dict[str, Any], *, exact_pre_tokenizer: bool = False) -> GgufVocab:
     """The backend tokenizer and special ids a GGUF's metadata describes."""
     model = meta.get("tokenizer.ggml.model")

@@ -11,7 +11,7 @@ import pytest
 from kvserve.chat_template import ChatTemplateError
 from kvserve.errors import ModelNotFoundError
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.tokenizer_gguf import read_gguf_metadata
+from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
 
 CHINESE_PROSE = (
     "清晨的山谷里弥漫着薄雾，远处传来几声鸟鸣。老人沿着石板路慢慢走向田边，手里提着一篮刚摘下的青菜。"
@@ -263,15 +263,7 @@ def test_hf_dir_bos_template_and_stop_ids(tmp_path, hf_tokenizer):
 
 def _write_gguf(path: Path, fields: dict) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in fields.items():
-        if isinstance(value, list) and value and isinstance(value[0], int):
-            writer.add_array(key, value)  # token types: written as int32 by the writer's inference
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    write_gguf_fields(writer, fields)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

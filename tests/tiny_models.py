@@ -109,19 +109,12 @@ def make_tiny_hf_model(
 
 
 def _add_default_vocab(writer: gguf.GGUFWriter) -> None:
-    from kvserve.tokenizer_gguf import read_gguf_metadata
+    from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
 
-    for key, value in read_gguf_metadata(default_gguf_path()).items():
-        if not key.startswith("tokenizer.") or key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
-            continue  # not the tokenizer, or written from the model's config already
-        if isinstance(value, list) and value and isinstance(value[0], int):
-            writer.add_array(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    # The tokenizer's fields; bos and eos are written from the model's config already.
+    write_gguf_fields(writer, {k: v for k, v in read_gguf_metadata(default_gguf_path()).items()
+                               if k.startswith("tokenizer.")
+                               and k not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")})
 
 
 def _ggml_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -66,7 +66,7 @@ def write_random_llama(path: Path, vocab_from: Path, hidden: int = 2048, layers:
     import gguf
     import numpy as np
 
-    from kvserve.tokenizer_gguf import read_gguf_metadata
+    from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
 
     meta = read_gguf_metadata(vocab_from)
     vocab = len(meta["tokenizer.ggml.tokens"])
@@ -81,17 +81,7 @@ def write_random_llama(path: Path, vocab_from: Path, hidden: int = 2048, layers:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    for key, value in meta.items():
-        if not key.startswith("tokenizer."):
-            continue
-        if isinstance(value, list) and value and isinstance(value[0], int):
-            w.add_array(key, value)
-        elif isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        else:
-            w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    write_gguf_fields(w, {k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     rng = np.random.default_rng(seed)
     d = hidden // heads
 
