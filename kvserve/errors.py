@@ -1,6 +1,18 @@
 """kvserve's own exceptions: each says what was wrong and what to do about it."""
 from __future__ import annotations
 
+SHOWN_CHARS = 60  # of a client's value quoted back in an error message
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value` as an error message quotes it: its repr, cut to `limit` characters with its length
+    said, so that a megabyte of bad input never comes back as a megabyte of error."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else f"{len(text)} characters as text"
+    return f"{text[:limit]}... ({size})"
+
 
 class KVServeError(Exception):
     """Base class of every error kvserve raises on purpose."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvserve.errors import InvalidParam
+from kvserve.errors import InvalidParam, shown
 from kvserve.structured.spec import Constraint
 
 MAX_LOGPROBS = 20
@@ -58,7 +58,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, allowed: str) -> InvalidParam:
-            return InvalidParam(name, f"{name} must be {allowed}, got {getattr(self, name)!r}")
+            return InvalidParam(name, f"{name} must be {allowed}, got {shown(getattr(self, name))}")
 
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)

@@ -7,6 +7,7 @@ server needs around it: BOS policy, end-of-turn ids, the sandboxed chat template
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -74,6 +75,7 @@ class Tokenizer:
         self.adds_bos = bos_token_id is not None and with_specials[:1] == [bos_token_id]
         self._special_texts = tuple(text for _, text in special)
         self._plain: Backend | None = None  # made on first use: encodes special-token text as text
+        self._vocab_digest: str | None = None  # fingerprint(): made on first use
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -139,13 +141,15 @@ class Tokenizer:
 
     def with_chat_template(self, source: str) -> Tokenizer:
         """The same tokenizer with another chat template (e.g. one given on the command line)."""
-        return Tokenizer(
+        other = Tokenizer(
             self.backend,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             stop_token_ids=self._stop_token_ids,
             chat_template=source,
         )
+        other._vocab_digest = self._vocab_digest  # the same vocabulary
+        return other
 
     # -- text <-> ids ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
@@ -194,6 +198,16 @@ class Tokenizer:
 
     def token_to_id(self, tok: str) -> int | None:
         return self.backend.token_to_id(tok)
+
+    def fingerprint(self, special_tokens_in_content: bool = False) -> str:
+        """What decides a chat's prompt ids, hashed: the vocabulary and its rules, BOS, the chat
+        template and the special-token rule. Two tokenizers with equal fingerprints turn the same
+        messages into the same ids (a router checks it before hashing prompts for a replica)."""
+        if self._vocab_digest is None:
+            self._vocab_digest = hashlib.sha256(self.backend.to_str().encode()).hexdigest()
+        parts = [self._vocab_digest, str(self.bos_token_id), str(self.adds_bos), self.chat_template.source,
+                 str(special_tokens_in_content)]
+        return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:32]
 
     # -- chat ------------------------------------------------------------------------------------
     def apply_chat_template(

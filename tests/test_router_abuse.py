@@ -91,3 +91,14 @@ def test_connections_past_the_cap_get_503_in_the_openai_body_and_are_closed(rout
             s.close()
     time.sleep(0.2)
     assert httpx.get(router.url + "/metrics", timeout=5).status_code == 200
+
+
+def test_content_length_with_transfer_encoding_is_400_in_the_openai_body_and_closed(router):
+    with socket.create_connection(("127.0.0.1", router.settings.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n")
+        data = _read_all(s, 3)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert b"connection: close" in head.lower()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvserve.server.hosts import host_allowed, host_name, parse_allowed_hosts
+from kvserve.web.hosts import host_allowed, host_name, parse_allowed_hosts
 from router_harness import ADMIN_KEY, RouterThread
 from server_harness import API_KEY, free_port, start_server
 

@@ -200,9 +200,11 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
 
     log = BlockEventLog(capacity=4)
     pool = SimpleNamespace(enable_caching=True, events=log)
-    llm = SimpleNamespace(model_path="/m.gguf", manager=SimpleNamespace(block_size=16, pool=pool))
+    tokenizer = SimpleNamespace(fingerprint=lambda special: f"renderer-{special}")
+    llm = SimpleNamespace(model_path="/m.gguf", manager=SimpleNamespace(block_size=16, pool=pool), tokenizer=tokenizer)
     app = FastAPI()
-    add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None, llm=llm)))
+    add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None, llm=llm),
+                                             settings=SimpleNamespace(special_tokens_in_messages=False)))
 
     for h in HASHES[:3]:
         log.record(STORED, bytes.fromhex(h))
@@ -214,3 +216,4 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
     assert events.events == [(True, bytes.fromhex(HASHES[1])), (True, bytes.fromhex(HASHES[2])),
                              (False, bytes.fromhex(HASHES[0]))]
     assert snapshot.held == {bytes.fromhex(h) for h in HASHES[1:4]} and snapshot.fields["seq"] == 5
+    assert snapshot.fields["renderer"] == "renderer-False"

@@ -256,3 +256,67 @@ def test_health_and_an_unrelated_stream_stay_responsive_under_huge_prompts(serve
     assert refused == sent and sent >= 8
     assert p99 < 0.1
     assert max(gaps) < 0.5
+
+
+def _raw_exchange(port: int, request: bytes) -> tuple[bytes, bytes, bool]:
+    """(head, body, closed): the whole answer, and whether the server then closed the connection."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request)
+        s.settimeout(3)
+        data, closed = b"", False
+        try:
+            while chunk := s.recv(65536):
+                data += chunk
+            closed = True
+        except socket.timeout:
+            pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body, closed
+
+
+def test_content_length_with_transfer_encoding_is_400_and_the_connection_closed(server):
+    """RFC 9112 §6.3: a body framed two ways is an error; answering it and reading on would let a
+    proxy that frames it the other way smuggle a request."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}).encode()
+    head, answer, closed = _raw_exchange(server.port, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + server.api_key.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n"
+        % (len(body), len(body)) + body + b"\r\n0\r\n\r\n"))
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert json.loads(answer)["error"]["message"] == ("the request has both Content-Length and Transfer-Encoding, "
+                                                      "which frame its body two ways: send one of them")
+    assert closed
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_a_web_page_could_post_blind_is_415(server, content_type):
+    with server.client() as c:
+        r = c.post("/v1/completions", content=json.dumps({"prompt": "Hi", "max_tokens": 1}),
+                   headers={"content-type": content_type})
+    err = _error(r, 415, None)
+    assert err["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in err["message"]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": "m" * 1_000_000, "prompt": "Hi"}, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "r" * 1_000_000, "content": "Hi"}]}, "messages[0].role"),
+    ("/v1/completions", {"prompt": "Hi", "k" * 1_000_000: 1}, "k" * 60 + "..."),
+    ("/v1/completions", {"prompt": "Hi", "temperature": "t" * 1_000_000}, "temperature"),
+])
+def test_an_error_quotes_a_short_prefix_of_a_bad_value_not_all_of_it(server, path, body, param):
+    with server.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code in (400, 404)
+    assert len(r.content) < 600, r.content[:300]
+    assert r.json()["error"]["param"] == param
+
+
+def test_a_body_nested_past_what_the_server_reads_says_so(server):
+    for depth in (300, 5000):
+        raw = '{"prompt": "Hi", "max_tokens": 1, "metadata": ' + '{"a": ' * depth + '1' + '}' * depth + '}'
+        with server.client() as c:
+            r = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert _error(r, 400, None)["message"] == ("the request body is nested too deeply: the server reads JSON "
+                                                   "up to 200 levels of arrays and objects")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.snapshot import engine_state
-from kvserve.errors import KVServeError
+from kvserve.errors import KVServeError, shown
 from kvserve.outputs import CompletionOutput, OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -210,7 +210,7 @@ class AsyncEngine:
         box.reader = asyncio.current_task()
         with self._lock:
             if rid in self._mailboxes:
-                raise ValueError(f"request id {rid!r} is already in use")
+                raise ValueError(f"request id {shown(rid)} is already in use")
             self._mailboxes[rid] = box
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival, time.monotonic()))

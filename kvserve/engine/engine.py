@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.postprocess import append_token, make_output
-from kvserve.engine.request import Request, Sequence, SeqStatus
+from kvserve.engine.request import Request, SeqStatus, Sequence
 from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler
-from kvserve.errors import EngineStalledError, InvalidParam
 from kvserve.engine.timeline import TimelineRecorder
+from kvserve.errors import EngineStalledError, InvalidParam, shown
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import OutputKind, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -129,7 +129,7 @@ class LLMEngine:
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         if request_id in self.requests:
-            raise InvalidParam("request_id", f"request id {request_id!r} is already in the engine")
+            raise InvalidParam("request_id", f"request id {shown(request_id)} is already in the engine")
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
         req = Request(
             request_id=request_id,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.errors import OutOfBlocksError
@@ -29,6 +29,17 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     h = hashlib.sha256(parent or b"kvserve-root")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> Iterator[tuple[bytes, Sequence[int]]]:
+    """(hash, tokens) of each full block a prompt may take from the cache, in order: the chain a
+    prefix lookup walks. Never the block holding the last token, which is always computed (its
+    logits choose the first output token). The one walk for the KV manager and the router."""
+    parent = None
+    for i in range((len(token_ids) - 1) // block_size):
+        ids = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block(parent, ids)
+        yield parent, ids
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.kv.block_pool import BlockPool, KVBlock, hash_block
+from kvserve.kv.block_pool import BlockPool, KVBlock, hash_block, prefix_block_hashes
 
 
 @dataclass
@@ -38,14 +38,10 @@ class KVCacheManager:
         At most len - 1 tokens are taken from the cache: the last prompt token is always
         computed, since its logits choose the first output token.
         """
-        bs = self.block_size
         hits: list[KVBlock] = []
         if self.pool.enable_caching:
-            parent = None
-            for i in range((len(token_ids) - 1) // bs):
-                ids = token_ids[i * bs : (i + 1) * bs]
-                parent = hash_block(parent, ids)
-                block = self.pool.lookup(parent, ids)
+            for h, ids in prefix_block_hashes(token_ids, self.block_size):
+                block = self.pool.lookup(h, ids)
                 if block is None:
                     break
                 hits.append(block)

@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request
 
 from kvserve.router.state import RouterState
-from kvserve.server.errors import APIError
-from kvserve.server.hosts import host_name
+from kvserve.web.errors import APIError
+from kvserve.web.hosts import host_name
 
 
 def _refuse_browsers(request: Request, key: str | None) -> None:

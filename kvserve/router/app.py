@@ -30,8 +30,9 @@ from kvserve.router.proxy import handle
 from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
-from kvserve.server.errors import APIError, install_handlers
-from kvserve.server.hosts import host_error
+from kvserve.web.errors import APIError, install_handlers
+from kvserve.web.framing import FramingCheck
+from kvserve.web.hosts import host_error
 
 log = logging.getLogger("kvserve.router")
 PROXIED_METHODS = ["GET", "POST", "DELETE"]
@@ -90,6 +91,7 @@ def build_router_app(settings: RouterSettings) -> RouterApp:
     app.state.router = state
     install_handlers(app)
     app.add_middleware(HeaderLimit, max_headers=settings.max_headers)
+    app.add_middleware(FramingCheck)
 
     @app.get("/health")
     async def health() -> Response:

@@ -72,7 +72,7 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
     policy = PolicySettings(name=args.policy, cache_source=args.cache_source, balance_abs_tokens=args.balance_abs_tokens,
                             balance_rel=args.balance_rel, min_match_tokens=args.min_match_tokens)
     from kvserve.router.replicas import ReplicaSet
-    from kvserve.server.hosts import parse_allowed_hosts
+    from kvserve.web.hosts import parse_allowed_hosts
 
     return RouterSettings(
         replicas=tuple(ReplicaSet.normalize(u) for u in replicas), host=args.host, port=args.port, policy=policy,

@@ -1,9 +1,12 @@
 """The precise source of cache_aware: the block hashes each replica says it holds.
 
 Each replica publishes `GET /kv/events` (kvserve/server/kv_events.py): its model file, block
-size, and the chained SHA-256 of every full block it stores or evicts. The router follows it,
-loads kvserve's own Tokenizer from the same model file, and hashes a request's prompt tokens
-exactly as kvserve/kv/manager.py does, so a match here is what the replica will find.
+size, the fingerprint of its chat renderer, and the chained SHA-256 of every full block it stores
+or evicts. The router follows it, loads kvserve's own Tokenizer from the same model file (and, if
+the replica renders chats otherwise, its chat template and special-token rule from
+`/kv/renderer`), renders a request with the server's own ChatPrompt, and hashes its tokens with
+the KV manager's own walk, so a match here is what the replica will find. A replica whose
+rendering the router cannot reproduce (the fingerprints still differ) is routed by text instead.
 
 Between routing a request and the replica publishing its blocks (its prefill plus one poll)
 the router would not know them yet; a burst of requests with a new shared prefix would then
@@ -24,23 +27,26 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.kv.block_pool import hash_block
+from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
+from kvserve.server.chat_render import ChatPrompt
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve.router")
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """The chain the replica would look up: full blocks, never the prompt's last token."""
-    out: list[bytes] = []
-    parent = None
-    for i in range((len(token_ids) - 1) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
+    """The chain the replica would look up (kvserve/kv/block_pool.py's walk, shared)."""
+    return [h for h, _ in prefix_block_hashes(token_ids, block_size)]
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """How one replica turns a request into prompt ids."""
+    tokenizer: Tokenizer
+    special_tokens_in_content: bool = False
 
 
 @dataclass
@@ -48,6 +54,7 @@ class ReplicaBlocks:
     model: str
     block_size: int
     instance: str = ""
+    renderer: str = ""  # the replica's renderer fingerprint ("model:PATH" for one that names none)
     seq: int = 0
     held: set[bytes] = field(default_factory=set)
     pending: dict[bytes, list] = field(default_factory=dict)  # hash -> [requests in flight, expiry]
@@ -80,7 +87,9 @@ class KVIndex:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
         self.blocks: dict[Replica, ReplicaBlocks] = {}
-        self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._tokenizers: dict[str, Tokenizer | None] = {}  # per model file
+        self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
+        self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
 
     # -- following replicas -----------------------------------------------------------------
@@ -103,7 +112,7 @@ class KVIndex:
     def usable(self, replica: Replica) -> ReplicaBlocks | None:
         """The replica's blocks, if it publishes them and its tokenizer is loaded here."""
         b = self.blocks.get(replica)
-        if b is None or self._tokenizers.get(b.model) is None:
+        if b is None or self._renderers.get(b.renderer) is None:
             return None
         return b
 
@@ -148,10 +157,12 @@ class KVIndex:
             replica.extra["kv_events"] = "prefix caching off"
             self.blocks.pop(replica, None)
             return 30.0
-        if b is None or b.instance != data["instance"] or b.model != data["model"]:
-            b = ReplicaBlocks(data["model"], data["block_size"], data["instance"])
+        renderer = data.get("renderer") or f"model:{data['model']}"
+        if b is None or b.instance != data["instance"] or b.model != data["model"] or b.renderer != renderer:
+            b = ReplicaBlocks(data["model"], data["block_size"], data["instance"], renderer)
             self.blocks[replica] = b
-            await self._load_tokenizer(b.model, replica)
+        if b.renderer not in self._renderers:
+            await self._load_renderer(b, replica)
         if page.held is not None:
             b.held = page.held
         else:
@@ -160,13 +171,14 @@ class KVIndex:
         now = time.monotonic()
         for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
             del b.pending[h]
-        replica.extra["kv_events"] = "followed" if self._tokenizers.get(b.model) else "no tokenizer here"
+        replica.extra["kv_events"] = ("followed" if self._renderers.get(b.renderer)
+                                      else self._renderer_notes.get(b.renderer, "no tokenizer here"))
         replica.extra["blocks_held"] = len(b.held)
         return self.poll_interval
 
-    async def _load_tokenizer(self, model: str, replica: Replica) -> None:
+    async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:
-            return
+            return self._tokenizers[model]
         self._tokenizers[model] = None  # one attempt per model file
         try:
             self._tokenizers[model] = await asyncio.to_thread(Tokenizer.load, model)
@@ -174,38 +186,74 @@ class KVIndex:
         except Exception as e:  # noqa: BLE001 - the model file is on another host: fall back
             log.warning("cache_aware: cannot load the tokenizer of %s from %s (%s); using the text it "
                         "was sent instead", replica.url, model, e)
+        return self._tokenizers[model]
+
+    async def _load_renderer(self, b: ReplicaBlocks, replica: Replica) -> None:
+        """Render as the replica does: its model file's tokenizer, with its chat template and
+        special-token rule where they differ from the file's; only once the fingerprints agree."""
+        key = b.renderer
+        base = await self._load_tokenizer(b.model, replica)
+        if base is None:
+            self._renderers[key] = None
+            return
+        if key.startswith("model:") or await asyncio.to_thread(base.fingerprint) == key:
+            self._renderers[key] = Renderer(base)  # (a replica that names no fingerprint: its file's)
+            return
+        r = await self.client.get(replica.url + "/kv/renderer", headers=self.headers, timeout=5.0)
+        if r.status_code != 200:  # a transient failure: asked again at the next poll
+            return
+        try:
+            info = r.json()
+            template, special = info["chat_template"], info["special_tokens_in_messages"]
+            if not isinstance(template, str) or len(template) > 1 << 20 or not isinstance(special, bool):
+                raise ValueError("chat_template must be a string under 1 MiB, special_tokens_in_messages a bool")
+            tok = await asyncio.to_thread(base.with_chat_template, template)
+            same = await asyncio.to_thread(tok.fingerprint, special) == key
+        except Exception as e:  # noqa: BLE001 - a template that does not compile here, a bad answer
+            same, why = False, f"its /kv/renderer is not usable ({e})"
+        else:
+            why = "its tokenizer differs from the model file's here"
+        if same:
+            self._renderers[key] = Renderer(tok, special)
+            log.info("cache_aware (precise): %s renders chats with its own template; rendering as it does", replica.url)
+        else:
+            self._renderers[key] = None
+            self._renderer_notes[key] = f"routed by text: {why}"
+            log.warning("cache_aware: %s renders prompts in a way the router cannot reproduce (%s): routed "
+                        "by text", replica.url, why)
 
     # -- requests ---------------------------------------------------------------------------
     async def prepare(self, req: RoutedRequest) -> None:
-        """Tokenize and hash the prompt once per model the replicas serve (on a thread: a long
+        """Tokenize and hash the prompt once per renderer the replicas use (on a thread: a long
         prompt takes a millisecond or more, which the event loop should not wait for)."""
-        keys = {(b.model, b.block_size) for b in self.blocks.values() if self._tokenizers.get(b.model)}
+        keys = {(b.renderer, b.block_size) for b in self.blocks.values() if self._renderers.get(b.renderer)}
         if keys and req.routable:
             await asyncio.to_thread(self._prepare, req, keys)
 
     def _prepare(self, req: RoutedRequest, keys: set[tuple[str, int]]) -> None:
-        for model, block_size in keys:
-            if model not in req.token_ids:
-                req.token_ids[model] = self._encode(req, self._tokenizers[model])
-            req.hashes[(model, block_size)] = block_hashes(req.token_ids[model], block_size)
+        chat = ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None
+        for renderer, block_size in keys:
+            if renderer not in req.token_ids:
+                req.token_ids[renderer] = self._encode(req, chat, self._renderers[renderer])
+            req.hashes[(renderer, block_size)] = block_hashes(req.token_ids[renderer], block_size)
 
     @staticmethod
-    def _encode(req: RoutedRequest, tok: Tokenizer) -> list[int]:
+    def _encode(req: RoutedRequest, chat: ChatPrompt | None, renderer: Renderer) -> list[int]:
         """The prompt's token ids as the replica will see them."""
         if isinstance(req.prompt, list):
             return req.prompt
         if isinstance(req.prompt, str):
-            return tok.encode(req.prompt)
-        if req.messages is not None:
+            return renderer.tokenizer.encode(req.prompt)
+        if chat is not None:
             try:
-                return tok.encode_chat(req.messages, req.add_generation_prompt)
+                return chat.encode(renderer.tokenizer, renderer.special_tokens_in_content)
             except ValueError:  # the replica answers this one with its own 400
                 return []
         return []
 
     def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
-        """The prompt's block hashes for this replica's model (None: not prepared for it)."""
-        return req.hashes.get((b.model, b.block_size))
+        """The prompt's block hashes for this replica's renderer (None: not prepared for it)."""
+        return req.hashes.get((b.renderer, b.block_size))
 
     def prompt_tokens(self, req: RoutedRequest) -> int | None:
         return len(next(iter(req.token_ids.values()))) if req.token_ids else None

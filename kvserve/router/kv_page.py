@@ -18,7 +18,7 @@ import httpx
 HASH_HEX = 64  # a chained SHA-256 (kvserve/kv/block_pool.py), as hex
 _SPACE = re.compile(r"[ \t\n\r]*")
 _HEX = re.compile(r"[0-9a-f]{%d}" % HASH_HEX)
-_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int}
+_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str}
 _SCALAR_CHARS = 4096  # the longest a scalar field (a model path) may be
 
 

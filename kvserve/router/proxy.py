@@ -22,6 +22,7 @@ import math
 import random
 import time
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -31,7 +32,8 @@ from kvserve.router.request import RoutedRequest, parse_request
 from kvserve.router.state import RouterState
 from kvserve.router.upstream import ConnectError, ConnectRefused, ConnectTimeout, ReadTimeout, UpstreamError
 from kvserve.router.upstream import Response as Answer
-from kvserve.server.errors import APIError, ErrorResponse
+from kvserve.web.body import read_body
+from kvserve.web.errors import APIError, ErrorResponse
 
 log = logging.getLogger("kvserve.router")
 
@@ -46,30 +48,6 @@ _RETRY_STATUS = (429, 503)
 def sse(data: dict | str) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()
-
-
-class ClientLeft(Exception):
-    """The client disconnected before sending the whole body."""
-
-
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    too_large = APIError(413, f"the request body is larger than the router's limit of {limit} bytes",
-                         code="request_too_large")
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise too_large
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientLeft
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -121,7 +99,7 @@ async def handle(scope: Scope, receive: Receive, send: Send, state: RouterState)
         if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
             log.info("%s %s -> %d: %s", scope["method"], scope["path"], e.status, e.message)
         response = e.response()
-    except ClientLeft:  # nobody reads the answer; one line, not a traceback
+    except ClientDisconnect:  # nobody reads the answer; one line, not a traceback
         log.info("%s %s: the client disconnected before sending the whole body", scope["method"], scope["path"])
         response = APIError(400, "the request body was cut off before its end").response()
     except Exception:
@@ -145,7 +123,7 @@ async def proxy(scope: Scope, receive: Receive, state: RouterState) -> Response:
                        "retry after a moment", code="router_busy", headers={"Retry-After": "1"})
     state.begin()
     try:
-        body = await read_body(scope, receive, s.max_body_bytes)
+        body = await read_body(scope, receive, s.max_body_bytes, "router")
         req = parse_request(scope["path"], body)
         if state.index is not None:
             await state.index.prepare(req)

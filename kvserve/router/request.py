@@ -17,12 +17,13 @@ class RoutedRequest:
     path: str
     text: str = ""  # the prompt as text, for the approximate prefix tree
     prompt: str | list[int] | None = None  # a completion's single prompt
-    messages: list[dict] | None = None  # a chat's messages, as the chat template wants them
+    messages: list[dict] | None = None  # a chat's messages, roughly: for the approximate text only
     add_generation_prompt: bool = True
+    chat_body: dict | None = None  # a chat's whole body: the precise source renders it as a replica does
     max_tokens: int | None = None
     n: int = 1
-    token_ids: dict[str, list[int]] = field(default_factory=dict)  # per model file (precise source)
-    hashes: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)  # per (model, block size)
+    token_ids: dict[str, list[int]] = field(default_factory=dict)  # per replica renderer (precise source)
+    hashes: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)  # per (renderer, block size)
 
     @property
     def routable(self) -> bool:
@@ -36,7 +37,8 @@ class RoutedRequest:
 
 
 def _message_for_template(m: Any) -> dict | None:
-    """The server's own rule: content parts joined, developer is system."""
+    """Roles and content as text, for the approximate source's tree (the precise source renders
+    the whole body with the server's own ChatPrompt instead)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         return None
     content = m.get("content")
@@ -75,6 +77,7 @@ def parse_request(path: str, body: bytes) -> RoutedRequest:
             req.prompt = prompt
     else:
         messages = data.get("messages")
+        req.chat_body = data
         if isinstance(messages, list) and messages:
             plain = [_message_for_template(m) for m in messages]
             if all(p is not None for p in plain):

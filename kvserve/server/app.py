@@ -24,13 +24,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.engine.engine import EngineStats
+from kvserve.errors import shown
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
-from kvserve.server.errors import APIError, from_invalid, install_handlers
-from kvserve.server.grammar_pool import GrammarPool
-from kvserve.server.hosts import HostAllowList
 from kvserve.server import insight
+from kvserve.server.chat_render import ChatPrompt
+from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import EngineClient
+from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.lifecycle import ServerState
 from kvserve.server.logprobs import TokenTexts
@@ -38,6 +39,9 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.web.errors import install_handlers
+from kvserve.web.framing import FramingCheck
+from kvserve.web.hosts import HostAllowList
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -54,7 +58,7 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None  # Bearer token for every route but /health and /metrics
     allowed_origins: tuple[str, ...] = ()  # CORS stays off while empty
-    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/web/hosts.py); empty: any
     # Sequences that may wait beyond the engine's max_num_seqs running ones; more get 429.
     max_queued_requests: int = 256
     max_n: int = 8  # completions per request
@@ -190,6 +194,7 @@ def build_app(
                            allow_headers=["Authorization", "Content-Type"])
     if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
+    app.add_middleware(FramingCheck)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, even a refused Host, has its id
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
@@ -223,7 +228,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != settings.model_name:
-            raise APIError(404, f"the model {model_id!r} is not served here: GET /v1/models lists the one that is",
+            raise APIError(404, f"the model {shown(model_id)} is not served here: GET /v1/models lists the one that is",
                            param="model", code="model_not_found")
         return card()
 
@@ -245,8 +250,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         limit = state.llm.max_model_len
         try:
             if req.messages is not None:
-                msgs = [m.for_template() for m in req.messages]
-                ids = await ctx.client.encode_chat(msgs, req.add_generation_prompt)
+                ids = await ctx.client.encode_chat(
+                    ChatPrompt([m.for_template() for m in req.messages], req.add_generation_prompt))
             else:
                 ids = await ctx.client.encode(req.prompt, req.add_special_tokens)
         except ValueError as e:

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.server import legacy_functions, openai_compat, request_id
+from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
@@ -45,11 +46,10 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(
         max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
-    messages = [m.for_template() for m in req.messages]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    prompt = ChatPrompt.of(req)
     admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
     try:
-        ids = await ctx.client.encode_chat(messages, req.add_generation_prompt, **({"tools": tools} if tools else {}))
+        ids = await ctx.client.encode_chat(prompt)
         if defaulted:  # a default the client never sent must not be the reason its request is refused
             room = ctx.state.llm.max_model_len - len(ids)
             params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))

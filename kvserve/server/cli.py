@@ -104,13 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
 
+    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
     from kvserve.model.loader import resolve_model_path
     from kvserve.server.app import ServerSettings, build_app
-    from kvserve.server.hosts import parse_allowed_hosts
     from kvserve.server.http import guarded_protocol
     from kvserve.server.lifecycle import DrainingServer, exit_now
-
-    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
+    from kvserve.web.hosts import parse_allowed_hosts
 
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     if args.chat_template is not None:

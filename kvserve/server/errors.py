@@ -1,77 +1,18 @@
-"""OpenAI's error body, and turning every failure into one.
-
-Every error answers {"error": {"message", "type", "param", "code"}}. Bad input is a 4xx naming
-the parameter; anything unforeseen is a 500 whose body says nothing about the server's insides
-(the traceback goes to the log only).
-"""
+"""The server's 400s from its own checks: an InvalidParam or a pydantic ValidationError turned into
+the OpenAI error body naming the parameter as the client spelled it (kvserve/web/errors.py holds the
+body, APIError and the handlers shared with the router)."""
 from __future__ import annotations
 
 import functools
-import json
-import logging
 import re
 from collections.abc import Mapping
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from kvserve.chat_template import ChatTemplateError
+from kvserve.errors import SHOWN_CHARS
 from kvserve.server.protocol import MODELS, UNION_FIELDS
-
-log = logging.getLogger("kvserve.server")
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    408: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict:
-        return error_body(self.status, self.message, self.param, self.code)
-
-    def response(self) -> JSONResponse:
-        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-class ErrorResponse(JSONResponse):
-    """ASCII-escaped JSON: an echo of odd client text can never fail to encode."""
-
-    def render(self, content: object) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+from kvserve.web.errors import APIError
 
 
 def from_invalid(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
@@ -95,7 +36,7 @@ def from_validation_error(e: ValidationError) -> APIError:
         if isinstance(part, int):
             path += f"[{part}]"
         elif part in _field_names() or (err["type"] == "extra_forbidden" and i == len(loc) - 1):
-            path += ("." if path else "") + part
+            path += ("." if path else "") + (part if len(part) <= SHOWN_CHARS else part[:SHOWN_CHARS] + "...")
             union = part if part in UNION_FIELDS else None
         elif union:  # a union branch tag like "list[int]": say what the field accepts instead
             msg = f"must be {UNION_FIELDS[union]}"
@@ -110,33 +51,3 @@ def from_validation_error(e: ValidationError) -> APIError:
 @functools.cache
 def _field_names() -> frozenset[str]:
     return frozenset(name for model in MODELS for name in model.model_fields)
-
-
-def install_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
-            log.info("%s %s -> %d %s: %s", request.method, request.url.path, e.status, e.param or "-", e.message)
-        return e.response()
-
-    @app.exception_handler(ClientDisconnect)
-    async def _client_left(request: Request, e: ClientDisconnect) -> JSONResponse:
-        # A body cut off by the client: one line, not a traceback; nobody reads the answer.
-        log.info("%s %s: the client disconnected before sending the whole body", request.method, request.url.path)
-        return APIError(400, "the request body was cut off before its end").response()
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        message = {404: "there is no such route: see GET /v1/models and the docs for the API",
-                   405: f"this route does not accept {request.method}"}
-        body = error_body(e.status_code, message.get(e.status_code, str(e.detail)), None, None)
-        return ErrorResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return APIError(400, "the request does not match the API's schema").response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        # Starlette re-raises after answering, so the server logs the traceback (once).
-        return APIError(500, "internal server error (see the server log)").response()

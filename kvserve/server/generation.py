@@ -19,6 +19,7 @@ from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, St
 from kvserve.errors import InvalidParam
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.metrics import ServerMetrics
@@ -61,13 +62,12 @@ class EngineClient:
             await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
         return await self.state.engine.validate_all(prompts, params)
 
-    async def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: object) -> list[int]:
+    async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         """The conversation's prompt ids by the model's chat template, content kept as text."""
         tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
         special = self.state.settings.special_tokens_in_messages
         try:
-            return await asyncio.to_thread(lambda: tok.encode_chat(
-                messages, add_generation_prompt, max_tokens=limit, special_tokens_in_content=special, **extra))
+            return await asyncio.to_thread(prompt.encode, tok, special, limit)
         except PromptTooLong:
             raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
                                "shorten the messages") from None

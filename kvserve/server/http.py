@@ -1,18 +1,16 @@
 """Connection hygiene under uvicorn's HTTP/1.1 protocol (h11), for the server.
 
-kvserve/web/guards.py's header timeout and connection cap (shared with the router), and:
-  - malformed HTTP (a Content-Length of -1 or 10^30) is answered 400 with the OpenAI error body,
-    not uvicorn's plain text.
+kvserve/web/guards.py's header timeout, connection cap and JSON 400 for malformed HTTP (a
+Content-Length of -1 or 10^30), shared with the router; here only what h11 alone can tell: when a
+request head is complete.
 """
 from __future__ import annotations
 
-import json
 import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvserve.server.errors import error_body
 from kvserve.web.guards import ConnectionGuards
 
 log = logging.getLogger("kvserve.server")
@@ -38,19 +36,6 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
             super().on_response_complete()
             if not self.transport.is_closing():  # a keep-alive connection: the next request's clock
                 self._arm_header_timer()
-
-        def send_400_response(self, msg: str) -> None:
-            log.info("malformed HTTP request: %s", msg)
-            body = json.dumps(error_body(400, f"malformed HTTP request: {msg}")).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
-            try:
-                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
-                self.transport.write(self.conn.send(h11.Data(data=body)))
-                self.transport.write(self.conn.send(h11.EndOfMessage()))
-            except h11.LocalProtocolError:  # the state machine is past sending a response
-                pass
-            self.transport.close()
 
     GuardedH11Protocol.header_timeout, GuardedH11Protocol.max_connections = header_timeout, max_connections
     return GuardedH11Protocol

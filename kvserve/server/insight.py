@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.timeline import KEEP_FINISHED
-
+from kvserve.errors import shown
 from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def add_static_page(app: FastAPI, package: str) -> None:
     @app.get("/static/{name}")
     async def static(name: str) -> Response:
         if name not in STATIC_FILES:
-            raise APIError(404, f"no static file {name!r}", code="not_found")
+            raise APIError(404, f"no static file {shown(name)}", code="not_found")
         return serve(name)
 
 
@@ -106,7 +106,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.state.require_ready()
         body = timeline(ctx, request_id)
         if body is None:
-            raise APIError(404, f"no timeline for request {request_id!r}: the server keeps the last {KEEP_FINISHED} "
+            raise APIError(404, f"no timeline for request {shown(request_id)}: the server keeps the last {KEEP_FINISHED} "
                            "finished requests; use the id of a response from this server", param="request_id",
                            code="not_found")
         return body

@@ -3,10 +3,15 @@
 The answer names the model file and the block size, so a router can tokenize and hash prompts
 exactly as this server does (kvserve/router/kv_index.py), then either the events after N
 (`[seq, "+" stored | "-" evicted, hex hash]`) or, for a reader that is new or fell behind the
-bounded log, `held`: every hash held now. Behind the API key like every route but /health.
+bounded log, `held`: every hash held now. It also carries `renderer`, the fingerprint of what
+turns a chat into prompt ids here (tokenizer, chat template, special-token rule); a router whose
+own rendering differs fetches `GET /kv/renderer` (the template and the rule) to render as this
+server does, and routes by text where it still cannot. Behind the API key like every route but
+/health.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Query
@@ -16,6 +21,15 @@ if TYPE_CHECKING:
 
 
 def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
+    fingerprints: dict[int, str] = {}  # id(tokenizer) -> its fingerprint (hashing the vocabulary takes ~0.2 s)
+
+    async def renderer_fingerprint() -> str:
+        tok, special = ctx.state.llm.tokenizer, ctx.settings.special_tokens_in_messages
+        if id(tok) not in fingerprints:
+            fingerprints.clear()
+            fingerprints[id(tok)] = await asyncio.to_thread(tok.fingerprint, special)
+        return fingerprints[id(tok)]
+
     @app.get("/kv/events")
     async def kv_events(since: int = Query(0, ge=0)) -> dict:
         ctx.state.require_ready()
@@ -23,9 +37,16 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
         page = llm.manager.pool.events.since(since)
         out = {"model": str(llm.model_path), "block_size": llm.manager.block_size,
                "caching": llm.manager.pool.enable_caching, "instance": llm.manager.pool.events.instance,
-               "seq": page.seq}
+               "seq": page.seq, "renderer": await renderer_fingerprint()}
         if page.held is not None:
             out["held"] = [h.hex() for h in page.held]
         else:
             out["events"] = [[seq, kind, h.hex()] for seq, kind, h in page.events]
         return out
+
+    @app.get("/kv/renderer")
+    async def kv_renderer() -> dict:
+        """What a router needs to render chats into this server's prompt ids, besides the model file."""
+        ctx.state.require_ready()
+        return {"fingerprint": await renderer_fingerprint(), "chat_template": ctx.state.llm.tokenizer.chat_template.source,
+                "special_tokens_in_messages": ctx.settings.special_tokens_in_messages}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.errors import shown
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, NamedFunction, NamedToolChoice, Tool
 
@@ -36,7 +37,7 @@ def apply(req: ChatCompletionRequest) -> None:
         req.tool_choice = choice
     else:
         if choice.name not in {f.name for f in req.functions}:
-            raise APIError(400, f"function_call names {choice.name!r}, which is not in functions",
+            raise APIError(400, f"function_call names {shown(choice.name)}, which is not in functions",
                            param="function_call")
         req.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 

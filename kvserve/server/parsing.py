@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from kvserve.errors import shown
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, from_invalid, from_validation_error
+from kvserve.web.body import read_body
 
 M = TypeVar("M", bound=BaseModel)
 _BIG_BODY = 256 << 10
@@ -25,8 +27,9 @@ _BIG_BODY = 256 << 10
 
 async def parse(request: Request, model: type[M], limit: int, served_model: str) -> M:
     """The body as `model`: 413 past `limit` bytes, 400 for anything malformed, 404 for a model
-    name other than `served_model`."""
-    raw = await read_body(request, limit)
+    name other than `served_model`, 415 for a form's content type."""
+    check_content_type(request)
+    raw = await read_body(request.scope, request.receive, limit, "server")
     try:
         if len(raw) > _BIG_BODY:  # tens of ms for megabytes: off the event loop
             parsed = await asyncio.to_thread(model.model_validate_json, raw)
@@ -34,32 +37,29 @@ async def parse(request: Request, model: type[M], limit: int, served_model: str)
             parsed = model.model_validate_json(raw)
     except ValidationError as e:
         first = e.errors(include_url=False)[0]
+        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:  # valid JSON, too deep to read
+            raise APIError(400, "the request body is nested too deeply: the server reads JSON up to 200 levels "
+                                "of arrays and objects") from None
         if first["type"] == "json_invalid" or not first["loc"]:  # not JSON, or not an object
             _diagnose(raw)  # raises the precise 400
         raise from_validation_error(e) from None
     name = getattr(parsed, "model", None)
     if name is not None and name != served_model:
-        raise APIError(404, f"the model {name!r} is not served here: GET /v1/models lists the one that is",
+        raise APIError(404, f"the model {shown(name)} is not served here: GET /v1/models lists the one that is",
                        param="model", code="model_not_found")
     return parsed
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes",
-                         code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise APIError(400, "the Content-Length header is not a number")
-        if len(declared) > 18 or int(declared) > limit:
-            raise too_large
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        body += chunk
-    return bytes(body)
+# The types a web page can POST to another site without asking it first (CORS "simple" requests):
+# refusing them keeps a page the user visits from making this server generate blind.
+_FORM_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+
+
+def check_content_type(request: Request) -> None:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in _FORM_TYPES:
+        raise APIError(415, f"the request body must be JSON sent with Content-Type: application/json, not {kind} "
+                            "(with curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
 
 
 def _reject_constant(name: str) -> None:
@@ -77,7 +77,8 @@ def _diagnose(raw: bytes) -> None:
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
     except RecursionError:
-        raise APIError(400, "the request body is nested too deeply") from None
+        raise APIError(400, "the request body is nested too deeply: the server reads JSON up to 200 levels "
+                            "of arrays and objects") from None
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

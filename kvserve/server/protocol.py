@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from kvserve.errors import InvalidParam
+from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.openai_compat import IGNORED_FIELDS
 
@@ -196,7 +196,7 @@ class ChatMessage(_Strict):
     @classmethod
     def _known_role(cls, role: str) -> str:
         if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+            raise ValueError(f"unknown role {shown(role)}: use one of {', '.join(ROLES)}")
         return role
 
     def for_template(self) -> dict[str, Any]:

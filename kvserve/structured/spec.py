@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.errors import InvalidParam
+from kvserve.errors import InvalidParam, shown
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -59,7 +59,7 @@ def from_response_format(fmt: dict[str, Any] | None) -> Constraint | None:
         if not isinstance(spec, dict) or "schema" not in spec and "name" not in spec:
             raise InvalidParam("response_format.json_schema", 'response_format.json_schema must be {"name": ..., "schema": {...}}')
         return json_schema(spec.get("schema", {}), "response_format.json_schema.schema")
-    raise InvalidParam("response_format.type", f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+    raise InvalidParam("response_format.type", f"response_format.type must be text, json_object or json_schema, got {shown(kind)}")
 
 
 def from_vllm(fields: dict[str, Any], prefix: str) -> Constraint | None:

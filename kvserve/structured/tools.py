@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvserve.errors import InvalidParam
+from kvserve.errors import InvalidParam, shown
 from kvserve.structured.spec import Constraint
 
 _INSTRUCTIONS = (
@@ -91,5 +91,5 @@ def forced_call_constraint(tools: list[dict[str, Any]], tool_choice: Any, parall
     match = [f for f in fns if f.get("name") == name]
     if not match:
         names = ", ".join(repr(f.get("name")) for f in fns)
-        raise InvalidParam("tool_choice", f"tool_choice names the function {name!r}, which is not among the tools ({names})")
+        raise InvalidParam("tool_choice", f"tool_choice names the function {shown(name)}, which is not among the tools ({names})")
     return Constraint("json", json.dumps(_call_schema(match[0])), "tool_choice")

@@ -8,7 +8,8 @@ class that mixes in `ConnectionGuards` (before uvicorn's protocol in the bases) 
     connection opening (or of the previous response on a keep-alive connection), else the
     connection is closed;
   - a connection cap: with `max_connections` open, one more is answered 503 with the OpenAI error
-    body and closed before anything is read.
+    body and closed before anything is read;
+  - malformed HTTP answered 400 with the OpenAI error body, and the connection closed.
 Each protocol says when a request head is still pending (`_head_pending`), as only it can tell.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import logging
 from typing import Any
 
-from kvserve.server.errors import error_body
+from kvserve.web.errors import error_body
 
 
 def raw_error_response(status: int, reason: str, message: str) -> bytes:
@@ -72,6 +73,14 @@ class ConnectionGuards:
         if self._head_pending() and not self.transport.is_closing():
             self.guard_log.info("closed a connection that sent no complete request headers within %g s",
                                 self.header_timeout)
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """Malformed HTTP (a Content-Length of -1, both Content-Length and Transfer-Encoding, a bad
+        request line) answered with the OpenAI error body rather than uvicorn's plain text."""
+        self.guard_log.info("malformed HTTP request: %s", msg)
+        if not self.transport.is_closing():
+            self.transport.write(raw_error_response(400, "Bad Request", f"malformed HTTP request: {msg}"))
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:

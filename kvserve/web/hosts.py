@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.server.errors import APIError
+from kvserve.web.errors import APIError
 
 
 def parse_allowed_hosts(value: str | None) -> tuple[str, ...]:
