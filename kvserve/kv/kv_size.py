@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.kv.sizing import available_memory, kv_bytes_per_token
+
 # Bytes per element of the names --dtype accepts (fp8: vLLM-style 8-bit KV caches).
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
@@ -85,77 +87,37 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * scale[unit])
 
 
-def _from_config_json(path: Path) -> Architecture:
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable JSON ({e})") from None
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    try:
-        heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
-        return Architecture(
-            name=path.parent.name or path.stem, source="config.json",
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            hidden_size=hidden,
-            intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
-            vocab_size=int(cfg["vocab_size"]),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 0)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
-        )
-    except KeyError as e:
-        raise ValueError(f"{path}: missing {e.args[0]!r}, which the KV size depends on") from None
+def _from_model(model: str | Path) -> Architecture:
+    """A model kvserve can load (a config.json's directory or a .gguf file), read by the loader's
+    own reader: kv-size and the server see one architecture."""
+    from kvserve.model.loader import read_model_config
 
-
-def _from_gguf(path: Path) -> Architecture:
-    from gguf import GGUFReader  # only its metadata is read; no tensor is decoded
-
-    from kvserve.model.gguf_file import open_gguf
-
-    reader: GGUFReader = open_gguf(path)
-
-    def get(key: str, default: Any = None) -> Any:
-        f = reader.get_field(key)
-        if f is None:
-            if default is None:
-                raise ValueError(f"{path}: GGUF metadata lacks {key!r}, which the KV size depends on")
-            return default
-        return f.contents()
-
-    arch = get("general.architecture")
-    heads, hidden = int(get(f"{arch}.attention.head_count")), int(get(f"{arch}.embedding_length"))
-    names = {t.name: t for t in reader.tensors}
-    embd = names.get("token_embd.weight")
+    config = read_model_config(model)
+    path = Path(model)
     return Architecture(
-        name=path.stem, source="gguf",
-        num_hidden_layers=int(get(f"{arch}.block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(get(f"{arch}.attention.key_length", hidden // heads)),
-        hidden_size=hidden,
-        intermediate_size=int(get(f"{arch}.feed_forward_length", 4 * hidden)),
-        vocab_size=int(get(f"{arch}.vocab_size", int(embd.shape[-1]) if embd is not None else 0)),
-        max_position_embeddings=int(get(f"{arch}.context_length", 0)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        num_parameters=sum(int(t.n_elements) for t in reader.tensors),
+        name=config.name or path.stem, source="gguf" if path.is_file() else "config.json",
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=config.attention_bias,
     )
 
 
 def read_architecture(model: str | Path) -> Architecture:
-    """A preset name, a config.json (or its directory), or a .gguf file → Architecture."""
+    """A preset name, a model directory (or its config.json), or a .gguf file → Architecture."""
     if isinstance(model, str) and model.lower() in PRESETS:
         return PRESETS[model.lower()]
     path = Path(model).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    if path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        return _from_gguf(path) if magic == b"GGUF" else _from_config_json(path)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if path.is_dir() or path.is_file():
+        return _from_model(path)
     raise ValueError(
         f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json, model "
         "directory or .gguf file: name one of those"
@@ -211,14 +173,12 @@ def kv_size(
     if context < 0:
         raise ValueError(f"context must be a number of tokens >= 0, got {context}")
     if memory is None:
-        from kvserve.kv.sizing import available_memory
-
         memory = available_memory()
     elif isinstance(memory, str):
         memory = parse_bytes(memory)
     elem = DTYPE_BYTES[dtype]
-    per_token = int(2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * elem)
-    mha = int(2 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim * elem)
+    per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, elem)
+    mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem)
     weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
     free = max(0, memory - weights)
     return KVSize(

@@ -23,6 +23,11 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: float) -> int:
+    """One key and one value vector per layer and KV head: what each token adds to the cache."""
+    return int(2 * num_layers * num_kv_heads * head_dim * element_bytes)
+
+
 @dataclass(frozen=True)
 class KVSizing:
     num_blocks: int
@@ -35,7 +40,7 @@ class KVSizing:
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
 
     @property
     def block_bytes(self) -> int:
