@@ -188,9 +188,12 @@ def test_a_stalled_engine_turns_health_503_and_recovers(model_dir):
 def test_a_request_past_the_request_timeout_is_stopped_with_504(model_dir):
     llm = tiny_llm(model_dir)
     real_step = llm.engine.step
+    slow = threading.Event()
+    slow.set()
 
     def slow_step():
-        threading.Event().wait(0.05)
+        if slow.is_set():
+            threading.Event().wait(0.05)
         return real_step()
 
     llm.engine.step = slow_step
@@ -199,6 +202,7 @@ def test_a_request_past_the_request_timeout_is_stopped_with_504(model_dir):
         r = client.post("/v1/completions", json={**REQUEST, "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 504
         assert r.json()["error"]["code"] == "request_timeout" and "--request-timeout" in r.json()["error"]["message"]
+        slow.clear()  # the engine at its own speed again: the next request is not timed against a slowed one
         assert client.post("/v1/completions", json=REQUEST).status_code == 200  # the server carries on
         for _ in range(200):  # the timed-out request's blocks go back to the pool
             if llm.manager.pool.num_used_blocks == 0:

@@ -1,4 +1,5 @@
-"""The FastAPI app: its settings, the context every route shares, the API key check, the routes.
+"""The FastAPI app: the API key check, the middleware stack and the routes (its settings are in
+server/settings.py, the context every route shares in server/context.py).
 
     app = build_app(ServerSettings(model_name="smollm2-135m"), load=lambda: LLM("smollm2-135m"))
 
@@ -8,13 +9,10 @@ is ready; with `llm`, the app is ready at once (tests, embedding in another prog
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -23,22 +21,17 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
-from kvserve.engine.engine import EngineStats
 from kvserve.errors import shown
-from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
-from kvserve.sampling_params import MAX_LOGPROBS
 from kvserve.server import insight
+from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.chat_render import ChatPrompt
+from kvserve.server.completions import create_completion
+from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, from_invalid
-from kvserve.server.generation import EngineClient
-from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.kv_events import add_kv_event_routes
-from kvserve.server.lifecycle import ServerState
-from kvserve.server.logprobs import TokenTexts
-from kvserve.server.metrics import ServerMetrics
-from kvserve.server.parsing import parse
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.server.settings import ServerSettings
 from kvserve.web.errors import install_handlers
 from kvserve.web.framing import FramingCheck
 from kvserve.web.hosts import HostAllowList
@@ -47,86 +40,6 @@ if TYPE_CHECKING:
     from kvserve.llm import LLM
 
 log = logging.getLogger("kvserve.server")
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """What the HTTP layer needs to know (the engine has its own config)."""
-
-    model_name: str  # the name clients pass as "model" (and /v1/models lists)
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: int = 8000
-    api_key: str | None = None  # Bearer token for every route but /health and /metrics
-    allowed_origins: tuple[str, ...] = ()  # CORS stays off while empty
-    allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/web/hosts.py); empty: any
-    # Sequences that may wait beyond the engine's max_num_seqs running ones; more get 429.
-    max_queued_requests: int = 256
-    max_n: int = 8  # completions per request
-    max_prompts: int = 64  # prompts in one /v1/completions request
-    max_request_share: float = 0.25  # of running + queued capacity, the most one request may hold
-    max_logprobs: int = MAX_LOGPROBS  # top alternatives per token
-    max_body_bytes: int = 4 << 20  # 4 MiB: far more than any context's worth of text
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    stall_timeout: float = 60.0  # an engine step running longer turns /health 503 "stalled"
-    stream_stall_timeout: float = 60.0  # a stream whose client reads nothing this long is aborted
-    request_timeout: float | None = None  # whole-request limit in seconds; None: none
-    header_timeout: float = 10.0  # seconds a client has to send a request's headers
-    max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
-    special_tokens_in_messages: bool = False  # let chat content spell control tokens
-    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar (kvserve/server/grammar_pool.py)
-    # For sampling fields a request leaves out: the model's recommendation or the server's
-    # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
-    sampling_defaults: SamplingDefaults | None = None
-    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens
-
-    @property
-    def defaults(self) -> dict:
-        return self.sampling_defaults.given() if self.sampling_defaults is not None else {}
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-
-class ServerContext:
-    """What every route handler needs, in one object the app holds."""
-
-    def __init__(self, settings: ServerSettings) -> None:
-        self.settings = settings
-        self.state = ServerState(settings)
-        self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
-        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
-        self.client = EngineClient(self.state, self.metrics, self.grammars)
-
-    def _stats(self) -> EngineStats | None:
-        return self.state.engine.stats() if self.state.engine is not None else None
-
-    def _grammar_stats(self) -> dict[str, float] | None:
-        if self.state.llm is None:
-            return None
-        cache = self.state.llm.engine.grammars.cache
-        return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
-                "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
-
-    async def parse(self, request: Request, model: type) -> object:
-        return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)
-
-    @functools.cached_property
-    def texts(self) -> TokenTexts:
-        """Token texts for logprobs (made once the model is loaded)."""
-        return TokenTexts(self.state.llm.tokenizer)
-
-    @functools.cached_property
-    def system_fingerprint(self) -> str:
-        """OpenAI's `system_fingerprint`: changes when kvserve's version or the model served does."""
-        llm = self.state.llm
-        model = f"{self.settings.model_name}|{getattr(llm, 'model_path', '')}|{llm.config.vocab_size}"
-        return "fp_" + hashlib.sha256(f"kvserve {__version__}|{model}".encode()).hexdigest()[:12]
-
-    @property
-    def special_token_ids(self) -> frozenset[int]:
-        return self.state.llm.tokenizer.special_token_ids
 
 
 class APIKeyMiddleware:
@@ -203,9 +116,6 @@ def build_app(
 
 
 def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    from kvserve.server.chat_completions import create_chat_completion
-    from kvserve.server.completions import create_completion
-
     settings, state = ctx.settings, ctx.state
 
     @app.post("/v1/completions")

@@ -22,7 +22,7 @@ from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.streaming import respond, sse
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerContext
+    from kvserve.server.context import ServerContext
 
 # The engine speaks of "prompt"; here the prompt is the conversation.
 _RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}

@@ -10,17 +10,17 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
+from kvserve.server import openai_compat, request_id
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs
-from kvserve.server import openai_compat, request_id
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerContext
+    from kvserve.server.context import ServerContext
 
 
 async def create_completion(request: Request, ctx: ServerContext) -> Response:

@@ -22,9 +22,9 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
+from kvserve.server.lifecycle import ServerState
 from kvserve.server.metrics import ServerMetrics
 from kvserve.tokenizer import PromptTooLong
-from kvserve.server.lifecycle import ServerState
 
 
 def engine_dead() -> APIError:

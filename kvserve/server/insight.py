@@ -26,7 +26,7 @@ from kvserve.errors import shown
 from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerContext
+    from kvserve.server.context import ServerContext
     from kvserve.server.generation import Job
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Query
 
 if TYPE_CHECKING:
-    from kvserve.server.app import ServerContext
+    from kvserve.server.context import ServerContext
 
 
 def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -35,7 +35,7 @@ from kvserve.server.errors import APIError
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
-    from kvserve.server.app import ServerSettings
+    from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
 
