@@ -38,6 +38,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
 from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from kvserve.server.request_id import RequestIdMiddleware
+from kvserve.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -73,7 +74,8 @@ class ServerSettings:
     # For sampling fields a request leaves out: the model's recommendation or the server's
     # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
     sampling_defaults: SamplingDefaults | None = None
-    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens
+    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens (responses without max_output_tokens)
+    responses_store_size: int = 1024  # finished /v1/responses kept for GET and previous_response_id (LRU); 0: none
 
     @property
     def defaults(self) -> dict:
@@ -94,6 +96,7 @@ class ServerContext:
         self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
         self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
         self.client = EngineClient(self.state, self.metrics, self.grammars)
+        self.responses = ResponseStore(settings.responses_store_size)
 
     def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None
@@ -186,7 +189,7 @@ def build_app(
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # outermost, so even a 401 carries the CORS headers
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
     if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
@@ -200,6 +203,7 @@ def build_app(
 def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     from kvserve.server.chat_completions import create_chat_completion
     from kvserve.server.completions import create_completion
+    from kvserve.server import responses
 
     settings, state = ctx.settings, ctx.state
 
@@ -210,6 +214,18 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create_response(request, ctx)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete_response(ctx, response_id)
 
     def card() -> dict:
         state.require_ready()
