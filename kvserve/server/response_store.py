@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 
+UNKNOWN = ("no response with this id was made by this server (or the server restarted since, or another replica "
+           "behind a router made it)")
+
+
 @dataclass(frozen=True)
 class StoredResponse:
     body: dict[str, Any]  # the response object, as GET /v1/responses/{id} answers it
@@ -73,7 +77,7 @@ class ResponseStore:
 
     def why_missing(self, rid: str) -> str:
         with self._lock:
-            return self._gone.get(rid, "no response with this id was made by this server (or it was restarted)")
+            return self._gone.get(rid, UNKNOWN)
 
     def _forget(self, rid: str, why: str) -> None:
         with self._lock:

@@ -479,7 +479,7 @@ class _Run:
 
     def _finished(self, out: _Output, final: RequestOutput) -> dict[str, Any]:
         body = self.body(out.status, out.items, final)
-        if self.store:
+        if self.req.store:  # (a store of size 0 keeps none, and remembers why)
             conversation = (*self.items, *plain_items(body["output"], "output"))
             self.ctx.responses.put(StoredResponse(body, conversation))
         else:
