@@ -304,6 +304,8 @@ def test_langchain_chat_openai_with_the_responses_api(server):
               max_retries=0)
     msg = ChatOpenAI(max_tokens=8, **kw).invoke("Say hi.")
     assert msg.text and msg.response_metadata["id"].startswith("resp_")
+    streamed = "".join(chunk.text for chunk in ChatOpenAI(max_tokens=8, **kw).stream("Say hi."))
+    assert streamed == msg.text  # greedy: the same answer, streamed
     assert msg.usage_metadata["output_tokens"] == 8 or msg.response_metadata.get("status") == "completed"
     tool = {"type": "function", "function": {k: v for k, v in TIME_TOOL.items() if k not in ("type", "strict")}}
     msg = ChatOpenAI(max_tokens=40, **kw).bind_tools([tool], tool_choice="get_time").invoke("Time in Rome?")
