@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                     TokenizeRequest)
 from server_harness import MODEL_NAME, start_server
 
 pytestmark = pytest.mark.slow
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 # Where a request model's schema says less than the server checks, valid bodies are narrowed to the
 # accepted values, so that most of them reach the engine (invalid bodies still go anywhere).
 RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},
@@ -37,6 +38,7 @@ RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},
           "frequency_penalty": {"minimum": -2, "maximum": 2},
           "max_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
           "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
+          "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
           "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
           "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
           "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}
@@ -125,7 +127,7 @@ def test_fuzz_every_endpoint(api, server, mode):
     print(mode.value, dict(sorted(seen.items())))
     assert not findings, "\n".join(findings)
     if mode is GenerationMode.POSITIVE:  # the valid bodies reached the engine, not only the validation
-        assert seen["POST /v1/completions 200"] > 0 and seen["POST /v1/chat/completions 200"] > 0, seen
+        assert all(seen[f"POST {path} 200"] > 0 for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")), seen
 
 
 def test_chat_default_max_tokens_fits_the_context(server):

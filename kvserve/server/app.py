@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.errors import shown
-from kvserve.server import insight
+from kvserve.server import insight, responses
 from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.completions import create_completion
@@ -103,7 +103,7 @@ def build_app(
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # outermost, so even a 401 carries the CORS headers
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["Authorization", "Content-Type"])
     if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
@@ -125,6 +125,18 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create_response(request, ctx)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return responses.get_response(ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete_response(ctx, response_id)
 
     def card() -> dict:
         state.require_ready()

@@ -57,6 +57,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                         "dropped first (default: 64)")
     g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
                    help="seconds a request waits for its grammar to compile before a 400 (default: 10)")
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="finished /v1/responses responses kept in memory for GET and previous_response_id, least "
+                        "recently used dropped first; 0 keeps none (default: 1024)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
@@ -143,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> int:
         grammar_compile_timeout=args.grammar_compile_timeout,
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
+        responses_store_size=args.responses_store_size,
     )
     failure: list[BaseException] = []
     server = None
@@ -182,7 +186,8 @@ def _check_limits(args: argparse.Namespace) -> None:
               "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
               "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
-              "max_connections": (1, None), "max_tokens_default": (1, None)}
+              "max_connections": (1, None), "max_tokens_default": (1, None),
+              "responses_store_size": (0, None)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
         if value is None:

@@ -15,6 +15,7 @@ from kvserve.server.lifecycle import ServerState
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
+from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
 
 
@@ -27,6 +28,7 @@ class ServerContext:
         self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
         self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
         self.client = EngineClient(self.state, self.metrics, self.grammars)
+        self.responses = ResponseStore(settings.responses_store_size)
 
     def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
@@ -26,6 +26,8 @@ UNION_FIELDS = {
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "guided_json": "a JSON schema (an object, or a string holding one)",
+    "input": "a string or a list of input items (objects)",
+    "output": "a string or a list of {\"type\": \"input_text\", \"text\": ...} parts",
 }
 
 
@@ -273,6 +275,125 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class _Echoed(_Strict):
+    """An item a client may send back as an OpenAI SDK dumped it: fields kvserve has no use for
+    (ids, statuses, annotations, fields of newer API versions) are dropped instead of refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class ResponsesContentPart(_Echoed):
+    """input_text / output_text (text), refusal (refusal); the route refuses images, files, audio."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ResponsesMessageItem(_Echoed):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesContentPart]
+
+
+class ResponsesFunctionCallItem(_Echoed):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ResponsesFunctionCallOutputItem(_Echoed):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponsesContentPart]
+
+
+class ResponsesFunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+    # OpenAI's, accepted and unused.
+    defer_loading: Any = None
+    allowed_callers: Any = None
+    output_schema: Any = None
+    async_: Any = Field(None, alias="async")
+
+
+class ResponsesTextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesTextConfig(_Strict):
+    format: ResponsesTextFormat | None = None
+    verbosity: Any = None  # accepted and ignored
+
+
+class ResponsesRequest(_Strict):
+    """POST /v1/responses (OpenAI's Responses API). Input items and tools are checked one by one
+    by the route (kvserve/server/responses.py), so that each unsupported kind is refused by name."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesTextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # accepted and ignored
+    # Extras (not in OpenAI's API), as on the other routes.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    # OpenAI's, accepted and ignored (logged): they change nothing kvserve does.
+    stream_options: Any = None
+    reasoning: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    max_tool_calls: Any = None
+    access_programs: Any = None
+    # OpenAI's, refused by name when set: kvserve does not do what they ask.
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    background_options: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    image: Any = None
+
+    IGNORED: ClassVar[tuple[str, ...]] = (
+        "stream_options", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+        "prompt_cache_options", "max_tool_calls", "access_programs", "user")
+
+    def ignored_fields(self) -> list[str]:
+        return [k for k in self.IGNORED if getattr(self, k) is not None]
+
+
 MODELS = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ResponseFormat, ChatCompletionRequest,
           TokenizeRequest, DetokenizeRequest, FunctionCall, ToolCall, FunctionDef, Tool, NamedFunction,
-          NamedToolChoice)
+          NamedToolChoice, ResponsesContentPart, ResponsesMessageItem, ResponsesFunctionCallItem,
+          ResponsesFunctionCallOutputItem, ResponsesFunctionTool, ResponsesTextFormat, ResponsesTextConfig, ResponsesRequest)

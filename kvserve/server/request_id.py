@@ -26,10 +26,11 @@ def sane(value: bytes) -> bool:
     return 0 < len(value) <= MAX_LENGTH and all(0x21 <= b <= 0x7E for b in value)
 
 
-def name(request: Request, prefix: str) -> str:
-    """A new engine id for the request's work (`<prefix>-<hex>`), which its x-request-id will
-    carry unless the client sent its own; a client's id is logged beside it."""
-    engine_id = f"{prefix}-{uuid.uuid4().hex}"
+def name(request: Request, prefix: str, sep: str = "-") -> str:
+    """A new engine id for the request's work (`<prefix>-<hex>`; the Responses API's are
+    `resp_<hex>`, as OpenAI's), which its x-request-id will carry unless the client sent its own;
+    a client's id is logged beside it."""
+    engine_id = f"{prefix}{sep}{uuid.uuid4().hex}"
     state = request.scope.setdefault("state", {})
     state["engine_request_id"] = engine_id
     if state.get("client_request_id"):

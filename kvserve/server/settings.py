@@ -35,7 +35,8 @@ class ServerSettings:
     # For sampling fields a request leaves out: the model's recommendation or the server's
     # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
     sampling_defaults: SamplingDefaults | None = None
-    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens
+    max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens (responses without max_output_tokens)
+    responses_store_size: int = 1024  # finished /v1/responses kept for GET and previous_response_id (LRU); 0: none
 
     @property
     def defaults(self) -> dict:
