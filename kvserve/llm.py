@@ -18,7 +18,10 @@ them and multiplies them directly (model/quant.py: ~5x fewer bytes per decoded t
 default model); "none" decodes them to `dtype` (the exact float path: float32 reproduces
 transformers); "q8_0" / "q4_0" quantize a float checkpoint (safetensors, F16/BF16 GGUF) on load.
 The KV cache follows: float16 under quantized weights (half the bytes per cached token), the
-model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why).
+model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
+`batch_invariant=True` (the default) quantized layers use the integer kernel at every batch size,
+so a greedy request's tokens are the same whatever else is batched with it; False trades that for
+sgemm on long prefills (faster past ~128-256 rows).
 """
 from __future__ import annotations
 
@@ -145,6 +148,7 @@ class LLM:
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
         seed: int | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         # "auto" under weights kept quantized: float32 activations. The integer kernels widen
@@ -161,6 +165,9 @@ class LLM:
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         quantized = any(isinstance(w, QuantizedWeight) for w in ckpt.tensors.values())  # (the model takes them)
         self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
+        # A greedy request's tokens do not depend on what else is in its batch: quantized layers
+        # keep the integer kernel at every batch size (False: sgemm for long prefills, faster).
+        self.model.set_batch_invariant(batch_invariant)
         self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
                          else parse_dtype(cache.dtype, "KV cache dtype"))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)

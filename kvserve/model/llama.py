@@ -128,6 +128,13 @@ class LlamaModel:
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
         return n
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Quantized layers multiply with the integer kernel at every batch size (see
+        QuantizedLinear.set_batch_invariant); float layers are unaffected."""
+        for lin in [self.lm_head, *(getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down"))]:
+            if isinstance(lin, (QuantizedLinear, ConcatLinear)):
+                lin.set_batch_invariant(on)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] each, in the model dtype."""
         return self.ops.rope_tables(positions, self.inv_freq, self.dtype)

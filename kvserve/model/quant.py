@@ -21,6 +21,7 @@ Where the C kernels are unavailable, weights are dequantized once to float (corr
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -145,6 +146,15 @@ class QuantizedLinear:
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """On: the integer kernel for any number of rows. Each row's result is then the same bits
+        whatever else is in the batch (the kernel's arithmetic per row does not depend on the
+        batch), so a greedy request's tokens do not depend on its neighbours; long prefills give
+        up sgemm's speed past the crossover. Off: sgemm over dequantized tiles from
+        `blas_from_rows` on, where a row's result differs in its last bits."""
+        if self._matmul is not None:
+            self._blas_from = sys.maxsize if on else blas_from_rows(self.weight.qtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
         xf = x if x.dtype is torch.float32 else x.float()
@@ -167,6 +177,11 @@ class ConcatLinear:
 
     def __init__(self, parts: list[Linear | QuantizedLinear]) -> None:
         self.parts = parts
+
+    def set_batch_invariant(self, on: bool) -> None:
+        for p in self.parts:
+            if isinstance(p, QuantizedLinear):
+                p.set_batch_invariant(on)
 
     @property
     def nbytes(self) -> int:
