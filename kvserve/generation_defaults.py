@@ -80,7 +80,7 @@ def from_checkpoint(model_path: Path) -> SamplingDefaults | None:
             found = {"temperature": 0.0}
         source = f"{path.name}"
     else:
-        from kvserve.tokenizer_gguf import read_gguf_metadata
+        from kvserve.tokenizer.gguf_vocab import read_gguf_metadata
 
         meta = read_gguf_metadata(model_path)
         found = {field: meta[key] for key, field in _GGUF_KEYS.items() if isinstance(meta.get(key), (int, float))}

@@ -8,10 +8,10 @@ from pathlib import Path
 import gguf
 import pytest
 
-from kvserve.chat_template import ChatTemplateError
+from kvserve.tokenizer.chat_template import ChatTemplateError
 from kvserve.errors import ModelNotFoundError
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
+from kvserve.tokenizer.gguf_vocab import read_gguf_metadata, write_gguf_fields
 
 CHINESE_PROSE = (
     "清晨的山谷里弥漫着薄雾，远处传来几声鸟鸣。老人沿着石板路慢慢走向田边，手里提着一篮刚摘下的青菜。"

@@ -109,7 +109,7 @@ def make_tiny_hf_model(
 
 
 def _add_default_vocab(writer: gguf.GGUFWriter) -> None:
-    from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
+    from kvserve.tokenizer.gguf_vocab import read_gguf_metadata, write_gguf_fields
 
     # The tokenizer's fields; bos and eos are written from the model's config already.
     write_gguf_fields(writer, {k: v for k, v in read_gguf_metadata(default_gguf_path()).items()

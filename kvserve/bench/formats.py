@@ -66,7 +66,7 @@ def write_random_llama(path: Path, vocab_from: Path, hidden: int = 2048, layers:
     import gguf
     import numpy as np
 
-    from kvserve.tokenizer_gguf import read_gguf_metadata, write_gguf_fields
+    from kvserve.tokenizer.gguf_vocab import read_gguf_metadata, write_gguf_fields
 
     meta = read_gguf_metadata(vocab_from)
     vocab = len(meta["tokenizer.ggml.tokens"])

@@ -120,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     if args.chat_template is not None:
-        from kvserve.chat_template import ChatTemplate
+        from kvserve.tokenizer.chat_template import ChatTemplate
 
         with open(args.chat_template, encoding="utf-8") as f:
             args.chat_template_source = f.read()

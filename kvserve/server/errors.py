@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from pydantic import ValidationError
 
-from kvserve.chat_template import ChatTemplateError
+from kvserve.tokenizer.chat_template import ChatTemplateError
 from kvserve.errors import SHOWN_CHARS
 from kvserve.server.protocol import MODELS, UNION_FIELDS
 from kvserve.web.errors import APIError

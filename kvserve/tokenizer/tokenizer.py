@@ -1,9 +1,9 @@
 """Text <-> token ids for one model: encode, decode, chat template, streaming detokenization.
 
 The heavy lifting is the Rust `tokenizers` library: the backend is built from a GGUF's vocabulary
-(kvserve/tokenizer_gguf.py) or read from a Hugging Face tokenizer.json. This module adds what a
+(kvserve/tokenizer/gguf_vocab.py) or read from a Hugging Face tokenizer.json. This module adds what a
 server needs around it: BOS policy, end-of-turn ids, the sandboxed chat template
-(kvserve/chat_template.py), and an incremental detokenizer whose deltas never split a character.
+(kvserve/tokenizer/chat_template.py), and an incremental detokenizer whose deltas never split a character.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
-from kvserve.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateError
 from kvserve.errors import ModelFormatError, ModelNotFoundError
-from kvserve.special_text import SpecialTextMask
 from kvserve.structured.tools import template_messages
-from kvserve.tokenizer_gguf import build_gguf_vocab, read_gguf_metadata
+from kvserve.tokenizer.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateError
+from kvserve.tokenizer.gguf_vocab import build_gguf_vocab, read_gguf_metadata
+from kvserve.tokenizer.special_text import SpecialTextMask
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PromptTooLong", "Tokenizer"]
 
@@ -241,7 +241,7 @@ class Tokenizer:
 
         Client text is text: a special token spelt in any string the template renders (content,
         names, tool calls, tools and their schemas) stays those characters, so a user cannot forge
-        a turn (kvserve/special_text.py). Only the template's own markers are control tokens.
+        a turn (kvserve/tokenizer/special_text.py). Only the template's own markers are control tokens.
         `special_tokens_in_content=True` lets client text spell control tokens (for callers that
         build turns themselves). `max_tokens` bounds the work as in encode()."""
         mask = SpecialTextMask(self._special_texts)

@@ -10,7 +10,7 @@ write (it holds a random nonce drawn per call) and that survives what templates 
 (JSON-encoding with or without ensure_ascii: letters and digits only). The template renders the
 masked conversation; the rendered text is then cut at the marks, the template's own text is
 encoded with its special tokens, and each mark as the characters it stands for
-(kvserve/tokenizer.py, `Tokenizer.encode_chat`).
+(kvserve/tokenizer/tokenizer.py, `Tokenizer.encode_chat`).
 """
 from __future__ import annotations
 
