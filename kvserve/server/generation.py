@@ -8,22 +8,29 @@ the engine's batch with everyone else's, and their outputs are merged as they co
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from starlette.requests import Request
 from starlette.types import Receive
 
 from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, StreamStalledError
 from kvserve.errors import InvalidParam
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError
+from kvserve.server import request_id
+from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.metrics import ServerMetrics
 from kvserve.tokenizer import PromptTooLong
-from kvserve.server.lifecycle import ServerState
+from kvserve.server.lifecycle import Admission, ServerState
+
+if TYPE_CHECKING:
+    from kvserve.server.app import ServerContext
 
 
 def engine_dead() -> APIError:
@@ -139,6 +146,32 @@ class EngineClient:
             raise APIError(504, str(e), code="request_timeout") from None
         finally:
             self.metrics.observe_finished(out.metrics if out else None, reasons, time.monotonic())
+
+
+async def start_job(request: Request, ctx: ServerContext, params: SamplingParams,
+                    encode: Callable[[], Awaitable[list[int]]], *, arrival: float, prefix: str,
+                    fit_within: int | None = None, renames: Mapping[str, str] | None = None) -> tuple[Admission, Job]:
+    """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it, check it
+    against the context and the pool, and name it: the one way in for every chat-like route.
+
+    fit_within: a context (in tokens) that max_tokens is cut to fit after the prompt (None or a
+    larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
+    the API treats as a ceiling rather than a promise. A prompt that fills the whole context is
+    refused by the engine's check, as any other."""
+    admission = ctx.state.admit(1, params.n)
+    try:
+        ids = await encode()
+        if fit_within is not None:
+            room = fit_within - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens or room, room)))
+        ids = (await ctx.client.tokenize([ids], params, request.receive))[0]
+    except ValueError as e:  # the template refused the messages, or the prompt does not fit
+        admission.release()
+        raise from_invalid(e, renames) from None
+    except BaseException:
+        admission.release()
+        raise
+    return admission, Job([ids], params, arrival, request_id=request_id.name(request, prefix))
 
 
 def usage(outs: Sequence[RequestOutput | None]) -> dict:

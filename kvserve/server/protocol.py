@@ -26,6 +26,7 @@ UNION_FIELDS = {
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "guided_json": "a JSON schema (an object, or a string holding one)",
+    "system": "a string or a list of {\"type\": \"text\", \"text\": ...} blocks",
 }
 
 
@@ -273,6 +274,14 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-MODELS = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ResponseFormat, ChatCompletionRequest,
-          TokenizeRequest, DetokenizeRequest, FunctionCall, ToolCall, FunctionDef, Tool, NamedFunction,
-          NamedToolChoice)
+def field_names() -> frozenset[str]:
+    """The field names (and aliases) of every strict request model, of every API, for error paths."""
+    names: set[str] = set()
+    stack: list[type[_Strict]] = [_Strict]
+    while stack:
+        cls = stack.pop()
+        stack += cls.__subclasses__()
+        names.update(cls.model_fields)
+        names.update(f.alias for f in cls.model_fields.values() if f.alias)
+    return frozenset(names)
+
