@@ -109,15 +109,7 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
     admission, job = await start_job(request, ctx, params, lambda: _encode(ctx, req), arrival=arrival, prefix="msg",
                                      fit_within=ctx.state.llm.max_model_len, renames=_RENAMES)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: _message(ctx, job, req, final))
-
-
-async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
-    final = None
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for _, out in outputs:
-            final = out
-    return final
+                         lambda: ctx.client.finals(job), lambda finals: _message(ctx, job, req, finals[0]))
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

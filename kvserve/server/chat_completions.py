@@ -53,15 +53,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
         # a default the client never sent must not be the reason its request is refused
         fit_within=ctx.state.llm.max_model_len if defaulted else None)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, req, final), **timeline_extension(ctx, job, req.kvserve)})
-
-
-async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
-    final = None
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for _, out in outputs:
-            final = out
-    return final
+                         lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals[0]), **timeline_extension(ctx, job, req.kvserve)})
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:

@@ -121,6 +121,14 @@ class EngineClient:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def finals(self, job: Job) -> list[RequestOutput]:
+        """Each prompt's final output, once all are done: a whole (unstreamed) answer's."""
+        finals: list[RequestOutput | None] = [None] * len(job.prompts)
+        async with aclosing(self.outputs(job)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+        return finals  # type: ignore[return-value]
+
     async def _one(self, job: Job, i: int) -> AsyncIterator[RequestOutput]:
         engine = self.state.engine
         out: RequestOutput | None = None

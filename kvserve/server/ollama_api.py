@@ -131,7 +131,7 @@ async def chat(request: Request, ctx: ServerContext) -> Response:
     admission, job = await start_job(request, ctx, params, encode, arrival=arrival, prefix="chat",
                                      fit_within=context, renames=_RENAMES)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, "message", mode),
-                         lambda: _collect(ctx, job), lambda final: _whole(ctx, job, req, final, "message", mode))
+                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], "message", mode))
 
 
 async def generate(request: Request, ctx: ServerContext) -> Response:
@@ -156,7 +156,7 @@ async def generate(request: Request, ctx: ServerContext) -> Response:
     admission, job = await start_job(request, ctx, params, encode, arrival=arrival, prefix="generate",
                                      fit_within=context, renames=renames)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, "response", None),
-                         lambda: _collect(ctx, job), lambda final: _whole(ctx, job, req, final, "response", None))
+                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], "response", None))
 
 
 def _fits(ids: list[int], context: int) -> list[int]:
@@ -164,14 +164,6 @@ def _fits(ids: list[int], context: int) -> list[int]:
         raise APIError(400, f"the prompt is {len(ids)} tokens, which leaves no room in a context (options.num_ctx) of "
                        f"{context}: shorten it or raise num_ctx", param="options.num_ctx")
     return ids
-
-
-async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
-    final = None
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for _, out in outputs:
-            final = out
-    return final
 
 
 def _calls(delta_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
