@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import anthropic
 import httpx
 import pytest
 
-from server_harness import API_KEY, MODEL_NAME, start_server
+from server_harness import API_KEY, MODEL_NAME, start_server, wait_for
 
 CONTEXT = 256
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -221,13 +220,6 @@ def test_x_api_key_or_bearer_is_accepted(server):
     chat = {"model": MODEL_NAME, "max_tokens": 2, "messages": ASK}
     assert httpx.post(server.url + "/v1/chat/completions", json=chat, headers={"x-api-key": API_KEY},
                       timeout=60).status_code == 200
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_request(server):

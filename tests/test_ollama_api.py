@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import ollama
 import pytest
 
-from server_harness import API_KEY, MODEL_NAME, start_server
+from server_harness import API_KEY, MODEL_NAME, start_server, wait_for
 
 CONTEXT = 256
 HI = [{"role": "user", "content": "Name a colour."}]
@@ -198,13 +197,6 @@ def test_logprobs(client):
     assert len(r.logprobs) == 3 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in r.logprobs)
     assert "".join(lp.token for lp in r.logprobs) == r.response
     assert all(lp.top_logprobs[0].logprob == lp.logprob for lp in r.logprobs)  # greedy: the best one
-
-
-def wait_for(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_client_that_leaves_mid_stream_aborts_the_request(server):

@@ -110,53 +110,41 @@ def _loaded(req: _Generation, key: str, stream: bool) -> Response:
     return JSONResponse(body)
 
 
-async def chat(request: Request, ctx: ServerContext) -> Response:
+async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | GenerateRequest]) -> Response:
+    """/api/chat (kind ChatRequest) or /api/generate (GenerateRequest)."""
     arrival = time.monotonic()
     ctx.state.require_ready()
-    req = await ctx.parse(request, ChatRequest)
+    req = await ctx.parse(request, kind)
     try:
         params, context = _params(ctx, req)
     except ValueError as e:
         raise from_invalid(e, _RENAMES) from None
-    if not req.messages:
-        return _loaded(req, "message", req.stream)
-    messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    mode = "auto" if tools else None
+    if isinstance(req, ChatRequest):
+        key, prefix, mode, renames, empty = "message", "chat", ("auto" if req.tools else None), _RENAMES, not req.messages
+    else:
+        key, prefix, mode, renames, empty = "response", "generate", None, {**_RENAMES, "prompt": "prompt"}, not req.prompt
+    if empty:
+        return _loaded(req, key, req.stream)
 
     async def encode() -> list[int]:
-        ids = await ctx.client.encode_chat(messages, True, **({"tools": tools} if tools else {}))
-        return _fits(ids, context)
+        return _fits(await _prompt_ids(ctx, req), context)
 
-    admission, job = await start_job(request, ctx, params, encode, arrival=arrival, prefix="chat",
-                                     fit_within=context, renames=_RENAMES)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, "message", mode),
-                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], "message", mode))
-
-
-async def generate(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, GenerateRequest)
-    try:
-        params, context = _params(ctx, req)
-    except ValueError as e:
-        raise from_invalid(e, _RENAMES) from None
-    if not req.prompt:
-        return _loaded(req, "response", req.stream)
-
-    async def encode() -> list[int]:
-        if req.raw:
-            ids = await ctx.client.encode(req.prompt)
-        else:
-            ids = await ctx.client.encode_chat(generate_messages(req.prompt, req.system), True)
-        return _fits(list(req.context or []) + ids, context)
-
-    renames = {**_RENAMES, "prompt": "prompt"}
-    admission, job = await start_job(request, ctx, params, encode, arrival=arrival, prefix="generate",
+    admission, job = await start_job(request, ctx, params, encode, arrival=arrival, prefix=prefix,
                                      fit_within=context, renames=renames)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, "response", None),
-                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], "response", None))
+    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, key, mode),
+                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], key, mode))
+
+
+async def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
+    if isinstance(req, ChatRequest):
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        return await ctx.client.encode_chat(messages, True, **({"tools": tools} if tools else {}))
+    if req.raw:
+        ids = await ctx.client.encode(req.prompt)
+    else:
+        ids = await ctx.client.encode_chat(generate_messages(req.prompt, req.system), True)
+    return list(req.context or []) + ids
 
 
 def _fits(ids: list[int], context: int) -> list[int]:
@@ -262,11 +250,11 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/api/chat")
     async def api_chat(request: Request) -> Response:
-        return await chat(request, ctx)
+        return await serve(request, ctx, ChatRequest)
 
     @app.post("/api/generate")
     async def api_generate(request: Request) -> Response:
-        return await generate(request, ctx)
+        return await serve(request, ctx, GenerateRequest)
 
     @app.get("/api/version")
     async def api_version() -> dict:
