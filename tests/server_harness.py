@@ -97,6 +97,15 @@ class ServerProcess:
         self._log.close()
 
 
+def wait_for(condition, timeout: float = 10.0) -> float:
+    """Seconds until condition() holds (AssertionError past the timeout)."""
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
 def start_server(tmp_path_factory, *args: str, api_key: str | None = API_KEY) -> ServerProcess:
     log = tmp_path_factory.mktemp("server") / "server.log"
     server = ServerProcess(tiny_model_dir(tmp_path_factory), log, *args, api_key=api_key)

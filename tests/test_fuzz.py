@@ -1,5 +1,6 @@
 """Schema fuzz of every endpoint a real `kvserve serve` lists in /openapi.json (schemathesis):
-no input gets a 5xx, every error is OpenAI's body, no request hangs.
+no input gets a 5xx, every error is its API's error body (OpenAI's; Anthropic's on /v1/messages;
+Ollama's on /api/*), no request hangs.
 
 The server reads its request bodies itself (kvserve/server/parsing.py), so its OpenAPI document
 has no request body schemas; the test adds them from the pydantic request models the server parses
@@ -21,6 +22,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from pydantic.json_schema import models_json_schema
 
+from kvserve.server import anthropic_protocol, ollama_protocol
 from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
                                      TokenizeRequest)
 from server_harness import MODEL_NAME, start_server
@@ -28,7 +30,10 @@ from server_harness import MODEL_NAME, start_server
 pytestmark = pytest.mark.slow
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/messages": anthropic_protocol.MessagesRequest, "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
+          "/api/chat": ollama_protocol.ChatRequest, "/api/generate": ollama_protocol.GenerateRequest,
+          "/api/show": ollama_protocol.ShowRequest}
 # Where a request model's schema says less than the server checks, valid bodies are narrowed to the
 # accepted values, so that most of them reach the engine (invalid bodies still go anywhere).
 RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},
@@ -41,7 +46,11 @@ RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},
           "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": 8},
           "min_tokens": {"type": "integer", "minimum": 0, "maximum": 1},
           "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
-          "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5}}
+          "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+          # Ollama's options
+          "num_predict": {"type": "integer", "minimum": 1, "maximum": 8}, "num_ctx": {"type": "integer", "minimum": 16,
+                                                                                     "maximum": 128},
+          "repeat_penalty": {"minimum": 0.5, "maximum": 2}}
 HANG_S = 30.0  # no request to this server takes more than a few seconds
 
 
@@ -53,7 +62,9 @@ def with_bodies(doc: dict) -> dict:
         props = top["$defs"][model.__name__]["properties"]
         if "model" in props:
             props["model"] = {"enum": [MODEL_NAME]}
-        for name, bounds in RANGES.items():  # the ranges the server checks itself (sampling_params.py)
+    for schema in top["$defs"].values():  # the ranges the server checks itself (sampling_params.py)
+        props = schema.get("properties", {})
+        for name, bounds in RANGES.items():
             if name in props:
                 props[name] = {"anyOf": [{"type": "null"}, {"type": props[name].get("type", "number"), **bounds}]}
     top["$defs"]["ChatMessage"]["properties"]["role"] = {"enum": list(ROLES)}
@@ -94,10 +105,15 @@ def check(case, server, seen: Counter) -> str | None:
         return f"{response.status_code}: {response.text[:300]}"
     if response.status_code >= 400:
         try:
-            error = json.loads(response.text)["error"]
-            assert isinstance(error["message"], str) and error["type"].endswith("_error")
+            body = json.loads(response.text)
+            if case.path.startswith("/api/"):  # Ollama's: {"error": "..."}
+                assert set(body) == {"error"} and isinstance(body["error"], str)
+            else:
+                error = body["error"]
+                assert isinstance(error["message"], str) and error["type"].endswith("_error")
+                assert body.get("type") == "error" if case.path.startswith("/v1/messages") else "param" in error
         except (ValueError, KeyError, TypeError, AssertionError):
-            return f"{response.status_code} without OpenAI's error body: {response.text[:300]}"
+            return f"{response.status_code} without its API's error body: {response.text[:300]}"
     if server.proc.poll() is not None:
         return "the server died"
     return None
@@ -127,7 +143,9 @@ def test_fuzz_every_endpoint(api, server, mode):
     print(mode.value, dict(sorted(seen.items())))
     assert not findings, "\n".join(findings)
     if mode is GenerationMode.POSITIVE:  # the valid bodies reached the engine, not only the validation
-        assert all(seen[f"POST {path} 200"] > 0 for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")), seen
+        generated = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
+                     "/api/generate")
+        assert all(seen[f"POST {path} 200"] > 0 for path in generated), seen
 
 
 def test_chat_default_max_tokens_fits_the_context(server):

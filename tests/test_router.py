@@ -218,3 +218,46 @@ def test_admin_api_adds_and_removes_replicas(replicas, router_factory):
         assert admin.request("DELETE", "/admin/replicas", json={"url": extra}).json()["removed"] is True
         assert admin.request("DELETE", "/admin/replicas", json={"url": extra}).status_code == 404
         assert extra not in router.admin()
+
+
+def test_anthropic_and_ollama_requests_are_proxied_and_cache_routed(replicas, router_factory):
+    """One request of each foreign API through the router, streamed and not: answered as the
+    replica answers, routed by the prefix the replica holds (the router renders them with the
+    server's own code), and the router's own errors in each API's shape."""
+    import anthropic
+    import ollama
+
+    router = router_factory("cache_aware", cache_source="precise", max_body_bytes=4000)
+    router.wait_for(lambda: all(a.get("kv_events") == "followed" for a in router.admin().values()))
+    claude = anthropic.Anthropic(base_url=router.url, api_key="test-key", max_retries=0)
+    ask = [{"role": "user", "content": "Where are the atlases?"}]
+    first = claude.messages.with_raw_response.create(model=MODEL_NAME, max_tokens=3, system=SYSTEM, messages=ask,
+                                                     extra_body={"temperature": 0})
+    home = first.headers["x-kvserve-replica"]
+    _synced(router, home)
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=3, system=SYSTEM, messages=ask,
+                                extra_body={"temperature": 0}) as stream:
+        again = stream.get_final_message()
+        assert stream.response.headers["x-kvserve-replica"] == home
+        assert stream.response.headers["x-kvserve-route"] == "prefix_hit"
+        assert int(stream.response.headers["x-kvserve-prefix-match"]) == again.usage.cache_read_input_tokens >= 96
+    assert again.usage.output_tokens == 3 and again.stop_reason == "max_tokens"
+    assert [b.text for b in again.content] == [b.text for b in first.parse().content]
+
+    llama = ollama.Client(host=router.url, headers={"Authorization": "Bearer test-key"})
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is the map room open?"}]
+    parts = list(llama.chat(model=MODEL_NAME, messages=messages, options={"temperature": 0, "num_predict": 3}, stream=True))
+    assert parts[-1].done and parts[-1].eval_count == 3
+    whole = llama.chat(model=MODEL_NAME, messages=messages, options={"temperature": 0, "num_predict": 3})
+    assert whole.message.content == "".join(p.message.content for p in parts)
+    assert [m.model for m in llama.list().models] == [f"{MODEL_NAME}:latest"]
+
+    with router.client() as c:
+        big = "x" * 5000
+        r = c.post("/v1/messages", json={"model": MODEL_NAME, "max_tokens": 2, "system": big, "messages": ask})
+        assert r.status_code == 413 and r.json()["type"] == "error"
+        assert r.json()["error"] == {"type": "invalid_request_error",
+                                     "message": "the request body is larger than the router's limit of 4000 bytes"}
+        r = c.post("/api/chat", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": big}]})
+        assert r.status_code == 413 and r.json() == {"error": "the request body is larger than the router's limit of "
+                                                              "4000 bytes"}

@@ -2,8 +2,8 @@
 
     app = build_router_app(RouterSettings(replicas=("http://10.0.0.1:8000", "http://10.0.0.2:8000")))
 
-/v1/* (completions, chat, models, anything a replica serves), /tokenize and /detokenize go to a
-replica (kvserve/router/proxy.py); `/` is a live page of the replicas and the routing decisions
+/v1/* (completions, chat, Anthropic's messages, models, anything a replica serves), Ollama's /api/*,
+/tokenize and /detokenize go to a replica (kvserve/router/proxy.py); `/` is a live page of the replicas and the routing decisions
 (kvserve/router/page.py); any other path is the router's own 404, in the same OpenAI
 error body a kvserve server sends.
 
@@ -50,7 +50,7 @@ class HeaderLimit:
         if scope["type"] == "http" and len(scope["headers"]) > self.max_headers:
             error = APIError(431, f"the request has {len(scope['headers'])} headers, more than the router's "
                              f"limit of {self.max_headers}", code="headers_too_large")
-            await error.response()(scope, receive, send)
+            await error.response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -65,11 +65,11 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.allowed_hosts and (error := host_error(scope, self.allowed_hosts)) is not None:
-            await error.response()(scope, receive, send)  # --allowed-hosts: before any route
+            await error.response(scope["path"])(scope, receive, send)  # --allowed-hosts: before any route
             return
         if scope["type"] == "http":
             path, method = scope["path"], scope["method"]
-            if (method in PROXIED_METHODS and path.startswith("/v1/")) or (method == "POST" and path in PROXIED_PATHS):
+            if (method in PROXIED_METHODS and path.startswith(("/v1/", "/api/"))) or (method == "POST" and path in PROXIED_PATHS):
                 await handle(scope, receive, send, self.state)
                 return
         await self.api(scope, receive, send)
@@ -114,6 +114,7 @@ def build_router_app(settings: RouterSettings) -> RouterApp:
 
     # Declared so that FastAPI answers a proxied path's other methods 405, not 404.
     app.add_api_route("/v1/{path:path}", forward, methods=PROXIED_METHODS, include_in_schema=False)
+    app.add_api_route("/api/{path:path}", forward, methods=PROXIED_METHODS, include_in_schema=False)
     for path in PROXIED_PATHS:
         app.add_api_route(path, forward, methods=["POST"], include_in_schema=False)
     return RouterApp(app, state)

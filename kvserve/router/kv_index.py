@@ -231,7 +231,7 @@ class KVIndex:
             await asyncio.to_thread(self._prepare, req, keys)
 
     def _prepare(self, req: RoutedRequest, keys: set[tuple[str, int]]) -> None:
-        chat = ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None
+        chat = req.chat_prompt or (ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None)
         for renderer, block_size in keys:
             if renderer not in req.token_ids:
                 req.token_ids[renderer] = self._encode(req, chat, self._renderers[renderer])

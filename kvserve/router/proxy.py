@@ -1,8 +1,10 @@
 """Forwarding one request: pick a replica, retry what failed before the first byte, relay the answer.
 
 The body is read once (bounded) and forwarded untouched; the answer is relayed chunk by chunk as
-it arrives (no buffering), Server-Sent Events whole: an event cut short by a dying replica is
-dropped and replaced by an error event, so a client's parser never sees half of one. A replica
+it arrives (no buffering), a stream's events whole (Server-Sent Events, or NDJSON lines for
+Ollama's API): an event cut short by a dying replica is dropped and replaced by an error event in
+the dialect of the request's API (kvserve/server/errors.py), so a client's parser never sees half
+of one. The router's own errors take that dialect too. A replica
 that dies mid-answer ends the client's stream at once (the connection closes; an answer none of
 which reached the client yet is a 503 instead) or after `read_timeout` of silence. The answer's
 head goes to the client with its first body bytes. A client that leaves closes the upstream request, so the replica
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import json
 import logging
 import math
 import random
@@ -33,7 +34,7 @@ from kvserve.router.state import RouterState
 from kvserve.router.upstream import ConnectError, ConnectRefused, ConnectTimeout, ReadTimeout, UpstreamError
 from kvserve.router.upstream import Response as Answer
 from kvserve.web.body import read_body
-from kvserve.web.errors import APIError, ErrorResponse
+from kvserve.web.errors import APIError, Dialect, ErrorResponse, dialect
 
 log = logging.getLogger("kvserve.router")
 
@@ -45,9 +46,6 @@ _DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
 _RETRY_STATUS = (429, 503)
 
 
-def sse(data: dict | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -98,13 +96,13 @@ async def handle(scope: Scope, receive: Receive, send: Send, state: RouterState)
     except APIError as e:
         if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
             log.info("%s %s -> %d: %s", scope["method"], scope["path"], e.status, e.message)
-        response = e.response()
+        response = e.response(scope["path"])
     except ClientDisconnect:  # nobody reads the answer; one line, not a traceback
         log.info("%s %s: the client disconnected before sending the whole body", scope["method"], scope["path"])
-        response = APIError(400, "the request body was cut off before its end").response()
+        response = APIError(400, "the request body was cut off before its end").response(scope["path"])
     except Exception:
         log.exception("%s %s failed", scope["method"], scope["path"])
-        response = APIError(500, "internal server error (see the server log)").response()
+        response = APIError(500, "internal server error (see the server log)").response(scope["path"])
     await response(scope, receive, send)
 
 
@@ -191,7 +189,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                 else:
                     replica.request_succeeded()
                 state.metrics.first_byte.observe(time.perf_counter() - arrival)
-                return RelayResponse(upstream, attempt, state)
+                return RelayResponse(upstream, attempt, state, dialect(scope["path"]))
             wait = retry_after_seconds((upstream.header(b"retry-after") or b"").decode("latin-1"))
             if wait:
                 replica.wait_until = time.monotonic() + min(wait, 60.0)
@@ -224,9 +222,9 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
     if not tried and any(r.state == "healthy" and not r.removed for r in state.replicas):
         wait = min((r.wait_until for r in state.replicas), default=0.0) - time.monotonic()
         return APIError(429, "every replica asked to wait (429): retry later", code="too_many_requests",
-                        headers={"Retry-After": str(max(1, math.ceil(wait)))}).response()
+                        headers={"Retry-After": str(max(1, math.ceil(wait)))}).response(scope["path"])
     return APIError(503, "no replica could take the request: " + ("none is healthy" if not tried else
-                    "every one tried failed"), code="no_replica", headers={"Retry-After": "1"}).response()
+                    "every one tried failed"), code="no_replica", headers={"Retry-After": "1"}).response(scope["path"])
 
 
 class RelayResponse(Response):
@@ -237,7 +235,7 @@ class RelayResponse(Response):
     does the same for a replica that stopped answering.
     """
 
-    def __init__(self, upstream: Answer, attempt: Attempt, state: RouterState) -> None:
+    def __init__(self, upstream: Answer, attempt: Attempt, state: RouterState, dialect: Dialect) -> None:
         self.upstream = upstream
         self.attempt = attempt
         self.state = state
@@ -248,7 +246,11 @@ class RelayResponse(Response):
         self.raw_headers += [(b"x-kvserve-replica", attempt.replica.url.encode()),
                              (b"x-kvserve-route", d.outcome.encode()),
                              (b"x-kvserve-prefix-match", str(d.matched_tokens).encode())]
-        self.is_sse = (upstream.header(b"content-type") or b"").startswith(b"text/event-stream")
+        content_type = upstream.header(b"content-type") or b""
+        # A stream's events end with this: relayed whole, each counted as a token produced.
+        self.separator = (b"\n\n" if content_type.startswith(b"text/event-stream")
+                          else b"\n" if content_type.startswith(b"application/x-ndjson") else None)
+        self.dialect = dialect
         self.started = False
         self.lost: str | None = None  # why abort() ended the relay
         self._task: asyncio.Task | None = None  # the relay's, while it runs
@@ -280,20 +282,21 @@ class RelayResponse(Response):
                 if self._task is not None:
                     raise  # not by _stop(): cancelled from elsewhere (the server stopping)
                 asyncio.current_task().uncancel()
-            except OSError as e:  # a non-SSE answer cut short: the client sees the connection cut, not a false ending
+            except OSError as e:  # a whole answer cut short: the client sees the connection cut, not a false ending
                 if not self.started:  # nothing sent yet: an error answer says why
-                    await APIError(503, f"{e}: retry the request", code="replica_failed").response()(scope, receive, send)
+                    error = APIError(503, f"{e}: retry the request", code="replica_failed")
+                    await error.response(scope["path"])(scope, receive, send)
             self._task = None
             if self.lost is not None:
                 self.attempt.failed("timeout", self.lost)
                 log.warning("%s: its answer in flight is ended", self.lost)
                 error = APIError(503, self.lost + ": retry the request", code="replica_failed")
-                if self.is_sse:
+                if self.separator is not None:
                     await self._start(send)
                     await send({"type": "http.response.body", "more_body": False,
-                                "body": sse(error.body()) + sse("[DONE]")})
+                                "body": self.dialect.stream_error(error)})
                 elif not self.started:
-                    await error.response()(scope, receive, send)
+                    await error.response(scope["path"])(scope, receive, send)
         finally:
             self._task = None
             self.attempt.replica.streams.discard(self)
@@ -311,21 +314,21 @@ class RelayResponse(Response):
     async def _pump(self, send: Send) -> None:
         # The head goes out with the first body bytes, not before: the client wakes once for both
         # (each wake-up of another process costs ~0.15 ms here), and nothing waits on a head alone.
-        load, tail, is_sse = self.attempt.load, b"", self.is_sse
+        load, tail, separator = self.attempt.load, b"", self.separator
         read = self.upstream.read
         try:
             while chunk := await read():
-                if is_sse:  # pass whole events only; count them as tokens produced
+                if separator is not None:  # pass whole events only; count them as tokens produced
                     data = tail + chunk if tail else chunk
-                    cut = data.rfind(b"\n\n") + 2
-                    if cut == 1:
+                    cut = data.rfind(separator) + len(separator)
+                    if cut == len(separator) - 1:
                         tail = data
                         continue
                     if cut == len(data):
                         chunk, tail = data, b""
                     else:
                         chunk, tail = data[:cut], data[cut:]
-                    load.produced(chunk.count(b"data: "))
+                    load.produced(chunk.count(separator))
                 if not self.started:
                     await self._start(send)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -334,11 +337,11 @@ class RelayResponse(Response):
             why = f"the replica {self.attempt.replica.url} failed mid-answer ({type(e).__name__})"
             self.attempt.failed(kind, why)
             log.warning("%s", why)
-            if not self.is_sse:
+            if separator is None:
                 raise OSError(why) from None  # the client sees the connection cut, not a false ending
             error = APIError(503, why + ": retry the request", code="replica_failed")
             await self._start(send)
-            await send({"type": "http.response.body", "body": sse(error.body()) + sse("[DONE]"), "more_body": False})
+            await send({"type": "http.response.body", "body": self.dialect.stream_error(error), "more_body": False})
             return
         await self._start(send)
         await send({"type": "http.response.body", "body": tail, "more_body": False})

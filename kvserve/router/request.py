@@ -9,7 +9,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+from kvserve.server import anthropic_protocol, ollama_protocol, responses
+from kvserve.server.chat_render import ChatPrompt
+from kvserve.web.errors import APIError
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
+                    "/api/generate")
 
 
 @dataclass
@@ -19,7 +24,8 @@ class RoutedRequest:
     prompt: str | list[int] | None = None  # a completion's single prompt
     messages: list[dict] | None = None  # a chat's messages, roughly: for the approximate text only
     add_generation_prompt: bool = True
-    chat_body: dict | None = None  # a chat's whole body: the precise source renders it as a replica does
+    chat_body: dict | None = None  # an OpenAI chat's whole body: the precise source renders it as a replica does
+    chat_prompt: ChatPrompt | None = None  # another API's conversation, rendered by the server's own code
     max_tokens: int | None = None
     n: int = 1
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # per replica renderer (precise source)
@@ -62,12 +68,15 @@ def parse_request(path: str, body: bytes) -> RoutedRequest:
         return req
     if not isinstance(data, dict):
         return req
-    max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+    options = data.get("options") if isinstance(data.get("options"), dict) else {}
+    max_tokens = data.get("max_completion_tokens", data.get("max_tokens", options.get("num_predict")))
     if isinstance(max_tokens, int) and max_tokens >= 0:
         req.max_tokens = max_tokens
     if isinstance(data.get("n"), int) and data["n"] >= 1:
         req.n = data["n"]
-    if path == "/v1/completions":
+    if path in ("/v1/responses", "/v1/messages", "/api/chat", "/api/generate"):
+        _other_api(req, data)
+    elif path == "/v1/completions":
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
@@ -86,3 +95,34 @@ def parse_request(path: str, body: bytes) -> RoutedRequest:
                 # Role markers keep "system: X" and "user: X" apart in the tree.
                 req.text = "".join(f"<{p['role']}>{p['content']}" for p in plain)
     return req
+
+
+def _other_api(req: RoutedRequest, data: dict) -> None:
+    """Anthropic's messages and Ollama's chat and generate, rendered by the server's own code
+    (a prompt Ollama sends raw is a plain prompt)."""
+    try:
+        if req.path == "/v1/responses":
+            if data.get("previous_response_id") is not None:
+                return  # the start of the conversation is stored on one replica: routed by load
+            given = data["input"]
+            items = responses.plain_items(given) if isinstance(given, list) else [
+                {"type": "message", "role": "user", "content": given}]
+            instructions = [{"role": "system", "content": data["instructions"]}] if data.get("instructions") else []
+            messages = instructions + responses.chat_messages(items)
+        elif req.path == "/v1/messages":
+            messages = anthropic_protocol.template_messages(data)
+        elif req.path == "/api/chat":
+            messages = ollama_protocol.chat_messages(data["messages"])
+        elif data.get("raw") is True:
+            if isinstance(data.get("prompt"), str) and data["prompt"]:
+                req.prompt = req.text = data["prompt"]
+            return
+        else:
+            messages = ollama_protocol.generate_messages(data["prompt"], data.get("system"))
+    except (KeyError, TypeError, ValueError, AttributeError, APIError):
+        return  # the replica will say what is wrong with it; routed by load meanwhile
+    plain = [_message_for_template(m) for m in messages]
+    if messages and all(p is not None for p in plain):
+        req.messages = messages
+        req.chat_prompt = ChatPrompt(messages)  # (their tools are not rendered here: such a prompt may miss)
+        req.text = "".join(f"<{p['role']}>{p['content']}" for p in plain)

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.errors import shown
-from kvserve.server import insight, responses
+from kvserve.server import anthropic_messages, insight, ollama_api, responses
 from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.completions import create_completion
@@ -43,29 +43,35 @@ log = logging.getLogger("kvserve.server")
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the open ones. A plain ASGI middleware (it
-    must not buffer streamed responses); the comparison is constant-time so the key cannot be
-    guessed byte by byte from response times."""
+    """The API key on every route but the open ones: `Authorization: Bearer <key>`, or Anthropic's
+    `x-api-key: <key>`. A plain ASGI middleware (it must not buffer streamed responses); the
+    comparison is constant-time so the key cannot be guessed byte by byte from response times."""
 
     # The live page and its files hold nothing secret; the page sends the key on its API calls.
-    OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/", "/static/index.html", "/static/app.js",
-                            "/static/app.css"})
+    # /api/version: Ollama's clients probe it to find the server.
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/api/version", "/", "/static/index.html",
+                            "/static/app.js", "/static/app.css"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)  # OPTIONS: CORS preflights carry no credentials
             return
-        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        if hmac.compare_digest(given, self._expected):
+        bearer = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        # Both compared, always: which header was sent must not change the time taken.
+        ok = hmac.compare_digest(bearer or b"", self._bearer) | hmac.compare_digest(key or b"", self._key)
+        if ok:
             await self.app(scope, receive, send)
             return
-        message = "missing API key: send Authorization: Bearer <key>" if not given else "invalid API key"
+        message = ("missing API key: send Authorization: Bearer <key> (or x-api-key: <key>)"
+                   if bearer is None and key is None else "invalid API key")
         error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        await error.response()(scope, receive, send)
+        await error.response(scope["path"])(scope, receive, send)
 
 
 def build_app(
@@ -104,7 +110,8 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     if settings.allowed_origins:  # outermost, so even a 401 carries the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
     if settings.allowed_hosts:  # outermost of all: a rebound domain's request gets nothing else
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
     app.add_middleware(FramingCheck)
@@ -137,6 +144,16 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         return responses.delete_response(ctx, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await anthropic_messages.create_message(request, ctx)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        return await anthropic_messages.count_tokens(request, ctx)
+
+    ollama_api.add_routes(app, ctx)
 
     def card() -> dict:
         state.require_ready()

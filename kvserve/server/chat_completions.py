@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: a conversation rendered by the model's (sandboxed) chat template."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -11,9 +10,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import legacy_functions, openai_compat, request_id
+from kvserve.server import legacy_functions, openai_compat
 from kvserve.server.chat_render import ChatPrompt
-from kvserve.server.errors import APIError, from_invalid
+from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
@@ -47,30 +46,12 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     params = sampling_params(lambda: req.sampling_params(
         max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
     prompt = ChatPrompt.of(req)
-    admission = ctx.state.admit(1, params.n)  # before any tokenizing: 400 or 429 at once
-    try:
-        ids = await ctx.client.encode_chat(prompt)
-        if defaulted:  # a default the client never sent must not be the reason its request is refused
-            room = ctx.state.llm.max_model_len - len(ids)
-            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-        ids = (await ctx.client.tokenize([ids], params, request.receive))[0]
-    except ValueError as e:  # the template refused the messages, or the prompt does not fit
-        admission.release()
-        raise from_invalid(e, renames) from None
-    except BaseException:
-        admission.release()
-        raise
-    job = Job([ids], params, arrival, request_id=request_id.name(request, "chatcmpl"))
+    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat(prompt),
+        arrival=arrival, prefix="chatcmpl", renames=renames,
+        # a default the client never sent must not be the reason its request is refused
+        fit_within=ctx.state.llm.max_model_len if defaulted else None)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda final: {**_response(ctx, job, req, final), **timeline_extension(ctx, job, req.kvserve)})
-
-
-async def _collect(ctx: ServerContext, job: Job) -> RequestOutput:
-    final = None
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for _, out in outputs:
-            final = out
-    return final
+                         lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals[0]), **timeline_extension(ctx, job, req.kvserve)})
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:

@@ -47,7 +47,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
         raise
     job = Job(ids, params, arrival, request_id=request_id.name(request, "cmpl"))
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: _collect(ctx, job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
+                         lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -57,14 +57,6 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     return list(prompt)
-
-
-async def _collect(ctx: ServerContext, job: Job) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(job.prompts)
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for i, out in outputs:
-            finals[i] = out
-    return finals  # type: ignore[return-value]
 
 
 def _head(job: Job, ctx: ServerContext) -> dict:

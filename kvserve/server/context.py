@@ -2,16 +2,21 @@
 engine client, metrics and the grammar pool. Handlers import this module, never the app."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+from collections.abc import Awaitable, Callable, Mapping
 
 from fastapi import Request
 
 from kvserve import __version__
 from kvserve.engine.engine import EngineStats
-from kvserve.server.generation import EngineClient
+from kvserve.sampling_params import SamplingParams
+from kvserve.server import request_id
+from kvserve.server.errors import from_invalid
+from kvserve.server.generation import EngineClient, Job
 from kvserve.server.grammar_pool import GrammarPool
-from kvserve.server.lifecycle import ServerState
+from kvserve.server.lifecycle import Admission, ServerState
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
@@ -39,6 +44,31 @@ class ServerContext:
         cache = self.state.llm.engine.grammars.cache
         return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
                 "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
+
+    async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], Awaitable[list[int]]], *,
+                        arrival: float, prefix: str, fit_within: int | None = None,
+                        renames: Mapping[str, str] | None = None) -> tuple[Admission, Job]:
+        """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it, check it
+        against the context and the pool, and name it: the one way in for every chat-like route.
+
+        fit_within: a context (in tokens) that max_tokens is cut to fit after the prompt (None or a
+        larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
+        the API treats as a ceiling rather than a promise. A prompt that fills the whole context is
+        refused by the engine's check, as any other."""
+        admission = self.state.admit(1, params.n)
+        try:
+            ids = await encode()
+            if fit_within is not None:
+                room = fit_within - len(ids)
+                params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens or room, room)))
+            ids = (await self.client.tokenize([ids], params, request.receive))[0]
+        except ValueError as e:  # the template refused the messages, or the prompt does not fit
+            admission.release()
+            raise from_invalid(e, renames) from None
+        except BaseException:
+            admission.release()
+            raise
+        return admission, Job([ids], params, arrival, request_id=request_id.name(request, prefix))
 
     async def parse(self, request: Request, model: type) -> object:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)

@@ -1,18 +1,28 @@
 """The server's 400s from its own checks: an InvalidParam or a pydantic ValidationError turned into
-the OpenAI error body naming the parameter as the client spelled it (kvserve/web/errors.py holds the
-body, APIError and the handlers shared with the router)."""
+an error naming the parameter as the client spelt it. The error bodies, their dialects (OpenAI's,
+Anthropic's, Ollama's) and the handlers are kvserve/web/errors.py's, shared with the router, and
+re-exported here for the server's modules."""
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 
 from pydantic import ValidationError
 
-from kvserve.tokenizer.chat_template import ChatTemplateError
 from kvserve.errors import SHOWN_CHARS
-from kvserve.server.protocol import MODELS, UNION_FIELDS
-from kvserve.web.errors import APIError
+from kvserve.server.protocol import UNION_FIELDS, field_names
+from kvserve.tokenizer.chat_template import ChatTemplateError
+from kvserve.web.errors import (  # noqa: F401 (re-exported)
+    ANTHROPIC,
+    OLLAMA,
+    OPENAI,
+    APIError,
+    Dialect,
+    ErrorResponse,
+    dialect,
+    error_body,
+    install_handlers,
+)
 
 
 def from_invalid(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
@@ -31,11 +41,11 @@ def from_validation_error(e: ValidationError) -> APIError:
     """A 400 naming the first offending field, e.g. messages[0].role."""
     err = e.errors(include_url=False)[0]
     loc, msg = err["loc"], re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
-    path, union = "", None
+    path, union, fields = "", None, field_names()
     for i, part in enumerate(loc):
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in _field_names() or (err["type"] == "extra_forbidden" and i == len(loc) - 1):
+        elif part in fields or (err["type"] == "extra_forbidden" and i == len(loc) - 1):
             path += ("." if path else "") + (part if len(part) <= SHOWN_CHARS else part[:SHOWN_CHARS] + "...")
             union = part if part in UNION_FIELDS else None
         elif union:  # a union branch tag like "list[int]": say what the field accepts instead
@@ -46,8 +56,3 @@ def from_validation_error(e: ValidationError) -> APIError:
     elif err["type"] == "missing":
         msg = "is required"
     return APIError(400, f"{path}: {msg}" if path else msg, param=path or None)
-
-
-@functools.cache
-def _field_names() -> frozenset[str]:
-    return frozenset(name for model in MODELS for name in model.model_fields)

@@ -27,6 +27,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.tokenizer import PromptTooLong
 
 
+
 def engine_dead() -> APIError:
     return APIError(503, "the engine stopped after an internal error; the server must be restarted",
                     code="engine_dead")
@@ -113,6 +114,14 @@ class EngineClient:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def finals(self, job: Job) -> list[RequestOutput]:
+        """Each prompt's final output, once all are done: a whole (unstreamed) answer's."""
+        finals: list[RequestOutput | None] = [None] * len(job.prompts)
+        async with aclosing(self.outputs(job)) as outputs:
+            async for i, out in outputs:
+                finals[i] = out
+        return finals  # type: ignore[return-value]
 
     async def _one(self, job: Job, i: int) -> AsyncIterator[RequestOutput]:
         engine = self.state.engine

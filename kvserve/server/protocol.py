@@ -28,6 +28,7 @@ UNION_FIELDS = {
     "guided_json": "a JSON schema (an object, or a string holding one)",
     "input": "a string or a list of input items (objects)",
     "output": "a string or a list of {\"type\": \"input_text\", \"text\": ...} parts",
+    "system": "a string or a list of {\"type\": \"text\", \"text\": ...} blocks",
 }
 
 
@@ -393,7 +394,14 @@ class ResponsesRequest(_Strict):
         return [k for k in self.IGNORED if getattr(self, k) is not None]
 
 
-MODELS = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ResponseFormat, ChatCompletionRequest,
-          TokenizeRequest, DetokenizeRequest, FunctionCall, ToolCall, FunctionDef, Tool, NamedFunction,
-          NamedToolChoice, ResponsesContentPart, ResponsesMessageItem, ResponsesFunctionCallItem,
-          ResponsesFunctionCallOutputItem, ResponsesFunctionTool, ResponsesTextFormat, ResponsesTextConfig, ResponsesRequest)
+def field_names() -> frozenset[str]:
+    """The field names (and aliases) of every strict request model, of every API, for error paths."""
+    names: set[str] = set()
+    stack: list[type[_Strict]] = [_Strict]
+    while stack:
+        cls = stack.pop()
+        stack += cls.__subclasses__()
+        names.update(cls.model_fields)
+        names.update(f.alias for f in cls.model_fields.values() if f.alias)
+    return frozenset(names)
+

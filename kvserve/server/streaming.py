@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kvserve.server.errors import APIError
+from kvserve.server.errors import OPENAI, APIError, Dialect, dialect
 
 if TYPE_CHECKING:
     from kvserve.server.lifecycle import Admission, ServerState
@@ -72,14 +72,16 @@ def sse(data: dict | str) -> bytes:
 
 
 class EventStream(Response):
-    """text/event-stream from an async iterator of ready-made events."""
+    """A stream of ready-made events (SSE, or NDJSON for Ollama's API); a failure after the head
+    was sent ends it with the dialect's error event."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None], tracked: set[asyncio.Future]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None], tracked: set[asyncio.Future],
+                 dialect: Dialect = OPENAI) -> None:
         self.events = events
         self.on_close = on_close
         self.tracked = tracked
+        self.dialect = dialect
+        self.media_type = dialect.stream_media_type
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -92,18 +94,18 @@ class EventStream(Response):
                 return  # the client left; nobody to tell
             if pump.cancelled():  # cut off by the server (drain timeout, or a client that reads nothing)
                 if self._started:
-                    last = {"type": "http.response.body", "body": sse(cut_off().body()) + sse("[DONE]"), "more_body": False}
+                    last = {"type": "http.response.body", "body": self.dialect.stream_error(cut_off()), "more_body": False}
                     try:  # bounded: a client that reads nothing cannot hold this task
                         await asyncio.wait_for(send(last), 1.0)
                     except (asyncio.TimeoutError, OSError):
                         log.info("a stream was cut off without its last event: its client is not reading")
                 else:
-                    await cut_off().response()(scope, receive, send)
+                    await cut_off().response(scope["path"])(scope, receive, send)
             elif pump.exception() is not None:
                 log.error("a stream failed", exc_info=pump.exception())
                 if self._started:
                     error = APIError(500, "internal server error (see the server log)")
-                    await send({"type": "http.response.body", "body": sse(error.body()) + sse("[DONE]"),
+                    await send({"type": "http.response.body", "body": self.dialect.stream_error(error),
                                 "more_body": False})
         finally:
             self.on_close()
@@ -136,7 +138,7 @@ async def respond(
     A client that leaves before a whole answer is ready gets nothing, and its work is dropped.
     """
     if stream:
-        return EventStream(events(), admission.release, state.work)
+        return EventStream(events(), admission.release, state.work, dialect(request.url.path))
     try:
         result = await run_until_disconnect(request, collect(), state.work)
     except ClientDisconnected:

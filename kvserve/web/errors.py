@@ -1,8 +1,13 @@
-"""OpenAI's error body, and turning every failure into one: for the server and the router alike.
+"""Error bodies, and turning every failure into one: for the server and the router alike.
 
-Every error answers {"error": {"message", "type", "param", "code"}}. Bad input is a 4xx naming
-the parameter; anything unforeseen is a 500 whose body says nothing about the service's insides
-(the traceback goes to the log only).
+Every error answers in the shape of the API its path belongs to (`dialect(path)`):
+  OpenAI (/v1/*, the default)    {"error": {"message", "type", "param", "code"}}
+  Anthropic (/v1/messages*)      {"type": "error", "error": {"type", "message"}}
+  Ollama (/api/*)                {"error": "message"}
+Bad input is a 4xx naming the parameter, its message cut short if it quotes too much of the
+client's input; anything unforeseen is a 500 whose body says nothing about the service's insides
+(the traceback goes to the log only). A stream that fails after its head was sent ends with the
+dialect's error event instead (`Dialect.stream_error`).
 """
 from __future__ import annotations
 
@@ -53,15 +58,16 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer in the shape of the API `path` belongs to (OpenAI's without one)."""
+        return ErrorResponse(dialect(path).body(self), status_code=self.status, headers=self.headers)
 
 
 class ErrorResponse(JSONResponse):
     """ASCII-escaped JSON: an echo of odd client text can never fail to encode."""
 
     def render(self, content: object) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+        return _dumps(content)
 
 
 MAX_MESSAGE_CHARS = 1000  # past this, a message quotes too much of the client's input: cut
@@ -76,31 +82,82 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+def _dumps(body: object) -> bytes:
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class Dialect:
+    """How one API family words an error: as a body, and as the last event of a stream."""
+
+    stream_media_type = "text/event-stream"
+
+    def body(self, e: APIError) -> object:
+        return e.body()
+
+    def stream_error(self, e: APIError) -> bytes:
+        return b"data: " + _dumps(self.body(e)) + b"\n\ndata: [DONE]\n\n"
+
+
+# Anthropic's error types (anthropic/types/shared/error_type.py) by status.
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+class Anthropic(Dialect):
+    def body(self, e: APIError) -> object:
+        kind = ANTHROPIC_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": e.body()["error"]["message"]}}
+
+    def stream_error(self, e: APIError) -> bytes:
+        return b"event: error\ndata: " + _dumps(self.body(e)) + b"\n\n"
+
+
+class Ollama(Dialect):
+    stream_media_type = "application/x-ndjson"
+
+    def body(self, e: APIError) -> object:
+        return {"error": e.body()["error"]["message"]}
+
+    def stream_error(self, e: APIError) -> bytes:
+        return _dumps(self.body(e)) + b"\n"  # one NDJSON line, which the ollama client raises
+
+
+OPENAI, ANTHROPIC, OLLAMA = Dialect(), Anthropic(), Ollama()
+
+
+def dialect(path: str) -> Dialect:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    if path.startswith("/api/"):
+        return OLLAMA
+    return OPENAI
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         if 400 <= e.status < 500:  # the reason, never the body: the operator sees why a client failed
             log.info("%s %s -> %d %s: %s", request.method, request.url.path, e.status, e.param or "-", e.message)
-        return e.response()
+        return e.response(request.url.path)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, e: ClientDisconnect) -> JSONResponse:
         # A body cut off by the client: one line, not a traceback; nobody reads the answer.
         log.info("%s %s: the client disconnected before sending the whole body", request.method, request.url.path)
-        return APIError(400, "the request body was cut off before its end").response()
+        return APIError(400, "the request body was cut off before its end").response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
         message = {404: "there is no such route: see GET /v1/models and the docs for the API",
                    405: f"this route does not accept {request.method}"}
-        body = error_body(e.status_code, message.get(e.status_code, str(e.detail)), None, None)
-        return ErrorResponse(body, status_code=e.status_code, headers=getattr(e, "headers", None))
+        error = APIError(e.status_code, message.get(e.status_code, str(e.detail)), headers=getattr(e, "headers", None))
+        return error.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return APIError(400, "the request does not match the API's schema").response()
+        return APIError(400, "the request does not match the API's schema").response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         # Starlette re-raises after answering, so the server logs the traceback (once).
-        return APIError(500, "internal server error (see the server log)").response()
+        return APIError(500, "internal server error (see the server log)").response(request.url.path)

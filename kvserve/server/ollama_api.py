@@ -1,0 +1,298 @@
+"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+
+Generation runs as a chat completion does (`ServerContext.start_job`: the same admission, limits,
+abort-on-disconnect and metrics) and is answered as Ollama answers:
+
+  streaming   NDJSON (application/x-ndjson), on by default; `"stream": false` gives one object
+  each line   {"model", "created_at", "message": {"role", "content"} | "response", "done": false}
+  the last    "done": true, "done_reason" (stop | length), and the counts and durations Ollama
+              reports, durations in nanoseconds: total_duration (arrival to end), load_duration
+              (0: the model is loaded), prompt_eval_count / prompt_eval_duration (the prompt and
+              its prefill, to the first token), eval_count / eval_duration (the answer's tokens,
+              first to last); /api/generate adds `context` (prompt and answer ids, which a next
+              request may send back)
+  format      "json" (any JSON object) or a JSON schema: structured output
+  tools       calls parsed from the answer, as message.tool_calls [{"function": {"name", "arguments": {...}}}]
+  errors      {"error": "..."} with a 4xx (kvserve/server/errors.py); mid-stream, one such line
+
+An empty prompt (or no messages) only "loads" the model, as in Ollama: done_reason "load".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve import __version__
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.chat_render import ChatPrompt
+from kvserve.server.errors import OLLAMA, APIError, from_invalid
+from kvserve.server.generation import Job
+from kvserve.server.logprobs import chat_logprobs
+from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest, chat_messages, generate_messages
+from kvserve.server.openai_compat import ChoiceDeltas, chat_message
+from kvserve.server.parsing import check_limits
+from kvserve.server.streaming import respond
+from kvserve.structured.spec import Constraint, json_schema
+
+if TYPE_CHECKING:
+    from kvserve.server.context import ServerContext
+    from kvserve.server.ollama_protocol import _Generation
+
+log = logging.getLogger("kvserve.server")
+# The Ollama release whose API this follows (tools, structured output, done_reason, /api/ps'
+# context_length); Ollama's clients read /api/version to decide what a server can do.
+OLLAMA_API_VERSION = "0.12.0"
+_RENAMES = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
+            "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+            "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
+            "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
+            "logprobs": "top_logprobs"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _tagged(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
+    """The request's sampling, and the context its prompt and answer must fit in (num_ctx or the model's)."""
+    req.checked()
+    options = req.options
+    sampling = options.sampling() if options is not None else {}
+    limit = ctx.state.llm.max_model_len
+    if options is not None and options.num_ctx is not None and options.num_ctx > limit:
+        raise APIError(400, f"options.num_ctx {options.num_ctx} is more than this server's context of {limit} tokens; "
+                       "kvserve does not widen it: send at most that, or leave it out", param="options.num_ctx")
+    context = min(options.num_ctx, limit) if options is not None and options.num_ctx is not None else limit
+    predict = options.num_predict if options is not None else None  # -1, -2: all the context leaves
+    fmt = req.format
+    constraint = (None if fmt in (None, "") else Constraint("json_object", "", "format") if fmt == "json"
+                  else json_schema(fmt, "format"))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    check_limits(1, logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
+    given = {**ctx.settings.defaults, **sampling}
+    max_tokens = ctx.settings.max_tokens_default if predict is None else None if predict in (-1, -2) else predict
+    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                          constraint=constraint, **given), context
+
+
+def _stats(out: RequestOutput, arrival: float) -> dict[str, Any]:
+    """Ollama's counts and durations (nanoseconds) of a finished request."""
+    m, now = out.metrics, time.monotonic()
+    first = (m.first_token_time if m and m.first_token_time else now)
+    scheduled = (m.first_scheduled_time if m and m.first_scheduled_time else arrival)
+    last = (m.last_token_time if m and m.last_token_time else now)
+    ns = lambda seconds: max(1, int(seconds * 1e9))  # noqa: E731 - a rate is tokens / duration: never 0
+    return {"total_duration": ns(now - arrival), "load_duration": 0,
+            "prompt_eval_count": len(out.prompt_token_ids), "prompt_eval_duration": ns(first - scheduled),
+            "eval_count": len(out.outputs[0].token_ids), "eval_duration": ns(last - first)}
+
+
+def _loaded(req: _Generation, key: str, stream: bool) -> Response:
+    """Ollama's answer to a request with nothing to generate: the model is loaded (it always is)."""
+    body = {"model": req._name, "created_at": _now(), key: {"role": "assistant", "content": ""} if key == "message"
+            else "", "done": True, "done_reason": "load"}
+    if stream:
+        return Response(json.dumps(body) + "\n", media_type=OLLAMA.stream_media_type)
+    return JSONResponse(body)
+
+
+async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | GenerateRequest]) -> Response:
+    """/api/chat (kind ChatRequest) or /api/generate (GenerateRequest)."""
+    arrival = time.monotonic()
+    ctx.state.require_ready()
+    req = await ctx.parse(request, kind)
+    try:
+        params, context = _params(ctx, req)
+    except ValueError as e:
+        raise from_invalid(e, _RENAMES) from None
+    if isinstance(req, ChatRequest):
+        key, prefix, mode, renames, empty = "message", "chat", ("auto" if req.tools else None), _RENAMES, not req.messages
+    else:
+        key, prefix, mode, renames, empty = "response", "generate", None, {**_RENAMES, "prompt": "prompt"}, not req.prompt
+    if empty:
+        return _loaded(req, key, req.stream)
+
+    async def encode() -> list[int]:
+        return _fits(await _prompt_ids(ctx, req), context)
+
+    admission, job = await ctx.start_job(request, params, encode, arrival=arrival, prefix=prefix,
+                                     fit_within=context, renames=renames)
+    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, key, mode),
+                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], key, mode))
+
+
+async def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
+    if isinstance(req, ChatRequest):
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
+        return await ctx.client.encode_chat(ChatPrompt(messages, True, tools or None))
+    if req.raw:
+        ids = await ctx.client.encode(req.prompt)
+    else:
+        ids = await ctx.client.encode_chat(ChatPrompt(generate_messages(req.prompt, req.system)))
+    return list(req.context or []) + ids
+
+
+def _fits(ids: list[int], context: int) -> list[int]:
+    if len(ids) >= context:
+        raise APIError(400, f"the prompt is {len(ids)} tokens, which leaves no room in a context (options.num_ctx) of "
+                       f"{context}: shorten it or raise num_ctx", param="options.num_ctx")
+    return ids
+
+
+def _calls(delta_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI tool calls as Ollama's: arguments as an object."""
+    return [{"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"] or "{}")}}
+            for c in delta_calls]
+
+
+def _whole(ctx: ServerContext, job: Job, req: _Generation, final: RequestOutput, key: str, mode: str | None) -> dict:
+    c = final.outputs[0]
+    body: dict[str, Any] = {"model": req._name, "created_at": _now()}
+    if key == "message":
+        message, _ = chat_message(c.text, c.finish_reason, mode)
+        body["message"] = {"role": "assistant", "content": message["content"] or ""}
+        if message.get("tool_calls"):
+            body["message"]["tool_calls"] = _calls(message["tool_calls"])
+    else:
+        body["response"] = c.text
+    if c.logprobs is not None:
+        body["logprobs"] = chat_logprobs(c.logprobs, ctx.texts)["content"]
+    return {**body, "done": True, "done_reason": c.finish_reason, **_tail(final, job, key)}
+
+
+def _tail(final: RequestOutput, job: Job, key: str) -> dict[str, Any]:
+    context = {"context": final.prompt_token_ids + final.outputs[0].token_ids} if key == "response" else {}
+    return {**_stats(final, job.arrival), **context}
+
+
+async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode: str | None) -> AsyncIterator[bytes]:
+    deltas = ChoiceDeltas(mode)
+
+    def line(piece: dict[str, Any] | str, done: bool = False, **extra: Any) -> bytes:
+        value = {"role": "assistant", **piece} if key == "message" else piece
+        body = {"model": req._name, "created_at": _now(), key: value, "done": done, **extra}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+    def pieces(delta: dict[str, Any]) -> dict[str, Any] | str:
+        if key == "response":
+            return delta.get("content", "")
+        piece: dict[str, Any] = {"content": delta.get("content", "")}
+        if delta.get("tool_calls"):
+            piece["tool_calls"] = _calls(delta["tool_calls"])
+        return piece
+
+    try:
+        async with aclosing(ctx.client.outputs(job)) as outputs:
+            async for _, out in outputs:
+                c = out.outputs[0]
+                out_deltas = deltas.feed(c.delta_text)
+                lp = chat_logprobs(c.delta_logprobs, ctx.texts)["content"] if c.delta_logprobs else None
+                if lp and not out_deltas:
+                    out_deltas = [{"content": ""}]
+                for j, delta in enumerate(out_deltas):
+                    yield line(pieces(delta), **({"logprobs": lp} if lp and j == 0 else {}))
+                if c.finished:
+                    rest, _ = deltas.finish(c.finish_reason)
+                    for delta in rest:
+                        yield line(pieces(delta))
+                    yield line(pieces({}), True, done_reason=c.finish_reason, **_tail(out, job, key))
+    except APIError as e:
+        yield OLLAMA.stream_error(e)
+
+
+# -- the model's card -----------------------------------------------------------------------------
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def _parameter_count(cfg) -> int:
+    """Parameters of a Llama-family decoder from its shapes (no bias terms but Qwen2's, ignored)."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    layer = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size + 2 * h
+    return cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * layer + h
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
+def _card(ctx: ServerContext) -> dict[str, Any]:
+    llm = ctx.state.llm
+    path = Path(str(getattr(llm, "model_path", "") or ""))
+    modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, timezone.utc)
+    details = {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+               "family": llm.config.architecture, "families": [llm.config.architecture],
+               "parameter_size": _human(_parameter_count(llm.config)), "quantization_level": str(llm.quantization)}
+    name = _tagged(ctx.settings.model_name)
+    return {"name": name, "model": name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
+            "size": _size(path), "digest": ctx.system_fingerprint.removeprefix("fp_").ljust(64, "0"), "details": details}
+
+
+def add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    state = ctx.state
+
+    @app.post("/api/chat")
+    async def api_chat(request: Request) -> Response:
+        return await serve(request, ctx, ChatRequest)
+
+    @app.post("/api/generate")
+    async def api_generate(request: Request) -> Response:
+        return await serve(request, ctx, GenerateRequest)
+
+    @app.get("/api/version")
+    async def api_version() -> dict:
+        return {"version": OLLAMA_API_VERSION, "kvserve": __version__}
+
+    @app.get("/api/tags")
+    async def api_tags() -> dict:
+        state.require_ready()
+        return {"models": [_card(ctx)]}
+
+    @app.get("/api/ps")
+    async def api_ps() -> dict:
+        state.require_ready()
+        card = _card(ctx)
+        return {"models": [{**{k: card[k] for k in ("name", "model", "size", "digest", "details")},
+                            "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
+                            "context_length": state.llm.max_model_len}]}
+
+    @app.post("/api/show")
+    async def api_show(request: Request) -> dict:
+        state.require_ready()
+        req = await ctx.parse(request, ShowRequest)
+        given = req.model or req.name
+        if given is None:
+            raise APIError(400, "model is required", param="model")
+        if given.removesuffix(":latest") != ctx.settings.model_name:
+            raise APIError(404, f"model {given!r} not found: GET /api/tags lists the one served here", param="model")
+        llm, card = state.llm, _card(ctx)
+        cfg, arch = llm.config, llm.config.architecture
+        parameters = "\n".join(f"{k} {json.dumps(v)}" for k, v in ctx.settings.defaults.items())
+        return {"modelfile": f"# served by kvserve {__version__}\nFROM {getattr(llm, 'model_path', '')}\n",
+                "parameters": parameters, "template": llm.tokenizer.chat_template.source,
+                "details": card["details"], "modified_at": card["modified_at"],
+                "model_info": {"general.architecture": arch, "general.parameter_count": _parameter_count(cfg),
+                               f"{arch}.context_length": llm.max_model_len,
+                               f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
+                               f"{arch}.attention.head_count": cfg.num_attention_heads,
+                               f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
+                               f"{arch}.vocab_size": cfg.vocab_size},
+                "capabilities": ["completion", "tools"]}

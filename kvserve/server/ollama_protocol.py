@@ -1,0 +1,202 @@
+"""Ollama's API on the way in: request bodies as strict pydantic models (field names as in the
+`ollama` package's ollama/_types.py), and the conversation as kvserve's chat template sees it.
+
+`options` take Ollama's names: temperature, top_p, top_k, min_p, seed, num_predict (-1 or -2:
+until the context is full), stop, repeat_penalty (kvserve's repetition_penalty),
+presence_penalty, frequency_penalty, and num_ctx, which may narrow the served context but not
+widen it. Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change nothing
+here and are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
+unless they are at their off values. Unknown fields are refused by name, as everywhere in kvserve.
+
+`chat_messages` and `generate_messages` work on plain JSON so that the router renders exactly what
+the server renders (kvserve/router/request.py).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import PrivateAttr, model_validator
+
+from kvserve.errors import InvalidParam
+from kvserve.server.protocol import FunctionDef, _Strict, legacy_call_id
+
+# Off values of the samplers kvserve lacks: anything else is refused.
+_OFF = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+
+
+class Options(_Strict):
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    num_predict: int | None = None
+    stop: str | list[str] | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    num_ctx: int | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    # How Ollama loads and runs a model: nothing to do with kvserve's engine.
+    numa: Any = None
+    num_batch: Any = None
+    num_gpu: Any = None
+    main_gpu: Any = None
+    low_vram: Any = None
+    f16_kv: Any = None
+    logits_all: Any = None
+    vocab_only: Any = None
+    use_mmap: Any = None
+    use_mlock: Any = None
+    embedding_only: Any = None
+    num_thread: Any = None
+    num_keep: Any = None
+    repeat_last_n: Any = None
+    penalize_newline: Any = None
+
+    def sampling(self) -> dict[str, Any]:
+        """SamplingParams fields (max_tokens apart: see num_predict); InvalidParam for a sampler kvserve lacks."""
+        for name, off in _OFF.items():
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise InvalidParam(f"options.{name}", f"options.{name}: kvserve has no {name} sampler; leave it out "
+                                   f"or send {off}")
+        if self.num_predict is not None and self.num_predict not in (-1, -2) and self.num_predict < 1:
+            raise InvalidParam("options.num_predict", "options.num_predict must be -1 or -2 (until the context is "
+                               "full) or a number of tokens >= 1")
+        if self.num_ctx is not None and self.num_ctx < 1:
+            raise InvalidParam("options.num_ctx", "options.num_ctx must be at least 1")
+        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
+                 "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty"}
+        out = {ours: getattr(self, theirs) for theirs, ours in names.items() if getattr(self, theirs) is not None}
+        if self.stop is not None:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return out
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: dict[str, Any] = {}
+    index: int | None = None
+    description: str | None = None
+
+
+class ToolCall(_Strict):
+    function: FunctionCall
+    id: str | None = None
+    type: str | None = None
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None  # a thinking model's earlier answer: not rendered (kvserve has none)
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _Generation(_Strict):
+    """What /api/chat and /api/generate share."""
+
+    model: str
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    options: Options | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    keep_alive: Any = None  # the model stays loaded as long as kvserve runs
+    think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    _name: str = PrivateAttr("")  # the model as the client named it (echoed back)
+
+    @model_validator(mode="after")
+    def _tagless(self) -> _Generation:
+        """Ollama's names carry a tag; `tags` lists the served model as NAME:latest."""
+        self._name = self.model
+        self.model = self.model.removesuffix(":latest")
+        return self
+
+    def checked(self) -> None:
+        if self.think not in (None, False):
+            raise InvalidParam("think", f"think: the model {self._name!r} does not think (kvserve has no reasoning "
+                               "parser); leave it out or send false")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParam("top_logprobs", "top_logprobs needs logprobs set to true")
+
+
+class ChatRequest(_Generation):
+    messages: list[Message] = []
+    tools: list[Tool] | None = None
+    truncate: Any = None
+    shift: Any = None
+
+    def checked(self) -> None:
+        super().checked()
+        for i, m in enumerate(self.messages):
+            if m.images:
+                raise InvalidParam(f"messages[{i}].images", f"messages[{i}].images: kvserve serves a text-only model")
+
+
+class GenerateRequest(_Generation):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+    def checked(self) -> None:
+        super().checked()
+        if self.images:
+            raise InvalidParam("images", "images: kvserve serves a text-only model")
+        if self.suffix:
+            raise InvalidParam("suffix", "suffix (fill in the middle) is not supported on /api/generate")
+        if self.template:
+            raise InvalidParam("template", "template is not supported: kvserve renders prompts with the model's own "
+                               "chat template (or none, with raw: true)")
+
+
+class ShowRequest(_Strict):
+    model: str | None = None
+    name: str | None = None  # older clients' name for it
+    verbose: bool = False
+
+    @model_validator(mode="after")
+    def _tagless(self) -> ShowRequest:
+        self.model = self.model.removesuffix(":latest") if self.model is not None else None
+        return self
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ollama's messages (plain JSON) as the chat template's. Tool calls and results pair up by the
+    tool's name (Ollama's messages carry no call ids)."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m["role"], "content": m.get("content") or ""}
+        calls = [c["function"] for c in m.get("tool_calls") or []]
+        if calls:
+            msg["tool_calls"] = [{"id": legacy_call_id(f["name"]), "type": "function",
+                                  "function": {"name": f["name"], "arguments": json.dumps(f.get("arguments") or {},
+                                                                                         ensure_ascii=False)}}
+                                 for f in calls]
+        if m["role"] == "tool" and m.get("tool_name"):
+            msg["tool_call_id"] = legacy_call_id(m["tool_name"])
+        out.append(msg)
+    return out
+
+
+def generate_messages(prompt: str, system: str | None) -> list[dict[str, Any]]:
+    """/api/generate's prompt as one user turn of the chat template (Ollama templates it too)."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
