@@ -182,3 +182,40 @@ def test_unbounded_integers_and_numbers_get_bounds_and_given_ones_stay() -> None
     assert out["e"] == {"enum": [{"type": "integer"}]}  # data, not a schema
     assert out["f"]["items"]["anyOf"][0] == {"type": "integer", "minimum": INT_MIN, "maximum": INT_MAX}
     assert out["type"] == {"type": "string"}
+
+
+def test_any_value_places_and_json_object_get_the_bounded_any_value() -> None:
+    from kvserve.structured.bounds import ANY_REF, JSON_OBJECT, bounded
+
+    schema = {"type": "object", "properties": {"description": {"type": "string"}, "x": {"description": "anything"},
+                                               "y": {}, "z": True}, "additionalProperties": True}
+    out = json.loads(bounded(json.dumps(schema)))
+    props = out["properties"]
+    assert props["description"] == {"type": "string"}  # a property named like an annotation is a property
+    assert props["x"] == {"description": "anything", **ANY_REF} and props["y"] == props["z"] == ANY_REF
+    assert out["additionalProperties"] == ANY_REF
+    anyof = out["$defs"]["kvserve_any_json_value"]["anyOf"]
+    assert {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1} in anyof
+    assert json.loads(bounded(json.dumps({"type": "string"}))) == {"type": "string"}  # no $defs when not needed
+    assert json.loads(bounded(JSON_OBJECT))["additionalProperties"] == ANY_REF
+
+
+def test_compiled_json_object_and_any_values_refuse_a_number_past_int64(default_gguf) -> None:
+    import xgrammar as xgr
+
+    from kvserve.structured.grammar import GrammarCompiler
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(default_gguf)
+    compiler = GrammarCompiler(tok, tok.vocab_size, frozenset(tok.eos_token_ids))
+
+    def accepts(c: Constraint, text: str) -> bool:
+        return xgr.GrammarMatcher(compiler.build(c)).accept_string(text)
+
+    json_object = Constraint("json_object")
+    assert accepts(json_object, '{"a": [{"b": 1.5, "c": null}], "d": 9223372036854775807}')
+    assert not accepts(json_object, '{"a": 99999999999999999999}')  # 20 digits
+    assert not accepts(json_object, '{"a":  1}')  # no run of whitespace
+    anything = Constraint("json", json.dumps({"type": "object", "properties": {"v": {"description": "any"}},
+                                              "required": ["v"]}))
+    assert accepts(anything, '{"v": [1, "x"]}') and not accepts(anything, '{"v": 99999999999999999999}')
