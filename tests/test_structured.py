@@ -102,17 +102,50 @@ def test_llama3_json_calls_and_plain_text() -> None:
     assert [c.name for c in parse_forced('[{"name": "f", "arguments": {"a": 1}}]')] == ["f"]
 
 
-def test_streamed_tool_calls_match_the_whole_parse() -> None:
-    text = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
-    for size in (1, 3, 7, len(text)):
-        stream = ToolCallStream()
-        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
-        content = "".join(d.get("content", "") for d in deltas)
-        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-        assert content == "Sure."
-        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-            [(0, "weather", {"city": "Paris"})]
-        assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+def _streamed(text: str, size: int, forced: bool = False) -> tuple[str, list[dict], list]:
+    """Feed text in pieces of `size`: (content, the tool_calls deltas, the calls read)."""
+    stream = ToolCallStream(forced=forced)
+    deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
+    return "".join(d.get("content", "") for d in deltas), [tc for d in deltas for tc in d.get("tool_calls", [])], stream.calls
+
+
+@pytest.mark.parametrize("text, forced, content", [
+    ('Sure.<tool_call>{"name": "weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"d": 2}]}}</tool_call>'
+     '<tool_call>{"name": "time", "arguments": {}}</tool_call>', False, "Sure."),
+    ('[{"name": "weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"d": 2}]}}, {"name": "time", "arguments": {}}]',
+     True, ""),
+])
+def test_streamed_tool_call_arguments_come_in_pieces_that_add_up_to_the_whole_parse(text, forced, content) -> None:
+    whole_content, _, whole = _streamed(text, len(text), forced)
+    assert whole_content == content
+    assert [(c.name, c.arguments) for c in whole] == \
+        [("weather", '{"city": "Pa\\"ris}", "n": [1, {"d": 2}]}'), ("time", "{}")]  # as the model wrote them
+    for size in (1, 3, 7):
+        streamed_content, deltas, _ = _streamed(text, size, forced)
+        assert streamed_content == content
+        firsts = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["type"], d["function"]["name"], d["function"]["arguments"]) for d in firsts] == \
+            [(0, "function", "weather", ""), (1, "function", "time", "")]
+        assert all(d["id"].startswith("call_") for d in firsts)
+        pieces = [d for d in deltas if "id" not in d]
+        assert all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"} for d in pieces)
+        assert len(pieces) > 2  # in pieces, not whole
+        for i, call in enumerate(whole):
+            assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == i) == call.arguments
+
+
+def test_a_call_cut_short_streams_what_was_written_and_other_shapes_come_whole() -> None:
+    _, deltas, calls = _streamed('<tool_call>{"name": "f", "arguments": {"a": "xy', 2)
+    assert calls[0].arguments == '{"a": "xy' == "".join(d["function"]["arguments"] for d in deltas)
+    # Arguments as a string, or before the name: read whole at the block's end (one delta per call).
+    for text in ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'):
+        _, deltas, calls = _streamed(text, 3)
+        assert len(deltas) == 1 and deltas[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    # A block that closes on unbalanced arguments ends its call there; text that is no call stays content.
+    _, deltas, calls = _streamed('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>', 4)
+    assert calls[0].arguments == '{"a": 1'
+    assert _streamed("<tool_call>not json</tool_call>", 5)[0] == "<tool_call>not json</tool_call>"
 
 
 # -- tools into the template, forced calls ------------------------------------------------------
