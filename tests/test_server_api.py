@@ -100,6 +100,25 @@ def test_streamed_tool_call_arguments_come_in_pieces_that_add_up_to_the_response
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_a_legacy_function_message_is_a_tool_result(server, client):
+    """role "function" with its name (OpenAI's deprecated form) renders as the tool message answering the
+    assistant's call, and a chat completion accepts it."""
+    call = {"name": "forecast", "arguments": '{"city": "Paris"}'}
+    ask = [{"role": "user", "content": "Weather?"}]
+    legacy = [*ask, {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "forecast", "content": '{"temperature": 21}'}]
+    tools = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_forecast", "type": "function", "function": call}]},
+        {"role": "tool", "name": "forecast", "tool_call_id": "call_forecast", "content": '{"temperature": 21}'}]
+    with server.client() as c:
+        tokens = [c.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (legacy, tools)]
+        assert tokens[0] == tokens[1]
+        assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in \
+            c.post("/detokenize", json={"tokens": tokens[0]}).json()["prompt"]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=legacy, **GREEDY)
+    assert r.usage.prompt_tokens == len(tokens[0]) and r.usage.completion_tokens == 12
+
+
 def test_max_completion_tokens_and_content_parts(client):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
     a = client.chat.completions.create(model=MODEL_NAME, messages=parts, temperature=0, max_completion_tokens=5)
