@@ -93,3 +93,27 @@ def test_a_vocabulary_without_fim_tokens_is_a_400_that_says_why(plain_server) ->
     r = httpx.post(plain_server.url + "/v1/completions", headers=plain_server.headers, timeout=60,
                    json={"model": MODEL_NAME, "prompt": PREFIX, "suffix": "", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_the_router_forwards_suffix_and_hashes_the_prompt_the_replica_sees(fim_server, fim_gguf) -> None:
+    import json
+
+    from kvserve.router.kv_index import KVIndex, Renderer
+    from kvserve.router.request import parse_request
+    from router_harness import RouterThread
+
+    body = {"model": MODEL_NAME, "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    tok = Tokenizer.from_gguf(fim_gguf)
+    routed = parse_request("/v1/completions", json.dumps(body).encode())
+    assert KVIndex._encode(routed, None, Renderer(tok)) == encode_fim(tok, PREFIX, SUFFIX)  # the precise source's token ids
+    router = RouterThread([fim_server.url])
+    try:
+        router.wait_for(lambda: router.admin()[fim_server.url]["state"] == "healthy")
+        with router.client() as c:
+            via_router = c.post("/v1/completions", json=body)
+        direct = httpx.post(fim_server.url + "/v1/completions", json=body, headers=fim_server.headers, timeout=60)
+        assert via_router.status_code == 200, via_router.text
+        assert via_router.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+        assert via_router.json()["usage"]["prompt_tokens"] == len(encode_fim(tok, PREFIX, SUFFIX))
+    finally:
+        router.stop()
