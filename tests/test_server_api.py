@@ -64,6 +64,61 @@ def test_chat_stream_equals_whole(client):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+FORECAST = {"type": "function", "function": {"name": "forecast", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "unit", "days"], "additionalProperties": False}}}
+
+
+def test_streamed_tool_call_arguments_come_in_pieces_that_add_up_to_the_response(client):
+    """A forced call (deterministic on the random model), streamed through the SDK's helper: the
+    arguments arrive in many deltas and concatenate to the non-streamed arguments exactly."""
+    kw = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Weather?"}], tools=[FORECAST],
+              tool_choice={"type": "function", "function": {"name": "forecast"}}, temperature=0, max_tokens=60)
+    whole = client.chat.completions.create(**kw)
+    [call] = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "forecast"
+    args = json.loads(call.function.arguments)
+    assert args["unit"] in ("celsius", "fahrenheit") and 1 <= args["days"] <= 7
+    pieces = []
+    with client.chat.completions.stream(**kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion()
+    assert len(pieces) > 3 and "".join(pieces) == call.function.arguments
+    [streamed] = final.choices[0].message.tool_calls
+    assert streamed.function.arguments == call.function.arguments and streamed.function.parsed_arguments == args
+    # The raw chunks: the first names the call (arguments ""), the rest carry only index and arguments.
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert (deltas[0].index, deltas[0].type, deltas[0].function.name, deltas[0].function.arguments) == \
+        (0, "function", "forecast", "") and deltas[0].id.startswith("call_")
+    assert all(d.index == 0 and d.id is None and d.type is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_a_legacy_function_message_is_a_tool_result(server, client):
+    """role "function" with its name (OpenAI's deprecated form) renders as the tool message answering the
+    assistant's call, and a chat completion accepts it."""
+    call = {"name": "forecast", "arguments": '{"city": "Paris"}'}
+    ask = [{"role": "user", "content": "Weather?"}]
+    legacy = [*ask, {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "forecast", "content": '{"temperature": 21}'}]
+    tools = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_forecast", "type": "function", "function": call}]},
+        {"role": "tool", "name": "forecast", "tool_call_id": "call_forecast", "content": '{"temperature": 21}'}]
+    with server.client() as c:
+        tokens = [c.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (legacy, tools)]
+        assert tokens[0] == tokens[1]
+        assert "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in \
+            c.post("/detokenize", json={"tokens": tokens[0]}).json()["prompt"]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=legacy, **GREEDY)
+    assert r.usage.prompt_tokens == len(tokens[0]) and r.usage.completion_tokens == 12
+
+
 def test_max_completion_tokens_and_content_parts(client):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
     a = client.chat.completions.create(model=MODEL_NAME, messages=parts, temperature=0, max_completion_tokens=5)

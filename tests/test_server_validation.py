@@ -73,6 +73,8 @@ CASES = [
         {"id": "c", "type": "code", "function": {"name": "f", "arguments": "{}"}}]}]), 400, BAD,
      "messages[1].tool_calls[0].type"),
     ("missing-role", CHAT, chat(messages=[{"content": "x"}]), 400, BAD, "messages[0].role"),
+    ("function-result-without-name", CHAT, chat(messages=[*USER, {"role": "function", "content": "21"}]), 400, BAD,
+     "messages[1]"),
     ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      400, BAD, "messages[0].content"),
     # malformed JSON

@@ -102,17 +102,50 @@ def test_llama3_json_calls_and_plain_text() -> None:
     assert [c.name for c in parse_forced('[{"name": "f", "arguments": {"a": 1}}]')] == ["f"]
 
 
-def test_streamed_tool_calls_match_the_whole_parse() -> None:
-    text = 'Sure.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
-    for size in (1, 3, 7, len(text)):
-        stream = ToolCallStream()
-        deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
-        content = "".join(d.get("content", "") for d in deltas)
-        calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
-        assert content == "Sure."
-        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-            [(0, "weather", {"city": "Paris"})]
-        assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+def _streamed(text: str, size: int, forced: bool = False) -> tuple[str, list[dict], list]:
+    """Feed text in pieces of `size`: (content, the tool_calls deltas, the calls read)."""
+    stream = ToolCallStream(forced=forced)
+    deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i : i + size])] + stream.finish()
+    return "".join(d.get("content", "") for d in deltas), [tc for d in deltas for tc in d.get("tool_calls", [])], stream.calls
+
+
+@pytest.mark.parametrize("text, forced, content", [
+    ('Sure.<tool_call>{"name": "weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"d": 2}]}}</tool_call>'
+     '<tool_call>{"name": "time", "arguments": {}}</tool_call>', False, "Sure."),
+    ('[{"name": "weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"d": 2}]}}, {"name": "time", "arguments": {}}]',
+     True, ""),
+])
+def test_streamed_tool_call_arguments_come_in_pieces_that_add_up_to_the_whole_parse(text, forced, content) -> None:
+    whole_content, _, whole = _streamed(text, len(text), forced)
+    assert whole_content == content
+    assert [(c.name, c.arguments) for c in whole] == \
+        [("weather", '{"city": "Pa\\"ris}", "n": [1, {"d": 2}]}'), ("time", "{}")]  # as the model wrote them
+    for size in (1, 3, 7):
+        streamed_content, deltas, _ = _streamed(text, size, forced)
+        assert streamed_content == content
+        firsts = [d for d in deltas if "id" in d]
+        assert [(d["index"], d["type"], d["function"]["name"], d["function"]["arguments"]) for d in firsts] == \
+            [(0, "function", "weather", ""), (1, "function", "time", "")]
+        assert all(d["id"].startswith("call_") for d in firsts)
+        pieces = [d for d in deltas if "id" not in d]
+        assert all(d.keys() == {"index", "function"} and d["function"].keys() == {"arguments"} for d in pieces)
+        assert len(pieces) > 2  # in pieces, not whole
+        for i, call in enumerate(whole):
+            assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == i) == call.arguments
+
+
+def test_a_call_cut_short_streams_what_was_written_and_other_shapes_come_whole() -> None:
+    _, deltas, calls = _streamed('<tool_call>{"name": "f", "arguments": {"a": "xy', 2)
+    assert calls[0].arguments == '{"a": "xy' == "".join(d["function"]["arguments"] for d in deltas)
+    # Arguments as a string, or before the name: read whole at the block's end (one delta per call).
+    for text in ('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+                 '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'):
+        _, deltas, calls = _streamed(text, 3)
+        assert len(deltas) == 1 and deltas[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    # A block that closes on unbalanced arguments ends its call there; text that is no call stays content.
+    _, deltas, calls = _streamed('<tool_call>{"name": "f", "arguments": {"a": 1</tool_call>', 4)
+    assert calls[0].arguments == '{"a": 1'
+    assert _streamed("<tool_call>not json</tool_call>", 5)[0] == "<tool_call>not json</tool_call>"
 
 
 # -- tools into the template, forced calls ------------------------------------------------------
@@ -182,3 +215,40 @@ def test_unbounded_integers_and_numbers_get_bounds_and_given_ones_stay() -> None
     assert out["e"] == {"enum": [{"type": "integer"}]}  # data, not a schema
     assert out["f"]["items"]["anyOf"][0] == {"type": "integer", "minimum": INT_MIN, "maximum": INT_MAX}
     assert out["type"] == {"type": "string"}
+
+
+def test_any_value_places_and_json_object_get_the_bounded_any_value() -> None:
+    from kvserve.structured.bounds import ANY_REF, JSON_OBJECT, bounded
+
+    schema = {"type": "object", "properties": {"description": {"type": "string"}, "x": {"description": "anything"},
+                                               "y": {}, "z": True}, "additionalProperties": True}
+    out = json.loads(bounded(json.dumps(schema)))
+    props = out["properties"]
+    assert props["description"] == {"type": "string"}  # a property named like an annotation is a property
+    assert props["x"] == {"description": "anything", **ANY_REF} and props["y"] == props["z"] == ANY_REF
+    assert out["additionalProperties"] == ANY_REF
+    anyof = out["$defs"]["kvserve_any_json_value"]["anyOf"]
+    assert {"type": "integer", "minimum": -2**63, "maximum": 2**63 - 1} in anyof
+    assert json.loads(bounded(json.dumps({"type": "string"}))) == {"type": "string"}  # no $defs when not needed
+    assert json.loads(bounded(JSON_OBJECT))["additionalProperties"] == ANY_REF
+
+
+def test_compiled_json_object_and_any_values_refuse_a_number_past_int64(default_gguf) -> None:
+    import xgrammar as xgr
+
+    from kvserve.structured.grammar import GrammarCompiler
+    from kvserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(default_gguf)
+    compiler = GrammarCompiler(tok, tok.vocab_size, frozenset(tok.eos_token_ids))
+
+    def accepts(c: Constraint, text: str) -> bool:
+        return xgr.GrammarMatcher(compiler.build(c)).accept_string(text)
+
+    json_object = Constraint("json_object")
+    assert accepts(json_object, '{"a": [{"b": 1.5, "c": null}], "d": 9223372036854775807}')
+    assert not accepts(json_object, '{"a": 99999999999999999999}')  # 20 digits
+    assert not accepts(json_object, '{"a":  1}')  # no run of whitespace
+    anything = Constraint("json", json.dumps({"type": "object", "properties": {"v": {"description": "any"}},
+                                              "required": ["v"]}))
+    assert accepts(anything, '{"v": [1, "x"]}') and not accepts(anything, '{"v": 99999999999999999999}')

@@ -108,13 +108,15 @@ def make_tiny_hf_model(
     return model, directory
 
 
-def _add_default_vocab(writer: gguf.GGUFWriter) -> None:
+def _add_default_vocab(writer: gguf.GGUFWriter, renames: dict[int, str] | None = None) -> None:
     from kvserve.tokenizer.gguf_vocab import read_gguf_metadata, write_gguf_fields
 
     # The tokenizer's fields; bos and eos are written from the model's config already.
-    write_gguf_fields(writer, {k: v for k, v in read_gguf_metadata(default_gguf_path()).items()
-                               if k.startswith("tokenizer.")
-                               and k not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")})
+    fields = {k: v for k, v in read_gguf_metadata(default_gguf_path()).items()
+              if k.startswith("tokenizer.") and k not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")}
+    if renames:  # e.g. control tokens respelt as another family's: {3: "<fim_prefix>"}
+        fields["tokenizer.ggml.tokens"] = [renames.get(i, t) for i, t in enumerate(fields["tokenizer.ggml.tokens"])]
+    write_gguf_fields(writer, fields)
 
 
 def _ggml_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -140,13 +142,15 @@ def write_tiny_gguf(
     embed_qtype: Q | None = None,
     write_vocab_size: bool = True,
     with_vocab: bool = False,
+    vocab_renames: dict[int, str] | None = None,
 ) -> Path:
     """Write a tiny HF llama/qwen2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
     linear scaling becomes metadata. with_vocab copies the default model's tokenizer.* metadata
-    (its 49152-token vocabulary, merges, special ids and chat template) into the file.
+    (its 49152-token vocabulary, merges, special ids and chat template) into the file;
+    vocab_renames respells some of its tokens (ids 3-16 are unused control tokens).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -177,7 +181,7 @@ def write_tiny_gguf(
     if write_vocab_size:
         writer.add_vocab_size(config.vocab_size)
     if with_vocab:
-        _add_default_vocab(writer)
+        _add_default_vocab(writer, vocab_renames)
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
     writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
     if rope.get("rope_type") == "linear":

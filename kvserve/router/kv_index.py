@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvserve.fim import encode_fim
 from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
 from kvserve.router.replicas import HEALTHY, Replica
@@ -242,6 +243,11 @@ class KVIndex:
         """The prompt's token ids as the replica will see them."""
         if isinstance(req.prompt, list):
             return req.prompt
+        if isinstance(req.prompt, str) and req.suffix:
+            try:
+                return encode_fim(renderer.tokenizer, req.prompt, req.suffix)
+            except ValueError:  # no FIM markers: the replica answers this one with its own 400
+                return []
         if isinstance(req.prompt, str):
             return renderer.tokenizer.encode(req.prompt)
         if chat is not None:

@@ -22,6 +22,7 @@ class RoutedRequest:
     path: str
     text: str = ""  # the prompt as text, for the approximate prefix tree
     prompt: str | list[int] | None = None  # a completion's single prompt
+    suffix: str | None = None  # a completion's suffix: fill in the middle (kvserve/fim.py)
     messages: list[dict] | None = None  # a chat's messages, roughly: for the approximate text only
     add_generation_prompt: bool = True
     chat_body: dict | None = None  # an OpenAI chat's whole body: the precise source renders it as a replica does
@@ -39,7 +40,7 @@ class RoutedRequest:
         """Without a tokenizer: ~4 characters per token (English BPE)."""
         if isinstance(self.prompt, list):
             return len(self.prompt)
-        return len(self.text) // 4 + 1
+        return (len(self.text) + len(self.suffix or "")) // 4 + 1
 
 
 def _message_for_template(m: Any) -> dict | None:
@@ -82,6 +83,8 @@ def parse_request(path: str, body: bytes) -> RoutedRequest:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             req.prompt = req.text = prompt
+            if isinstance(data.get("suffix"), str) and data["suffix"]:
+                req.suffix = data["suffix"]
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             req.prompt = prompt
     else:

@@ -22,14 +22,28 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve import __version__
 from kvserve.errors import shown
-from kvserve.server import anthropic_messages, insight, ollama_api, responses
+from kvserve.server import (
+    anthropic_messages,
+    anthropic_protocol,
+    api_docs,
+    insight,
+    ollama_api,
+    ollama_protocol,
+    responses,
+)
 from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.kv_events import add_kv_event_routes
-from kvserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
 from kvserve.web.errors import install_handlers
@@ -50,7 +64,7 @@ class APIKeyMiddleware:
     # The live page and its files hold nothing secret; the page sends the key on its API calls.
     # /api/version: Ollama's clients probe it to find the server.
     OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version", "/api/version", "/", "/static/index.html",
-                            "/static/app.js", "/static/app.css"})
+                            "/static/app.js", "/static/app.css", *api_docs.OPEN_PATHS})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -100,8 +114,8 @@ def build_app(
         ctx.state.shutdown()
         ctx.grammars.shutdown()
 
-    # /docs and /openapi.json list the routes; request bodies are read by parsing.py, not FastAPI.
-    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+    # /docs (served offline) and /openapi.json with each route's body model: kvserve/server/api_docs.py.
+    app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.state.ctx = ctx
     app.state.loader = None
@@ -116,6 +130,7 @@ def build_app(
         app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
     app.add_middleware(FramingCheck)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, even a refused Host, has its id
+    api_docs.add_routes(app)
     _add_routes(app, ctx)
     add_kv_event_routes(app, ctx)  # for a cache-aware router (kvserve route)
     insight.add_routes(app, ctx)
@@ -159,6 +174,14 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         state.require_ready()
         return {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
                 "max_model_len": state.llm.max_model_len}
+
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                        ("/v1/responses", ResponsesRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
+                        ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
+                        ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
+                        ("/api/show", ollama_protocol.ShowRequest),
+                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
+        api_docs.document_body(app, path, model)
 
     @app.get("/v1/models")
     async def models() -> dict:

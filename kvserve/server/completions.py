@@ -1,4 +1,5 @@
-"""POST /v1/completions: one or more prompts, streamed or whole."""
+"""POST /v1/completions: one or more prompts, streamed or whole; with `suffix`, fill in the middle
+(kvserve/fim.py)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvserve.fim import fim_token_ids, no_fim_error
 from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat, request_id
 from kvserve.server.errors import APIError, from_invalid
@@ -30,14 +32,20 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     openai_compat.log_ignored(req)
     reject_unsupported_extras(req)
     reject(req.echo, "echo", "is not supported")
-    reject(req.suffix is not None, "suffix", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
     check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
                                                          openai_compat.constraint(req)))
     prompts = _prompts(req.prompt)
+    fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
+    if fim:
+        reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
+        if fim_token_ids(ctx.state.llm.tokenizer) is None:
+            raise from_invalid(no_fim_error())
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
+        if fim:
+            prompts = await ctx.client.encode_fim(prompts, req.suffix)
         ids = await ctx.client.tokenize(prompts, params, request.receive)
     except ValueError as e:
         admission.release()

@@ -17,6 +17,7 @@ from starlette.types import Receive
 
 from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, StreamStalledError
 from kvserve.errors import InvalidParam
+from kvserve.fim import encode_fim
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_render import ChatPrompt
@@ -72,6 +73,15 @@ class EngineClient:
         except PromptTooLong:
             raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
                                "shorten the messages") from None
+
+    async def encode_fim(self, prompts: Sequence[str], suffix: str) -> list[list[int]]:
+        """Each prompt with the suffix as a fill-in-the-middle prompt (kvserve/fim.py), off the loop."""
+        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        try:
+            return await asyncio.to_thread(lambda: [encode_fim(tok, p, suffix, limit) for p in prompts])
+        except PromptTooLong:
+            raise InvalidParam("prompt", f"prompt and suffix are more than {limit} tokens, the context's length: "
+                               "shorten them") from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len

@@ -189,13 +189,20 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
         body = {"model": req._name, "created_at": _now(), key: value, "done": done, **extra}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
+    calls: dict[int, dict[str, Any]] = {}  # tool calls by index, their arguments as they stream in
+
     def pieces(delta: dict[str, Any]) -> dict[str, Any] | str:
         if key == "response":
             return delta.get("content", "")
-        piece: dict[str, Any] = {"content": delta.get("content", "")}
-        if delta.get("tool_calls"):
-            piece["tool_calls"] = _calls(delta["tool_calls"])
-        return piece
+        for call in delta.get("tool_calls") or []:  # Ollama sends each call whole: gathered until the end
+            whole = calls.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
+            fn = call.get("function") or {}
+            whole["function"]["name"] += fn.get("name") or ""
+            whole["function"]["arguments"] += fn.get("arguments") or ""
+        return {"content": delta.get("content", "")}
+
+    def gathered() -> dict[str, Any]:
+        return {"content": "", "tool_calls": _calls([calls[i] for i in sorted(calls)])}
 
     try:
         async with aclosing(ctx.client.outputs(job)) as outputs:
@@ -211,6 +218,8 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
                     rest, _ = deltas.finish(c.finish_reason)
                     for delta in rest:
                         yield line(pieces(delta))
+                    if calls:
+                        yield line(gathered())
                     yield line(pieces({}), True, done_reason=c.finish_reason, **_tail(out, job, key))
     except APIError as e:
         yield OLLAMA.stream_error(e)

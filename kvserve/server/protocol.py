@@ -202,6 +202,12 @@ class ChatMessage(_Strict):
             raise ValueError(f"unknown role {shown(role)}: use one of {', '.join(ROLES)}")
         return role
 
+    @model_validator(mode="after")
+    def _function_result_names_its_function(self) -> ChatMessage:
+        if self.role == "function" and not self.name:
+            raise ValueError('a "function" message (a legacy function result) needs "name": the function it answers')
+        return self
+
     def for_template(self) -> dict[str, Any]:
         """The plain message a chat template expects: content as one string; developer is system;
         legacy function calls and results as tool calls and results (server/legacy_functions.py)."""

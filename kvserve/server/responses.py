@@ -369,6 +369,7 @@ class _Output:
         self.emit = events
         self.items: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the open message item
+        self.call: dict[str, Any] | None = None  # the open function_call item
         self.status = "in_progress"
 
     def _event(self, kind: str, **fields: Any) -> list[bytes]:
@@ -387,6 +388,7 @@ class _Output:
         for delta in rest:
             out += self._delta(delta, [])
         cut = finish_reason == "length"
+        out += self._close_call()
         if not self.items:  # nothing written: still one (empty) message, as OpenAI answers
             out += self._open_message()
         out += self._close_message("incomplete" if cut else "completed")
@@ -404,20 +406,29 @@ class _Output:
             out += self._event("response.output_text.delta", item_id=self.message["id"], output_index=len(self.items) - 1,
                                content_index=0, delta=delta["content"], logprobs=entries)
         for call in delta.get("tool_calls") or []:
-            out += self._close_message("completed")
-            fn = call["function"]
-            item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
-                    "call_id": call["id"], "name": fn["name"]}
-            index = len(self.items)
-            self.items.append(item)
-            out += self._event("response.output_item.added", output_index=index, item=item)
-            out += self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=fn["arguments"])
-            out += self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=fn["arguments"])
-            item.update(arguments=fn["arguments"], status="completed")
-            out += self._event("response.output_item.done", output_index=index, item=item)
+            fn = call.get("function") or {}
+            if "id" in call:  # a call begins (its arguments follow in pieces as the model writes them)
+                out += self._close_message("completed") + self._close_call()
+                self.call = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
+                             "call_id": call["id"], "name": fn["name"]}
+                self.items.append(self.call)
+                out += self._event("response.output_item.added", output_index=len(self.items) - 1, item=self.call)
+            piece = fn.get("arguments") or ""
+            if piece and self.call is not None:
+                self.call["arguments"] += piece
+                out += self._event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                   output_index=len(self.items) - 1, delta=piece)
         return out
+
+    def _close_call(self) -> list[bytes]:
+        call, self.call = self.call, None
+        if call is None:
+            return []
+        index = self.items.index(call)
+        call["status"] = "completed"
+        return (self._event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
+                            arguments=call["arguments"])
+                + self._event("response.output_item.done", output_index=index, item=call))
 
     def _open_message(self) -> list[bytes]:
         self.message = {"id": _item_id("msg"), "type": "message", "status": "in_progress", "content": [], "role": "assistant"}

@@ -108,7 +108,8 @@ class GrammarCompiler:
                 # no unbounded numbers, which a sampled model may extend until max_tokens (bounds.py).
                 grammar = compiler.compile_json_schema(bounds.bounded(c.value), any_whitespace=False, strict_mode=True)
             elif c.kind == "json_object":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                # Any object, its values' numbers bounded as a schema's are (bounds.py).
+                grammar = compiler.compile_json_schema(bounds.bounded(bounds.JSON_OBJECT), any_whitespace=False)
             elif c.kind == "regex":
                 grammar = compiler.compile_regex(c.value)
             elif c.kind == "choice":

@@ -9,8 +9,9 @@ families use:
 When `tool_choice` forces a call the output is grammar-constrained JSON (see tool_grammar):
 a list of `{"name", "arguments"}` objects, or one such object for a named function.
 The streaming parser holds back text that may still become a call, emits content deltas for
-the rest, and emits one delta per call (name, id and the complete arguments) when it closes —
-a form every OpenAI client accumulates correctly.
+the rest, and streams each call as OpenAI does: a first delta with its id, type and name, then its
+arguments in pieces as the model writes them (ToolCallStream); a response's `arguments` is the
+same text, so the pieces of a stream concatenate to it exactly.
 """
 from __future__ import annotations
 
@@ -108,27 +109,59 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
+# The head of a call whose arguments can be streamed: its name, then an arguments object.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
+
+
+@dataclass
+class _Block:
+    """One call being read from the text: its head, then its arguments object as it grows."""
+
+    body: int  # where the call's JSON starts in the text
+    close: str | None  # the tag that ends the block (Hermes); None: the object's own end (forced JSON)
+    call: ToolCall | None = None  # once the head is read: the call, its arguments growing
+    sent: int = -1  # how far the arguments are handed out
+    scan: int = -1  # how far the arguments are read (depth, strings)
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    args_end: int = -1  # where the arguments object ends, once it has
+
+
 class ToolCallStream:
     """Feed text deltas of one choice; get OpenAI chat deltas back.
 
     forced: the output is tool_grammar's JSON (tool_choice required/named) — nothing is content.
+
+    A call written `{"name": ..., "arguments": {...}}` is streamed as OpenAI streams it: a first
+    delta with index, id, type and name (arguments ""), then deltas of index and the arguments' next
+    characters, exactly as the model writes them; the call's `arguments` is their concatenation, so
+    a response and a stream of the same text agree to the character. Other shapes (arguments as a
+    string, keys in another order, Llama 3.x JSON) are read whole at their end: one delta per call.
     """
 
     def __init__(self, forced: bool = False) -> None:
         self.forced = forced
         self.text = ""
-        self._emitted = 0  # characters of text handed out as content
+        self._emitted = 0  # characters of text handed out as content, or read as calls
         self.calls: list[ToolCall] = []
+        self._block: _Block | None = None  # the call being read
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
-        if self.forced:
-            return []
-        out = []
-        pending = self.text[self._emitted :]
-        if not self.calls and self._emitted == 0 and pending.lstrip().startswith(("{", PYTHON_TAG)):
+        return self._feed_forced() if self.forced else self._feed_hermes()
+
+    def _feed_hermes(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if not self.calls and self._block is None and self._emitted == 0 and self.text.lstrip().startswith(("{", PYTHON_TAG)):
             return []  # may be a Llama 3.x call: decide at the end
         while True:
+            if self._block is not None:
+                deltas, end = self._advance(self._block)
+                out += deltas
+                if end is None:
+                    return out
+                self._emitted, self._block = end, None
             pending = self.text[self._emitted :]
             start = pending.find(HERMES_OPEN)
             if start == -1:
@@ -144,26 +177,105 @@ class ToolCallStream:
                 return out
             if start and not self.calls:
                 out.append({"content": pending[:start]})
-            end = pending.find(HERMES_CLOSE, start)
-            if end == -1:
-                self._emitted += start
+            self._emitted += start
+            self._block = _Block(self._emitted + len(HERMES_OPEN), HERMES_CLOSE)
+
+    def _feed_forced(self) -> list[dict[str, Any]]:
+        """tool_grammar's JSON: one call object, or a list of them."""
+        out: list[dict[str, Any]] = []
+        while True:
+            if self._block is None:
+                i = self._emitted
+                while i < len(self.text) and self.text[i] in " \t\r\n[,":
+                    i += 1
+                self._emitted = i
+                if i == len(self.text) or self.text[i] != "{":
+                    return out
+                self._block = _Block(i, None)
+            deltas, end = self._advance(self._block)
+            out += deltas
+            if end is None:
                 return out
-            body = pending[start + len(HERMES_OPEN) : end]
-            try:
-                call = _call_from_json(json.loads(body))
-            except json.JSONDecodeError:
-                call = None
-            self._emitted += end + len(HERMES_CLOSE)
-            if call is None:  # not a call after all: it is content
-                out.append({"content": pending[start : end + len(HERMES_CLOSE)]})
-                continue
-            out.append(self._call_delta(call))
+            self._emitted, self._block = end, None
+
+    def _advance(self, b: _Block) -> tuple[list[dict[str, Any]], int | None]:
+        """Deltas for what block b's text says now, and where the block ends once it has."""
+        text, out = self.text, []
+        if b.call is None:
+            region = text[b.body :]
+            cut = region.find(b.close) if b.close else -1
+            region = region[:cut] if cut >= 0 else region
+            head = _HEAD.match(region)
+            name = _json_string(head.group(1)) if head else None
+            if name is not None and region[head.end()] == "{":
+                b.call = ToolCall(name, "")
+                b.sent = b.scan = b.body + head.end()
+                out.append(self._call_delta(b.call))
+            elif cut < 0:
+                return out, None  # more text may still make it a call
+            else:  # a block without a streamable head: read whole (content if it is no call)
+                end = b.body + cut + len(HERMES_CLOSE)
+                call = _call_from_text(region)
+                out.append(self._call_delta(call) if call else {"content": text[b.body - len(HERMES_OPEN) : end]})
+                return out, end
+        if b.args_end < 0:
+            end = self._scan_arguments(b)
+            out += self._send_arguments(b, end if end >= 0 else b.scan)
+            if end < 0:
+                return out, None
+            b.args_end = end
+        if b.close:
+            c = text.find(b.close, b.args_end)
+            return out, (c + len(b.close) if c >= 0 else None)
+        end = _value_end(text, b.body)  # forced: the call object's own end
+        return out, end
+
+    def _scan_arguments(self, b: _Block) -> int:
+        """Read the arguments object on from b.scan: where it ends (after its closing brace, or at a
+        close tag written outside any string), or -1 while it goes on."""
+        text, i = self.text, b.scan
+        while i < len(text):
+            ch = text[i]
+            if b.in_string:
+                b.escaped, b.in_string = (False, True) if b.escaped else (ch == "\\", ch != '"')
+            elif ch == '"':
+                b.in_string = True
+            elif ch in "{[":
+                b.depth += 1
+            elif ch in "}]":
+                b.depth -= 1
+                if b.depth == 0:
+                    b.scan = i + 1
+                    return i + 1
+            elif ch == "<" and b.close:  # not JSON: the block closing on unbalanced arguments?
+                if text.startswith(b.close, i):
+                    b.scan = i
+                    return i
+                if b.close.startswith(text[i:]):
+                    break  # wait for the rest of the tag
+            i += 1
+        b.scan = i
+        return -1
+
+    def _send_arguments(self, b: _Block, upto: int) -> list[dict[str, Any]]:
+        if upto <= b.sent:
+            return []
+        piece, b.sent = self.text[b.sent : upto], upto
+        b.call.arguments += piece  # type: ignore[union-attr]
+        return [{"tool_calls": [{"index": self.calls.index(b.call), "function": {"arguments": piece}}]}]
 
     def finish(self) -> list[dict[str, Any]]:
         """Deltas for what was held back, at the end of the choice."""
+        b, self._block = self._block, None
+        if b is not None and b.call is not None:  # cut short (max_tokens): the arguments as far as they got
+            self._emitted = len(self.text)
+            return self._send_arguments(b, len(self.text) if b.args_end < 0 else b.args_end)
         rest = self.text[self._emitted :]
         self._emitted = len(self.text)
         if self.forced:
+            if self.calls:  # streamed ones, then any other left whole
+                call = _call_from_text(rest.strip().rstrip("]").strip()) if b is not None else None
+                return [self._call_delta(call)] if call else []
             calls = parse_forced(self.text)
             return [self._call_delta(c) for c in calls] if calls else ([{"content": self.text}] if self.text else [])
         if not rest:
@@ -176,3 +288,25 @@ class ToolCallStream:
         index = len(self.calls)
         self.calls.append(call)
         return {"tool_calls": [{"index": index, **call.to_openai()}]}
+
+
+def _json_string(body: str) -> str | None:
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return None
+
+
+def _call_from_text(text: str) -> ToolCall | None:
+    try:
+        return _call_from_json(json.loads(text))
+    except json.JSONDecodeError:
+        return None
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON value starting at text[start] ends, or None if it does not yet."""
+    try:
+        return json.JSONDecoder().raw_decode(text, start)[1]
+    except json.JSONDecodeError:
+        return None

@@ -162,9 +162,11 @@ class Tokenizer:
             self._check_length(text, max_tokens)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_plain(self, text: str) -> list[int]:
+    def encode_plain(self, text: str, max_tokens: int | None = None) -> list[int]:
         """`text` as plain text: a special token's spelling ("<|im_start|>") is encoded as the
-        characters it is made of, never as the control token."""
+        characters it is made of, never as the control token. `max_tokens` as in encode()."""
+        if max_tokens is not None and len(text) > _PIECE_CHARS:
+            self._check_length(text, max_tokens)
         if self._plain is None:
             self._plain = Backend.from_str(self.backend.to_str())
             self._plain.encode_special_tokens = True
