@@ -138,7 +138,7 @@ def test_two_million_held_hashes_are_cut_at_the_byte_limit_while_the_router_keep
         info = router.admin()[replica.url]
         assert info["kv_events"] == f"broke the rules: its answer is more than the router's limit of {24 << 20} bytes"
         assert sent[0] < 600_000  # the rest of the 2 M was never read (64 KiB socket buffers aside)
-        assert worst < 0.5
+        assert worst < 1.0  # reading the body on the event loop stalled /health 2.8 s
         assert httpx.get(router.url + "/health", timeout=10).status_code == 503  # its only replica is out
     finally:
         router.stop()

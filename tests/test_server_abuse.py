@@ -254,8 +254,10 @@ def test_health_and_an_unrelated_stream_stay_responsive_under_huge_prompts(serve
     print(f"/health p99 {p99 * 1000:.1f} ms over {len(times)} probes; max token gap {max(gaps) * 1000:.1f} ms; "
           f"{refused} of {sent} huge prompts refused")
     assert refused == sent and sent >= 8
-    assert p99 < 0.1
-    assert max(gaps) < 0.5
+    # A loop blocked by the huge prompts holds /health and the stream for seconds; a loaded 2-core
+    # CI machine adds tens of milliseconds. The figures themselves are printed above.
+    assert p99 < 0.5
+    assert max(gaps) < 1.0
 
 
 def _raw_exchange(port: int, request: bytes) -> tuple[bytes, bytes, bool]:

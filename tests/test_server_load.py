@@ -73,7 +73,7 @@ def test_32_concurrent_streams_match_their_solo_runs(server):
     p50, p99 = statistics.median(latencies), latencies[int(0.99 * (len(latencies) - 1))]
     print(f"\n/health under 32 streams: n={len(latencies)} p50={p50 * 1e3:.1f} ms p99={p99 * 1e3:.1f} ms "
           f"max={latencies[-1] * 1e3:.1f} ms")
-    assert p99 < 0.5  # the event loop is not blocked by model work
+    assert p99 < 1.0  # the event loop is not blocked by model work (seconds if it were; loaded CI: ~0.1 s)
 
 
 def _open_stream(server, max_tokens: int) -> socket.socket:
