@@ -77,9 +77,8 @@ def _tool_mode(req: CountTokensRequest) -> str | None:
     return "auto" if req.openai_tool_choice() == "auto" else "forced"
 
 
-async def _encode(ctx: ServerContext, req: CountTokensRequest) -> list[int]:
-    tools = req.openai_tools()
-    return await ctx.client.encode_chat(ChatPrompt(req.template_messages(), True, tools or None))
+def _prompt(req: CountTokensRequest) -> ChatPrompt:
+    return ChatPrompt(req.template_messages(), True, req.openai_tools() or None)
 
 
 async def count_tokens(request: Request, ctx: ServerContext) -> dict:
@@ -89,7 +88,7 @@ async def count_tokens(request: Request, ctx: ServerContext) -> dict:
     try:
         req.checked()
         _constraint(req)  # a bad tool_choice name or schema is refused here as in /v1/messages
-        ids = await _encode(ctx, req)
+        ids = await ctx.client.encode_chat(_prompt(req))
     except ValueError as e:
         raise from_invalid(e, _RENAMES) from None
     return {"input_tokens": len(ids)}
@@ -107,7 +106,7 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
                                 constraint=_constraint(req), **{**ctx.settings.defaults, **given})
     except ValueError as e:
         raise from_invalid(e, _RENAMES) from None
-    admission, job = await ctx.start_job(request, params, lambda: _encode(ctx, req), arrival=arrival, prefix="msg",
+    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(_prompt(req)), arrival=arrival, prefix="msg",
                                      fit_within=ctx.state.llm.max_model_len, renames=_RENAMES)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: ctx.client.finals(job), lambda finals: _message(ctx, job, req, finals[0]))

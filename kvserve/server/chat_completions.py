@@ -46,7 +46,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     params = sampling_params(lambda: req.sampling_params(
         max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
     prompt = ChatPrompt.of(req)
-    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat(prompt),
+    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt),
         arrival=arrival, prefix="chatcmpl", renames=renames,
         # a default the client never sent must not be the reason its request is refused
         fit_within=ctx.state.llm.max_model_len if defaulted else None)

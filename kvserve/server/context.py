@@ -2,10 +2,11 @@
 engine client, metrics and the grammar pool. Handlers import this module, never the app."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from fastapi import Request
 
@@ -45,30 +46,38 @@ class ServerContext:
         return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
                 "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
-    async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], Awaitable[list[int]]], *,
+    async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], list[int]], *,
                         arrival: float, prefix: str, fit_within: int | None = None,
                         renames: Mapping[str, str] | None = None) -> tuple[Admission, Job]:
-        """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it, check it
-        against the context and the pool, and name it: the one way in for every chat-like route.
+        """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it and check
+        it against the context and the pool in one worker-thread hop (`encode` runs there), compile
+        its constraint, and name it: the one way in for every chat-like route.
 
         fit_within: a context (in tokens) that max_tokens is cut to fit after the prompt (None or a
         larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
         the API treats as a ceiling rather than a promise. A prompt that fills the whole context is
-        refused by the engine's check, as any other."""
+        refused by the engine's check, as any other. prefix: the job id's ("chatcmpl" gives
+        chatcmpl-<hex>; "resp_" gives resp_<hex>, as OpenAI names responses)."""
         admission = self.state.admit(1, params.n)
-        try:
-            ids = await encode()
+
+        def prepare() -> tuple[list[int], SamplingParams]:
+            ids, p = encode(), params
             if fit_within is not None:
                 room = fit_within - len(ids)
-                params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens or room, room)))
-            ids = (await self.client.tokenize([ids], params, request.receive))[0]
+                p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens or room, room)))
+            return self.state.engine.validate(ids, p), p
+
+        try:
+            ids, params = await asyncio.to_thread(prepare)
+            await self.client.compile(params, request.receive)
         except ValueError as e:  # the template refused the messages, or the prompt does not fit
             admission.release()
             raise from_invalid(e, renames) from None
         except BaseException:
             admission.release()
             raise
-        return admission, Job([ids], params, arrival, request_id=request_id.name(request, prefix))
+        named = request_id.name(request, prefix[:-1], "_") if prefix.endswith("_") else request_id.name(request, prefix)
+        return admission, Job([ids], params, arrival, request_id=named)
 
     async def parse(self, request: Request, model: type) -> object:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)

@@ -64,15 +64,24 @@ class EngineClient:
             await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
         return await self.state.engine.validate_all(prompts, params)
 
-    async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
-        """The conversation's prompt ids by the model's chat template, content kept as text."""
+    def encode_chat_now(self, prompt: ChatPrompt) -> list[int]:
+        """The conversation's prompt ids by the model's chat template, content kept as text (on the
+        calling thread: a worker's, never the event loop's)."""
         tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
-        special = self.state.settings.special_tokens_in_messages
         try:
-            return await asyncio.to_thread(prompt.encode, tok, special, limit)
+            return prompt.encode(tok, self.state.settings.special_tokens_in_messages, limit)
         except PromptTooLong:
             raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
                                "shorten the messages") from None
+
+    async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        return await asyncio.to_thread(self.encode_chat_now, prompt)
+
+    async def compile(self, params: SamplingParams, receive: Receive | None = None) -> None:
+        """The request's constraint compiled on the grammar pool (kvserve/server/grammar_pool.py),
+        given up if the client leaves (`receive`: the request's, its body read)."""
+        if params.constraint is not None:
+            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
 
     async def encode_fim(self, prompts: Sequence[str], suffix: str) -> list[list[int]]:
         """Each prompt with the suffix as a fill-in-the-middle prompt (kvserve/fim.py), off the loop."""
@@ -83,12 +92,15 @@ class EngineClient:
             raise InvalidParam("prompt", f"prompt and suffix are more than {limit} tokens, the context's length: "
                                "shorten them") from None
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
         try:
-            return await asyncio.to_thread(tok.encode, text, add_special_tokens, limit)
+            return tok.encode(text, add_special_tokens, limit)
         except PromptTooLong:
             raise InvalidParam("prompt", f"prompt is more than {limit} tokens, the context's length") from None
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await asyncio.to_thread(self.encode_now, text, add_special_tokens)
 
     async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, snapshot) after every engine step that changed one of the job's requests."""

@@ -127,8 +127,8 @@ async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | G
     if empty:
         return _loaded(req, key, req.stream)
 
-    async def encode() -> list[int]:
-        return _fits(await _prompt_ids(ctx, req), context)
+    def encode() -> list[int]:
+        return _fits(_prompt_ids(ctx, req), context)
 
     admission, job = await ctx.start_job(request, params, encode, arrival=arrival, prefix=prefix,
                                      fit_within=context, renames=renames)
@@ -136,15 +136,16 @@ async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | G
                          lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], key, mode))
 
 
-async def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
+def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
+    """On a worker thread (ServerContext.start_job's)."""
     if isinstance(req, ChatRequest):
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        return await ctx.client.encode_chat(ChatPrompt(messages, True, tools or None))
+        return ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
     if req.raw:
-        ids = await ctx.client.encode(req.prompt)
+        ids = ctx.client.encode_now(req.prompt)
     else:
-        ids = await ctx.client.encode_chat(ChatPrompt(generate_messages(req.prompt, req.system)))
+        ids = ctx.client.encode_chat_now(ChatPrompt(generate_messages(req.prompt, req.system)))
     return list(req.context or []) + ids
 
 

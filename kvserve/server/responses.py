@@ -19,7 +19,6 @@ unless the request said `store: false`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -34,7 +33,6 @@ from pydantic import BaseModel, ValidationError
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server import request_id
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError, from_invalid, from_validation_error
 from kvserve.server.generation import Job
@@ -300,20 +298,12 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     params = sampling_params(lambda: _sampling(req, max_tokens, (req.top_logprobs or 0) if want_logprobs else None,
                                                ctx.settings.defaults, constraint), _RENAMES)
     chat_tools = [_chat_tool(t) for t in tools] if mode is not None else None
-    admission = ctx.state.admit(1, 1)  # before any tokenizing: 400 or 429 at once
-    try:
-        ids = await ctx.client.encode_chat(ChatPrompt(messages, True, chat_tools or None))
-        if defaulted:  # a default the client never sent must not be the reason its request is refused
-            room = ctx.state.llm.max_model_len - len(ids)
-            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
-        ids = (await ctx.client.tokenize([ids], params, request.receive))[0]
-    except ValueError as e:  # the template refused the conversation, or it does not fit
-        admission.release()
-        raise from_invalid(e, _RENAMES) from None
-    except BaseException:
-        admission.release()
-        raise
-    run = _Run(ctx, Job([ids], params, arrival, request_id=request_id.name(request, "resp", "_")), req, items,
+    prompt = ChatPrompt(messages, True, chat_tools or None)
+    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt), arrival=arrival,
+                                         prefix="resp_", renames=_RENAMES,
+                                         # a default the client never sent must not be why it is refused
+                                         fit_within=ctx.state.llm.max_model_len if defaulted else None)
+    run = _Run(ctx, job, req, items,
                tools, choice, mode, want_logprobs)
     return await respond(request, ctx.state, admission, req.stream, run.events, run.collect, run.render)
 
