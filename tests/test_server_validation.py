@@ -32,7 +32,10 @@ CASES = [
     ("messages-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, BAD, "messages"),
     ("max-tokens-too-many", C, comp(max_tokens=MAX_MODEL_LEN), 400, BAD, "max_tokens"),
     ("max-completion-tokens-too-many", CHAT, chat(max_completion_tokens=1000), 400, BAD, "max_completion_tokens"),
-    ("max-tokens-zero", C, comp(max_tokens=0), 400, BAD, "max_tokens"),
+    ("max-tokens-negative", C, comp(max_tokens=-1), 400, BAD, "max_tokens"),
+    ("max-tokens-zero-chat", CHAT, chat(max_tokens=0), 400, BAD, "max_tokens"),
+    ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, BAD, "max_completion_tokens"),
+    ("max-tokens-zero-prompt-fills-the-context", C, comp(prompt=[5] * (MAX_MODEL_LEN + 1), max_tokens=0), 400, BAD, "prompt"),
     # sampling parameters out of range
     ("temperature", C, comp(temperature=2.5), 400, BAD, "temperature"),
     ("temperature-negative", CHAT, chat(temperature=-0.1), 400, BAD, "temperature"),
@@ -110,7 +113,8 @@ CASES = [
      400, BAD, "messages[0].content"),
     ("lone-surrogate-in-key", CHAT, b'{"\\ud800": 1, "messages": []}', 400, BAD, None),
     # unsupported features say so
-    ("echo", C, comp(echo=True), 400, BAD, "echo"),
+    ("suffix", C, comp(suffix="x"), 400, BAD, "suffix"),
+    ("echo-as-string", C, comp(echo="true"), 400, BAD, "echo"),
     ("tool-choice-not-a-tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                           tool_choice={"type": "function", "function": {"name": "g"}}), 400, BAD, "tool_choice"),
     ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), 400, BAD, "response_format.type"),

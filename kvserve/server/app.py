@@ -200,6 +200,7 @@ def build_app(
 def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     from kvserve.server.chat_completions import create_chat_completion
     from kvserve.server.completions import create_completion
+    from kvserve.server.embeddings import create_embedding
 
     settings, state = ctx.settings, ctx.state
 
@@ -210,6 +211,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, ctx)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, ctx)
 
     def card() -> dict:
         state.require_ready()

@@ -22,6 +22,7 @@ ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # func
 # What a union-typed field accepts, for the error message (pydantic would list every branch).
 UNION_FIELDS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "input": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "stop": "a string, a list of strings or null",
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
@@ -260,6 +261,17 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings body. `dimensions` (a shorter vector) is refused by the route unless it
+    is the model's own size; `user` is accepted and ignored."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
@@ -275,4 +287,4 @@ class DetokenizeRequest(_Strict):
 
 MODELS = (StreamOptions, CompletionRequest, TextPart, ChatMessage, ResponseFormat, ChatCompletionRequest,
           TokenizeRequest, DetokenizeRequest, FunctionCall, ToolCall, FunctionDef, Tool, NamedFunction,
-          NamedToolChoice)
+          NamedToolChoice, EmbeddingRequest)
