@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from pydantic.json_schema import models_json_schema
 
-from kvserve.server.protocol import ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     EmbeddingRequest, TokenizeRequest)
 from server_harness import MODEL_NAME, start_server
 
 pytestmark = pytest.mark.slow
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 # Where a request model's schema says less than the server checks, valid bodies are narrowed to the
 # accepted values, so that most of them reach the engine (invalid bodies still go anywhere).
 RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},
