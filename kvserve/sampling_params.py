@@ -9,6 +9,8 @@ Edge cases, decided here once:
   overflows float32 (1e-46 is 0 there) and could only approximate argmax anyway.
 - logit_bias maps token ids to a number in [-100, 100] added to their logits (OpenAI's range and
   its 300-entry cap); ids are checked against the vocabulary by the engine, which knows it.
+- max_tokens=0 generates nothing: the prompt is only read (scored, with prompt_logprobs) and
+  the request finishes with finish_reason "length".
 - A seed is any integer in [SEED_MIN, SEED_MAX] = [-2^63, 2^64 - 1]: all 64 bits count (seeds
   that differ only above bit 32 draw differently); a negative seed is its two's complement.
 """
