@@ -130,11 +130,12 @@ class ModelRunner:
                 logprobs = [None] * len(scored)  # filled below
             outs.append(PromptOutputs(seq, logprobs, hidden_sum))
         if rows:
-            scored = iter(self._token_logprobs(hidden, rows, targets, max(o.seq.params.prompt_logprobs or 0 for o in outs)))
+            k_max = max(o.seq.params.prompt_logprobs or 0 for o in outs)
+            results = iter(self._token_logprobs(hidden, rows, targets, k_max))  # in the order of `rows`
             for o in outs:
                 if o.logprobs is not None:
                     k = o.seq.params.prompt_logprobs
-                    o.logprobs = [TokenLogprob(t, lp, top[:k]) for t, lp, top in (next(scored) for _ in o.logprobs)]
+                    o.logprobs = [TokenLogprob(t, lp, top[:k]) for t, lp, top in (next(results) for _ in o.logprobs)]
         return outs
 
     def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], targets: list[int],
