@@ -31,7 +31,7 @@ def stream_local(llm, messages: list[dict], params: SamplingParams) -> Iterator[
     detok = IncrementalDetokenizer(llm.tokenizer, skip_special_tokens=True)
     cache, token = llm.prefill(llm.encode_chat(messages), params)
     try:
-        for _ in range(params.max_tokens or llm.max_model_len):
+        for _ in range(params.max_tokens if params.max_tokens is not None else llm.max_model_len):
             if token in llm.eos_token_ids or cache.num_tokens + 1 >= llm.max_model_len:
                 break
             yield detok.add([token])

@@ -280,6 +280,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt through the engine, batched continuously; outputs in input order.
 
+        Scoring a text: `SamplingParams(max_tokens=0, prompt_logprobs=k)` generates nothing and
+        returns, in `output.prompt_logprobs`, each prompt token's log-probability given the ones
+        before it (the first is None) with the k most likely tokens at each place.
+
         Raises EngineStalledError, naming the open prefill() caches, when the blocks they hold
         leave no room for the next request (rather than waiting for a close that cannot come)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -287,17 +291,30 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        return self._run(prompts, plist, use_tqdm, "generate")
+
+    def embed(self, prompts: str | list[int] | Sequence[str | list[int]], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt's embedding, in input order: `outputs[i].embedding`, the mean of the final
+        (normed) hidden states over the prompt's tokens, L2-normalised (a list of hidden_size
+        floats). Through the engine, batched with anything else it runs; the prompt's KV blocks
+        return to the pool (full ones stay in the prefix cache, as after any request)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run(prompts, [SamplingParams(max_tokens=0)] * len(prompts), use_tqdm, "embed", pooling=True)
+
+    def _run(self, prompts: Sequence[str | list[int]], plist: list[SamplingParams], use_tqdm: bool, what: str,
+             pooling: bool = False) -> list[RequestOutput]:
         ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
         base = next(self._ids)
-        rids = [f"gen-{base}-{i}" for i in range(len(prompts))]
+        rids = [f"{what[:3]}-{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp, tok in zip(rids, prompts, plist, ids):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, output_kind=OutputKind.FINAL_ONLY)
+            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, output_kind=OutputKind.FINAL_ONLY, pooling=pooling)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+            bar = tqdm(total=len(prompts), desc=what, unit="req")
         try:
             while len(results) < len(rids):
                 try:

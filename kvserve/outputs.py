@@ -65,6 +65,11 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing comes
+    # before it); on the final output (and every one under CUMULATIVE) once the prompt is computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's pooled prompt: the mean of its final hidden states, L2-normalised.
+    embedding: list[float] | None = None
 
     # The offline API's shorthand for n == 1.
     @property

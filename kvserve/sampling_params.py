@@ -9,6 +9,8 @@ Edge cases, decided here once:
   overflows float32 (1e-46 is 0 there) and could only approximate argmax anyway.
 - logit_bias maps token ids to a number in [-100, 100] added to their logits (OpenAI's range and
   its 300-entry cap); ids are checked against the vocabulary by the engine, which knows it.
+- max_tokens=0 generates nothing: the prompt is only read (scored, with prompt_logprobs) and
+  the request finishes with finish_reason "length".
 - A seed is any integer in [SEED_MIN, SEED_MAX] = [-2^63, 2^64 - 1]: all 64 bits count (seeds
   that differ only above bit 32 draw differently); a negative seed is its two's complement.
 """
@@ -41,10 +43,13 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = 16  # None: up to the context length; 0: the prompt only (no token generated)
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's plus k top ones
+    # None: none; k: each prompt token's logprob given the tokens before it, plus the k most
+    # likely tokens at its place (the first prompt token has none). Scoring a prompt: with max_tokens=0.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs first under the "priority" policy
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
@@ -84,17 +89,17 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2]")
         if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", "null or an integer in [-2**63, 2**64 - 1]")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", "an integer >= 0")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParam("min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]")
         stops_ok = all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop)
         if not stops_ok or len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters")

@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 
 from kvserve.server import anthropic_protocol, ollama_protocol
-from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
-                                     TokenizeRequest)
+from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     EmbeddingRequest, ResponsesRequest, TokenizeRequest)
 from server_harness import MODEL_NAME, start_server
 
 pytestmark = pytest.mark.slow
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/messages": anthropic_protocol.MessagesRequest, "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
           "/api/chat": ollama_protocol.ChatRequest, "/api/generate": ollama_protocol.GenerateRequest,
           "/api/show": ollama_protocol.ShowRequest}

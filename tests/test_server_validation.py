@@ -10,7 +10,7 @@ import pytest
 from server_harness import API_KEY, MODEL_NAME, start_server
 
 MAX_MODEL_LEN = 128
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, E = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
 USER = [{"role": "user", "content": "Hi"}]
 LONG = "hello " * 200  # > MAX_MODEL_LEN tokens
 BAD = "invalid_request_error"
@@ -24,6 +24,10 @@ def chat(**kw) -> dict:
     return {"model": MODEL_NAME, "messages": USER, "max_tokens": 4, **kw}
 
 
+def emb(**kw) -> dict:
+    return {"model": MODEL_NAME, "input": "Hello", **kw}
+
+
 # (id, path, body: dict to send as JSON or raw bytes, status, type, param)
 CASES = [
     # the context
@@ -32,7 +36,10 @@ CASES = [
     ("messages-too-long", CHAT, chat(messages=[{"role": "user", "content": LONG}]), 400, BAD, "messages"),
     ("max-tokens-too-many", C, comp(max_tokens=MAX_MODEL_LEN), 400, BAD, "max_tokens"),
     ("max-completion-tokens-too-many", CHAT, chat(max_completion_tokens=1000), 400, BAD, "max_completion_tokens"),
-    ("max-tokens-zero", C, comp(max_tokens=0), 400, BAD, "max_tokens"),
+    ("max-tokens-negative", C, comp(max_tokens=-1), 400, BAD, "max_tokens"),
+    ("max-tokens-zero-chat", CHAT, chat(max_tokens=0), 400, BAD, "max_tokens"),
+    ("max-completion-tokens-zero", CHAT, chat(max_completion_tokens=0), 400, BAD, "max_completion_tokens"),
+    ("max-tokens-zero-prompt-fills-the-context", C, comp(prompt=[5] * (MAX_MODEL_LEN + 1), max_tokens=0), 400, BAD, "prompt"),
     # sampling parameters out of range
     ("temperature", C, comp(temperature=2.5), 400, BAD, "temperature"),
     ("temperature-negative", CHAT, chat(temperature=-0.1), 400, BAD, "temperature"),
@@ -112,7 +119,8 @@ CASES = [
      400, BAD, "messages[0].content"),
     ("lone-surrogate-in-key", CHAT, b'{"\\ud800": 1, "messages": []}', 400, BAD, None),
     # unsupported features say so
-    ("echo", C, comp(echo=True), 400, BAD, "echo"),
+    ("suffix", C, comp(suffix="x"), 400, BAD, "suffix"),
+    ("echo-as-string", C, comp(echo="true"), 400, BAD, "echo"),
     ("tool-choice-not-a-tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                           tool_choice={"type": "function", "function": {"name": "g"}}), 400, BAD, "tool_choice"),
     ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), 400, BAD, "response_format.type"),
@@ -126,6 +134,24 @@ CASES = [
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, BAD, "prompt"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, -5]}, 400, BAD, "tokens"),
     ("detokenize-strings", "/detokenize", {"tokens": ["a"]}, 400, BAD, "tokens[0]"),
+    # embeddings
+    ("embeddings-input-too-long", E, emb(input=LONG), 400, BAD, "input"),
+    ("embeddings-ids-too-long", E, emb(input=[5] * 200), 400, BAD, "input"),
+    ("embeddings-empty", E, emb(input=""), 400, BAD, "input"),
+    ("embeddings-empty-list", E, emb(input=[]), 400, BAD, "input"),
+    ("embeddings-empty-in-batch", E, emb(input=["a", ""]), 400, BAD, "input"),
+    ("embeddings-too-many-inputs", E, emb(input=["a"] * 65), 400, BAD, "input"),
+    ("embeddings-mixed-batch", E, emb(input=["a", [1, 2]]), 400, BAD, "input"),
+    ("embeddings-id-out-of-vocab", E, emb(input=[10**9]), 400, BAD, "input"),
+    ("embeddings-input-as-int", E, emb(input=5), 400, BAD, "input"),
+    ("embeddings-missing-input", E, {"model": MODEL_NAME}, 400, BAD, "input"),
+    ("embeddings-dimensions", E, emb(dimensions=8), 400, BAD, "dimensions"),
+    ("embeddings-dimensions-as-string", E, emb(dimensions="8"), 400, BAD, "dimensions"),
+    ("embeddings-encoding-format", E, emb(encoding_format="hex"), 400, BAD, "encoding_format"),
+    ("embeddings-generation-field", E, emb(temperature=0), 400, BAD, "temperature"),
+    ("embeddings-lone-surrogate", E, b'{"input": ["ok", "\\udfff"]}', 400, BAD, "input[1]"),
+    ("embeddings-malformed-json", E, b'{"input": ', 400, BAD, None),
+    ("embeddings-unknown-model", E, emb(model="nope"), 404, BAD, "model"),
     # unknown model: 404
     ("unknown-model", C, comp(model="gpt-4"), 404, BAD, "model"),
     ("unknown-model-chat", CHAT, chat(model="nope"), 404, BAD, "model"),
@@ -183,9 +209,10 @@ def test_body_over_the_limit_without_content_length_is_413(server):
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                                      {"Authorization": f"Basic {API_KEY}"}], ids=["missing", "wrong", "no-scheme", "basic"])
 def test_missing_or_wrong_api_key_is_401(server, headers):
-    r = httpx.post(server.url + C, json=comp(), headers=headers)
-    err = _assert_error(r, 401, "authentication_error", None)
-    assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    for path, body in ((C, comp()), (E, emb())):
+        r = httpx.post(server.url + path, json=body, headers=headers)
+        err = _assert_error(r, 401, "authentication_error", None)
+        assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
 
 
 def test_unknown_route_and_method(server):
@@ -197,5 +224,7 @@ def test_unknown_route_and_method(server):
 def test_server_still_serves_after_all_that(server):
     with server.client() as c:
         r = c.post(C, json=comp())
+        e = c.post(E, json=emb(input=["a", "b"]))
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert e.status_code == 200 and [d["index"] for d in e.json()["data"]] == [0, 1]
     assert "Traceback" not in server.log()  # nothing above was an unexpected error

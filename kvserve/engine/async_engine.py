@@ -62,6 +62,7 @@ class _Add:
     params: SamplingParams
     arrival_time: float
     tokenized_time: float  # when the prompt reached the engine as token ids
+    pooling: bool = False  # an embedding request (LLMEngine.add_request)
 
 
 @dataclass
@@ -96,7 +97,8 @@ def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         return replace(c, delta_text=o.delta_text + c.delta_text, delta_token_ids=o.delta_token_ids + c.delta_token_ids,
                        delta_logprobs=lps)
 
-    return replace(new, outputs=[join(c) for c in new.outputs])
+    return replace(new, outputs=[join(c) for c in new.outputs],
+                   prompt_logprobs=new.prompt_logprobs if new.prompt_logprobs is not None else old.prompt_logprobs)
 
 
 class _Mailbox:
@@ -197,11 +199,13 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        pooling: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last is finished.
 
         `prompt_token_ids` come from validate(). Leaving the iteration early (the client went
-        away, the task was cancelled) aborts the request and frees its blocks.
+        away, the task was cancelled) aborts the request and frees its blocks. `pooling`: an
+        embedding request (params with max_tokens=0); its final output carries the embedding.
         """
         if not self.is_alive:
             raise EngineDeadError("the engine is not running") from self.error
@@ -213,7 +217,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {shown(rid)} is already in use")
             self._mailboxes[rid] = box
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival, time.monotonic()))
+        self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival, time.monotonic(), pooling))
         limit = self.timeouts.request_timeout
         deadline = None if limit is None else arrival + limit
         finished = False
@@ -271,7 +275,7 @@ class AsyncEngine:
                 # Deltas: a step's work for a stream does not grow with its output; the merge of
                 # unread outputs joins deltas, and the final output carries the whole.
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids,
-                                        output_kind=OutputKind.DELTA)
+                                        output_kind=OutputKind.DELTA, pooling=cmd.pooling)
                 self.engine.timeline.mark(cmd.request_id, "tokenized", cmd.tokenized_time)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied
                 box.put(e)

@@ -16,7 +16,7 @@ from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, SeqStatus, Sequence
 from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.sampler import NO_TOKEN, Sampler
-from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.errors import EngineStalledError, InvalidParam, shown
 from kvserve.kv.manager import KVCacheManager
@@ -97,7 +97,7 @@ class LLMEngine:
             raise InvalidParam("logit_bias", f"logit_bias: token id {outside} is outside the vocabulary "
                                f"[0, {self.vocab_size}): use ids from POST /tokenize")
         n = len(ids)
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and params.max_tokens != 0):  # room for one token
             raise InvalidParam(
                 "prompt", f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
                 "shorten the prompt")
@@ -109,7 +109,7 @@ class LLMEngine:
             raise InvalidParam(
                 "min_tokens", f"min_tokens is {params.min_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
                 f"and the prompt takes {n}: min_tokens must be at most {self.max_model_len - n}")
-        total = n + (params.max_tokens or self.max_model_len - n)
+        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
         blocks = self.manager.blocks_needed(total)
         if blocks > self.manager.pool.num_blocks:
             raise InvalidParam(
@@ -127,7 +127,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         prompt_token_ids: list[int] | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        pooling: bool = False,
     ) -> None:
+        """Queue a request. `pooling`: an embedding request (pass params with max_tokens=0): its
+        output's `embedding` is the mean of the prompt's final hidden states, L2-normalised."""
+        if pooling and params.max_tokens != 0:
+            raise InvalidParam("max_tokens", "an embedding request generates nothing: max_tokens must be 0")
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request id {shown(request_id)} is already in the engine")
         ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
@@ -137,8 +142,9 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
-            max_output_tokens=params.max_tokens or self.max_model_len - len(ids),
+            max_output_tokens=params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids),
             output_kind=output_kind,
+            pooling=pooling,
         )
         for i in range(params.n):
             seq = Sequence(
@@ -183,12 +189,26 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self.timeline.step(sched, started, time.monotonic())
         self.scheduler.update(sched)
-        return self._update(result)
+        return self._update(result, sched)
 
-    def _update(self, result: RunnerOutput) -> list[RequestOutput]:
-        """Append each sampled token, finish what stopped, and snapshot the requests that changed."""
+    def _update(self, result: RunnerOutput, sched: SchedulerOutput) -> list[RequestOutput]:
+        """Collect prompt outputs, append each sampled token, finish what stopped (a prefill-only
+        request once its prompt is computed), and snapshot the requests that changed."""
         now = time.monotonic()
         touched: dict[str, dict[Sequence, int]] = {}
+        for po in result.prompt_outputs:
+            po.seq.request.add_prompt_outputs(po.logprobs, po.hidden_sum)
+        for seq, _ in sched.scheduled:
+            if not seq.prompt_done:
+                continue
+            req = seq.request
+            if seq.wants_prompt_outputs:
+                req.finish_prompt_outputs()
+            if req.prefill_only and not seq.finished:
+                seq.finish_reason = "length"  # as max_tokens ends any request
+                seq.text += seq.detokenizer.flush()
+                self._finish(seq)
+                touched.setdefault(req.request_id, {})[seq] = 0
         for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
             got = 0  # none when the logits were not finite, or the grammar refused the token
             if token == NO_TOKEN or grammar.advance(seq, token):

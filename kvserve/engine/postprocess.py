@@ -111,4 +111,15 @@ def make_output(req: Request, new_tokens: dict[Sequence, int]) -> RequestOutput:
         finished=req.finished,
         num_cached_tokens=first.num_cached_tokens,
         metrics=req.metrics,
+        prompt_logprobs=_prompt_logprobs(req, whole),
+        embedding=req.embedding,
     )
+
+
+def _prompt_logprobs(req: Request, whole: bool) -> list | None:
+    """Once the prompt is computed: on every whole output, and on the first delta one (a stream
+    that echoes its prompt sends them first)."""
+    if req.prompt_logprobs is None or not req.prompt_outputs_done or not (whole or not req.prompt_logprobs_sent):
+        return None
+    req.prompt_logprobs_sent = True
+    return list(req.prompt_logprobs)

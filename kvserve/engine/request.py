@@ -1,9 +1,19 @@
-"""A request's state in the engine: one Request, n Sequences (one per completion)."""
+"""A request's state in the engine: one Request, n Sequences (one per completion).
+
+Some requests want outputs for every prompt token, not only for the tokens they generate:
+`params.prompt_logprobs` (scoring a text) and `pooling` (an embedding: the mean of the prompt's
+final hidden states). The request's first sequence computes every prompt token for them (no
+prefix-cache hit: a cached block has K/V but no hidden states), and they are collected on the
+Request chunk by chunk; a preemption before the prompt is done starts them over. A request with
+max_tokens=0 generates nothing: it finishes when its prompt is computed.
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from kvserve.engine.sampler import Generator
 from kvserve.outputs import OutputKind, RequestMetrics, TokenLogprob
@@ -66,6 +76,13 @@ class Sequence:
     def prompt_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
+    @property
+    def wants_prompt_outputs(self) -> bool:
+        """Whether this sequence's prompt chunks must yield per-token outputs (see the module doc):
+        the request's first sequence, until its prompt has been computed once."""
+        r = self.request
+        return self.index == 0 and r.wants_prompt_outputs and not r.prompt_outputs_done
+
 
 @dataclass(eq=False)
 class Request:
@@ -80,7 +97,46 @@ class Request:
     # start (and take them from the prefix cache). Never reset, so preemption cannot deadlock.
     prompt_cached: bool = False
     seqs: list[Sequence] = field(default_factory=list)
+    pooling: bool = False  # an embedding request: the pooled prompt is its output
+    # Per-prompt-token outputs, collected as the first sequence's prompt chunks are computed.
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None, token 1's, ...] when asked
+    hidden_sum: torch.Tensor | None = None  # float32 [hidden]: the sum of the final hidden states
+    embedding: list[float] | None = None  # the pooled prompt, once it is complete
+    prompt_outputs_done: bool = False
+    prompt_logprobs_sent: bool = False  # in a delta output (postprocess.make_output)
+
+    def __post_init__(self) -> None:
+        self.reset_prompt_outputs()
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def wants_prompt_outputs(self) -> bool:
+        return self.pooling or self.params.prompt_logprobs is not None
+
+    @property
+    def prefill_only(self) -> bool:
+        """No token is generated: the request ends when its prompt is computed (max_tokens=0)."""
+        return self.max_output_tokens == 0
+
+    def reset_prompt_outputs(self) -> None:
+        """Start collecting again (the first sequence was preempted before its prompt was done)."""
+        self.prompt_logprobs = [None] if self.params.prompt_logprobs is not None else None
+        self.hidden_sum = None
+
+    def add_prompt_outputs(self, logprobs: list[TokenLogprob] | None, hidden_sum: torch.Tensor | None) -> None:
+        """One computed chunk's outputs, in prompt order."""
+        if logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(logprobs)
+        if hidden_sum is not None:
+            self.hidden_sum = hidden_sum if self.hidden_sum is None else self.hidden_sum + hidden_sum
+
+    def finish_prompt_outputs(self) -> None:
+        """The prompt is computed: pool it (the mean of its final hidden states, L2-normalised)."""
+        self.prompt_outputs_done = True
+        if self.pooling and self.hidden_sum is not None:
+            mean = self.hidden_sum / len(self.prompt_token_ids)
+            self.embedding = torch.nn.functional.normalize(mean, dim=0).tolist()
+            self.hidden_sum = None

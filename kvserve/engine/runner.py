@@ -11,7 +11,7 @@ per-step tensors once, not per layer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,12 +34,28 @@ class SeqChunk:
 
 
 @dataclass
+class PromptOutputs:
+    """One prompt chunk's per-token outputs, for a sequence that wants them (request.py)."""
+
+    seq: Sequence
+    logprobs: list[TokenLogprob] | None  # for the chunk's prompt tokens after the first of the prompt
+    hidden_sum: torch.Tensor | None  # float32 [hidden]: the sum of the chunk's final hidden states
+
+
+@dataclass
 class RunnerOutput:
-    """What a step produced: one token per sequence that sampled, in batch order."""
+    """What a step produced: one token per sequence that sampled, in batch order; the prompt
+    chunks' outputs for the sequences that want them."""
 
     seqs: list[Sequence]
     token_ids: list[int]  # sampler.NO_TOKEN where the sequence's logits were not finite
     logprobs: list[TokenLogprob | None]
+    prompt_outputs: list[PromptOutputs] = field(default_factory=list)
+
+
+# Prompt logprobs take the LM head over every prompt position: this many rows at a time bounds
+# the float32 logits held at once (256 x 49152 x 4 bytes = 48 MiB for the default model).
+PROMPT_LOGITS_ROWS = 256
 
 
 class ModelRunner:
@@ -64,28 +80,91 @@ class ModelRunner:
         self.native = NativeDecode.build(model, kv_caches, block_size)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Compute the scheduled tokens and sample a token for each sequence that reached its end."""
-        chunks, sampling = [], []
+        """Compute the scheduled tokens and sample a token for each sequence that reached its end
+        (and generates: a max_tokens=0 request samples nothing)."""
+        chunks, sampling, wanting = [], [], []
         for (seq, n), table in zip(sched.scheduled, sched.block_tables):
             start = seq.num_computed_tokens
-            last = start + n == len(seq.token_ids)
-            chunks.append(SeqChunk(seq.token_ids[start : start + n], start, table, last))
-            if last:
+            samples = start + n == len(seq.token_ids) and not seq.request.prefill_only
+            chunks.append(SeqChunk(seq.token_ids[start : start + n], start, table, samples))
+            if samples:
                 sampling.append(seq)
-        logits = self.run(chunks)
+            if seq.wants_prompt_outputs:
+                wanting.append(len(chunks) - 1)
+        logits, hidden = self._run(chunks, keep_hidden=bool(wanting))
+        prompt_outputs = self._prompt_outputs(sched, chunks, wanting, hidden) if wanting else []
         if not sampling:
-            return RunnerOutput([], [], [])
+            return RunnerOutput([], [], [], prompt_outputs)
         rows = [  # the prompt is copied out only for the repetition penalty, its one reader
             SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [],
                         s.output_token_ids, s.generator, self.eos_token_ids)
             for s in sampling
         ]
         out = self.sampler(grammar.apply_masks(logits, sampling), rows)  # structured output: allowed tokens only
-        return RunnerOutput(sampling, out.token_ids, out.logprobs)
+        return RunnerOutput(sampling, out.token_ids, out.logprobs, prompt_outputs)
 
     @torch.inference_mode()
+    def _prompt_outputs(self, sched: SchedulerOutput, chunks: list[SeqChunk], wanting: list[int],
+                        hidden: torch.Tensor) -> list[PromptOutputs]:
+        """Per-token outputs of the wanting chunks' prompt tokens, from the step's hidden states
+        [T, hidden]: the sum of those states (pooling), and each next prompt token's logprob
+        under the logits at the position before it (prompt_logprobs), with the k best."""
+        offsets = [0]
+        for c in chunks:
+            offsets.append(offsets[-1] + len(c.token_ids))
+        outs: list[PromptOutputs] = []
+        rows: list[int] = []  # rows of `hidden` whose logits score a prompt token
+        targets: list[int] = []  # the prompt token each of those rows scores
+        for i in wanting:
+            seq, c = sched.scheduled[i][0], chunks[i]
+            p_end = min(c.start_pos + len(c.token_ids), seq.num_prompt_tokens)  # prompt positions [start, p_end)
+            base = offsets[i] - c.start_pos  # row of position p: base + p
+            hidden_sum = None
+            if seq.request.pooling:
+                hidden_sum = hidden[base + c.start_pos : base + p_end].float().sum(dim=0)
+            logprobs = None
+            if seq.params.prompt_logprobs is not None:
+                scored = range(c.start_pos, min(p_end, seq.num_prompt_tokens - 1))  # the last has no next prompt token
+                rows.extend(base + p for p in scored)
+                targets.extend(seq.token_ids[p + 1] for p in scored)
+                logprobs = [None] * len(scored)  # filled below
+            outs.append(PromptOutputs(seq, logprobs, hidden_sum))
+        if rows:
+            k_max = max(o.seq.params.prompt_logprobs or 0 for o in outs)
+            results = iter(self._token_logprobs(hidden, rows, targets, k_max))  # in the order of `rows`
+            for o in outs:
+                if o.logprobs is not None:
+                    k = o.seq.params.prompt_logprobs
+                    o.logprobs = [TokenLogprob(t, lp, top[:k]) for t, lp, top in (next(results) for _ in o.logprobs)]
+        return outs
+
+    def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], targets: list[int],
+                        k: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """(target, its logprob, the k best (id, logprob)) under the logits of each row of hidden, of
+        the raw distribution as the sampler reports it; the LM head PROMPT_LOGITS_ROWS rows at a time."""
+        vocab = self.sampler.vocab_size
+        out = []
+        for a in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            idx = torch.tensor(rows[a : a + PROMPT_LOGITS_ROWS], dtype=torch.long)
+            lp = self.model.logits(hidden[idx])[:, :vocab].log_softmax(dim=-1)  # [r, V] float32
+            tgt = targets[a : a + PROMPT_LOGITS_ROWS]
+            chosen = lp.gather(1, torch.tensor(tgt, dtype=torch.long)[:, None]).squeeze(1).tolist()
+            if k:
+                top_vals, top_ids = lp.topk(min(k, vocab), dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_vals.tolist())]
+            else:
+                tops = [[] for _ in tgt]
+            out.extend(zip(tgt, chosen, tops))
+        return out
+
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Logits [number of chunks with need_logits, V] float32, in chunk order."""
+        return self._run(chunks)[0]
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[SeqChunk], keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run()'s logits, and with keep_hidden every token's final hidden state [T, hidden]
+        (the per-op forward then, never the native decode step, which keeps none)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -119,13 +198,11 @@ class ModelRunner:
             idx = torch.tensor(fresh, dtype=torch.long)
             for kv in self.kv_caches:
                 kv.index_fill_(2, idx, 0)
-        if self.native is not None and len(ids) == len(chunks):  # a decode step, in one call
+        if self.native is not None and len(ids) == len(chunks) and not keep_hidden:  # a decode step, in one call
             hidden, logits = self.native(ids, positions, slots, [c.block_ids for c in chunks], last_rows is None)
             if logits is not None:
-                return logits
-            if last_rows is not None:
-                hidden = hidden[torch.tensor(last_rows, dtype=torch.long)]
-            return self.model.logits(hidden)
+                return logits, None
+            return self._logits(hidden, last_rows), None
         step = torch.tensor([ids, positions, slots], dtype=torch.long)  # [3, T]: one allocation, not three
         meta = AttentionMetadata(
             slot_mapping=step[2],
@@ -135,6 +212,13 @@ class ModelRunner:
             block_size=bs,
         )
         hidden = self.model.forward(step[0], step[1], self.kv_caches, meta)
-        if last_rows is not None:
-            hidden = hidden[torch.tensor(last_rows, dtype=torch.long)]
-        return self.model.logits(hidden)
+        return self._logits(hidden, last_rows), (hidden if keep_hidden else None)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+        """The LM head on the given rows (None: all); none at all when no row is asked for (a
+        step of prompt chunks that sample nothing)."""
+        if rows is None:
+            return self.model.logits(hidden)
+        if not rows:
+            return torch.empty(0, self.sampler.vocab_size)
+        return self.model.logits(hidden[torch.tensor(rows, dtype=torch.long)])

@@ -78,6 +78,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.manager.free(seq.seq_id)
+        if seq.wants_prompt_outputs:  # its prompt's outputs so far are of blocks now gone
+            seq.request.reset_prompt_outputs()
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -118,12 +120,15 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.index > 0 and not seq.request.prompt_cached and self.manager.pool.enable_caching:
                 break  # siblings wait for the first completion's prompt blocks, then share them
-            prefix = self.manager.find_prefix(seq.token_ids) if seq.num_computed_tokens == 0 else []
+            # A sequence that must yield every prompt token's outputs computes them all.
+            lookup = seq.num_computed_tokens == 0 and not seq.wants_prompt_outputs
+            prefix = self.manager.find_prefix(seq.token_ids) if lookup else []
             computed = seq.num_computed_tokens or len(prefix) * bs
             n = min(len(seq.token_ids) - computed, budget)
             if not self.manager.allocate(seq.seq_id, computed + n, prefix):
                 break
-            self.manager.record_prefix_query(len(seq.token_ids), len(prefix) * bs)
+            if not seq.wants_prompt_outputs:  # (a lookup was made)
+                self.manager.record_prefix_query(len(seq.token_ids), len(prefix) * bs)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = len(prefix) * bs
             seq.num_computed_tokens = computed

@@ -56,7 +56,9 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
     }
 
 
-def _tokenizer_files(tok: Tokenizer, out: Path, max_len: int) -> None:
+def write_tokenizer_files(tok: Tokenizer, out: Path, max_len: int) -> None:
+    """tokenizer.json, tokenizer_config.json (bos, eos, chat template) and special_tokens_map.json
+    in `out`: what transformers' AutoTokenizer loads (lm-evaluation-harness's tokenizer, too)."""
     tok.backend.save(str(out / "tokenizer.json"))
     name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
     config = {
@@ -90,5 +92,5 @@ def export_hf(model: str | Path, out: str | Path, dtype: torch.dtype = torch.flo
     eos = list(ckpt.config.eos_token_ids)
     generation = {"bos_token_id": ckpt.config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _tokenizer_files(Tokenizer.from_gguf(path), out, ckpt.config.max_position_embeddings)
+    write_tokenizer_files(Tokenizer.from_gguf(path), out, ckpt.config.max_position_embeddings)
     return out

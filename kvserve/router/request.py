@@ -15,6 +15,7 @@ from kvserve.web.errors import APIError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
                     "/api/generate")
+EMBEDDINGS_PATH = "/v1/embeddings"  # a prefill only: its input is read like a completion's prompt
 
 
 @dataclass
@@ -61,7 +62,7 @@ def _message_for_template(m: Any) -> dict | None:
 
 def parse_request(path: str, body: bytes) -> RoutedRequest:
     req = RoutedRequest(path)
-    if path not in GENERATION_PATHS or not body:
+    if (path not in GENERATION_PATHS and path != EMBEDDINGS_PATH) or not body:
         return req
     try:
         data = json.loads(body)
@@ -75,10 +76,12 @@ def parse_request(path: str, body: bytes) -> RoutedRequest:
         req.max_tokens = max_tokens
     if isinstance(data.get("n"), int) and data["n"] >= 1:
         req.n = data["n"]
+    if path == EMBEDDINGS_PATH:
+        req.max_tokens = 0  # nothing is generated; its prompt's blocks land in that replica's prefix cache
     if path in ("/v1/responses", "/v1/messages", "/api/chat", "/api/generate"):
         _other_api(req, data)
-    elif path == "/v1/completions":
-        prompt = data.get("prompt")
+    elif path in ("/v1/completions", EMBEDDINGS_PATH):
+        prompt = data.get("prompt" if path != EMBEDDINGS_PATH else "input")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):

@@ -35,12 +35,14 @@ from kvserve.server.chat_completions import create_chat_completion
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.completions import create_completion
 from kvserve.server.context import ServerContext
+from kvserve.server.embeddings import create_embedding
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ResponsesRequest,
     TokenizeRequest,
 )
@@ -170,13 +172,17 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     ollama_api.add_routes(app, ctx)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, ctx)
+
     def card() -> dict:
         state.require_ready()
         return {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
                 "max_model_len": state.llm.max_model_len}
 
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-                        ("/v1/responses", ResponsesRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
+                        ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
                         ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
                         ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
                         ("/api/show", ollama_protocol.ShowRequest),

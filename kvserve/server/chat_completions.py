@@ -42,6 +42,8 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
         max_tokens = ctx.settings.max_tokens_default
     renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
+    reject(max_tokens == 0, renames.get("max_tokens", "max_tokens"),
+           "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(lambda: req.sampling_params(
         max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)

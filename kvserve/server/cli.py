@@ -39,7 +39,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--max-n", type=int, default=8, help="most completions per request (default: 8)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per token (default: 20)")
     g.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body in MiB (default: 4)")
-    g.add_argument("--max-prompts", type=int, default=64, help="most prompts in one /v1/completions request (default: 64)")
+    g.add_argument("--max-prompts", type=int, default=64,
+                   help="most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (default: 64)")
     g.add_argument("--max-request-share", type=float, default=0.25,
                    help="the largest share of running + queued capacity one request may hold (default: 0.25)")
     g.add_argument("--drain-timeout", type=float, default=30.0,

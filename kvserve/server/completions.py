@@ -1,7 +1,16 @@
 """POST /v1/completions: one or more prompts, streamed or whole; with `suffix`, fill in the middle
-(kvserve/fim.py)."""
+(kvserve/fim.py).
+
+Scoring a prompt (what lm-evaluation-harness's `local-completions` sends for log-likelihoods):
+`echo: true` puts the prompt's text before the completion's, and with `logprobs: k` the
+log-probabilities start with the prompt's tokens (the first one's null: nothing precedes it),
+computed in the same forward that reads the prompt (SamplingParams.prompt_logprobs).
+`max_tokens: 0` generates nothing: only the prompt is read (and scored, with logprobs).
+"""
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -16,7 +25,7 @@ from kvserve.server import openai_compat, request_id
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
-from kvserve.server.logprobs import completion_logprobs
+from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.streaming import respond, sse
@@ -31,11 +40,12 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     req = await ctx.parse(request, CompletionRequest)
     openai_compat.log_ignored(req)
     reject_unsupported_extras(req)
-    reject(req.echo, "echo", "is not supported")
     reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
     check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
     params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
                                                          openai_compat.constraint(req)))
+    if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
+        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
     prompts = _prompts(req.prompt)
     fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
     if fim:
@@ -44,6 +54,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
             raise from_invalid(no_fim_error())
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
+        echoes = await _echo_texts(ctx, prompts, req) if req.echo else None  # the client's prompt, not FIM's
         if fim:
             prompts = await ctx.client.encode_fim(prompts, req.suffix)
         ids = await ctx.client.tokenize(prompts, params, request.receive)
@@ -54,8 +65,17 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
         admission.release()
         raise
     job = Job(ids, params, arrival, request_id=request_id.name(request, "cmpl"))
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals), **timeline_extension(ctx, job, req.kvserve)})
+    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, echoes),
+                         lambda: ctx.client.finals(job),
+                         lambda finals: {**_response(ctx, job, req, finals, echoes), **timeline_extension(ctx, job, req.kvserve)})
+
+
+async def _echo_texts(ctx: ServerContext, prompts: list[str | list[int]], req: CompletionRequest) -> list[str]:
+    """Each prompt as text, for echo: as sent, or its token ids decoded (special tokens as the
+    completion's text shows them)."""
+    tok = ctx.state.llm.tokenizer
+    return await asyncio.to_thread(lambda: [p if isinstance(p, str) else tok.decode(p, req.skip_special_tokens)
+                                            for p in prompts])
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:
@@ -73,30 +93,54 @@ def _head(job: Job, ctx: ServerContext) -> dict:
 
 
 def _logprobs(ctx: ServerContext, lps, offset: int, skip: bool) -> tuple[dict, int]:
-    return completion_logprobs(lps, ctx.texts, offset, ctx.special_token_ids if skip else frozenset())
+    return completion_logprobs(lps or [], ctx.texts, offset, ctx.special_token_ids if skip else frozenset())
 
 
-def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list[RequestOutput]) -> dict:
+def _echo_logprobs(ctx: ServerContext, out: RequestOutput, skip: bool) -> dict:
+    return prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs or [], ctx.texts,
+                           ctx.special_token_ids if skip else frozenset())
+
+
+def _join(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list[RequestOutput],
+              echoes: list[str] | None) -> dict:
     choices = []
     for i, out in enumerate(finals):
+        echo = echoes[i] if echoes is not None else ""
+        prompt_lp = _echo_logprobs(ctx, out, req.skip_special_tokens) if echoes is not None and req.logprobs is not None else None
         for c in out.outputs:
-            lp = _logprobs(ctx, c.logprobs, 0, req.skip_special_tokens)[0] if c.logprobs is not None else None
-            choices.append({"index": i * job.params.n + c.index, "text": c.text, "logprobs": lp,
+            lp = None
+            if req.logprobs is not None:  # generated tokens' offsets count from the end of the echoed prompt
+                lp = _logprobs(ctx, c.logprobs, len(echo), req.skip_special_tokens)[0]
+                if prompt_lp is not None:
+                    lp = _join(prompt_lp, lp)
+            choices.append({"index": i * job.params.n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason})
     return {**_head(job, ctx), "choices": choices, "usage": usage(finals)}
 
 
-async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest, echoes: list[str] | None) -> AsyncIterator[bytes]:
     head = _head(job, ctx)
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
     finals: list[RequestOutput | None] = [None] * len(job.prompts)
     offsets: dict[int, int] = {}
     done: set[int] = set()
+    echoed: set[int] = set()  # prompts whose echo went out: first, once its logprobs (if asked) are in
     try:
         async with aclosing(ctx.client.outputs(job)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
+                if echoes is not None and i not in echoed and (req.logprobs is None or out.prompt_logprobs is not None):
+                    echoed.add(i)
+                    lp = _echo_logprobs(ctx, out, req.skip_special_tokens) if req.logprobs is not None else None
+                    for k in range(job.params.n):
+                        offsets[i * job.params.n + k] = len(echoes[i])
+                        yield sse({**head, "choices": [{"index": i * job.params.n + k, "text": echoes[i], "logprobs": lp,
+                                                        "finish_reason": None}]})
                 for c in out.outputs:
                     index = i * job.params.n + c.index
                     if index in done or not (c.delta_text or c.delta_logprobs or c.finished):

@@ -42,6 +42,7 @@ class Job:
     params: SamplingParams
     arrival: float  # time.monotonic() when the HTTP request arrived
     request_id: str
+    pooling: bool = False  # embeddings: each prompt's final output carries its pooled vector
 
     @property
     def num_seqs(self) -> int:
@@ -151,7 +152,7 @@ class EngineClient:
         reasons = ["abort"] * job.params.n  # unless it finishes
         last = None
         try:
-            stream = engine.generate(job.prompts[i], job.params, f"{job.request_id}-{i}", job.arrival)
+            stream = engine.generate(job.prompts[i], job.params, f"{job.request_id}-{i}", job.arrival, job.pooling)
             async with aclosing(stream) as it:
                 async for out in it:
                     now = time.monotonic()

@@ -177,19 +177,20 @@ class ServerState:
         (one prompt with the largest n must fit) and never more than the whole capacity."""
         return min(self.capacity, max(self.settings.max_n, int(self.capacity * self.settings.max_request_share)))
 
-    def admit(self, num_prompts: int, n: int) -> Admission:
+    def admit(self, num_prompts: int, n: int, param: str = "prompt") -> Admission:
         """Reserve room for num_prompts × n sequences: 400 if one request may never hold that
-        many, 429 while the server is too busy for them now."""
+        many, 429 while the server is too busy for them now. `param` names the prompts' field
+        (an embedding request's is `input`)."""
         self.require_ready()
         s = self.settings
         if num_prompts > s.max_prompts:
-            raise APIError(400, f"prompt: at most {s.max_prompts} prompts per request on this server, got "
-                           f"{num_prompts}: split them over several requests", param="prompt")
+            raise APIError(400, f"{param}: at most {s.max_prompts} {'inputs' if param == 'input' else 'prompts'} per "
+                           f"request on this server, got {num_prompts}: split them over several requests", param=param)
         num_seqs = num_prompts * n
         if num_seqs > self.max_request_seqs:
             raise APIError(400, f"the request asks for {num_seqs} sequences ({num_prompts} prompts × n={n}) but one "
                            f"request may hold at most {self.max_request_seqs} on this server: send fewer prompts "
-                           "or a smaller n", param="n" if num_prompts == 1 else "prompt")
+                           "or a smaller n", param="n" if num_prompts == 1 else param)
         if self.num_admitted_seqs + num_seqs > self.capacity:
             raise APIError(
                 429, f"the server is at capacity ({self.num_admitted_seqs} sequences admitted, limit "

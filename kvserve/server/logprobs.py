@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's two shapes, with each token's text and exact bytes.
 
-Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}.
+Completions (legacy): {"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"};
+with echo, the prompt's tokens first (the first with null logprob and top_logprobs).
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}.
 A token may hold part of a character (byte-level BPE): its text then shows U+FFFD and its bytes
 are the real ones, so a client can join the bytes of consecutive tokens.
@@ -73,6 +74,19 @@ def completion_logprobs(lps: list[TokenLogprob], texts: TokenTexts, offset: int,
         if lp.token_id not in skipped:
             offset += len(text)
     return block, offset
+
+
+def prompt_logprobs(prompt_ids: list[int], lps: list[TokenLogprob | None], texts: TokenTexts,
+                    skipped: frozenset[int]) -> dict:
+    """The legacy block for an echoed prompt (`lps` as RequestOutput.prompt_logprobs: the first
+    None): its first token has a null logprob and null top_logprobs, as OpenAI's echo has; text
+    offsets count from the start of the prompt's text."""
+    first = prompt_ids[0]
+    text = texts.text(first)
+    rest, _ = completion_logprobs([lp for lp in lps[1:] if lp is not None], texts,
+                                  0 if first in skipped else len(text), skipped)
+    return {"tokens": [text, *rest["tokens"]], "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]], "text_offset": [0, *rest["text_offset"]]}
 
 
 def chat_logprobs(lps: list[TokenLogprob], texts: TokenTexts) -> dict:

@@ -26,7 +26,8 @@ UNION_FIELDS = {
     "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
     "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "guided_json": "a JSON schema (an object, or a string holding one)",
-    "input": "a string or a list of input items (objects)",
+    "input": ("a string or a list: of strings, token ids or lists of token ids (embeddings), or of input items "
+              "(objects: responses)"),
     "output": "a string or a list of {\"type\": \"input_text\", \"text\": ...} parts",
     "system": "a string or a list of {\"type\": \"text\", \"text\": ...} blocks",
 }
@@ -267,6 +268,17 @@ class ChatCompletionRequest(_Sampling):
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings body. `dimensions` (a shorter vector) is refused by the route unless it
+    is the model's own size; `user` is accepted and ignored."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
 
 
 class TokenizeRequest(_Strict):
