@@ -13,6 +13,11 @@ the router would not know them yet; a burst of requests with a new shared prefix
 scatter. So the blocks of a routed prompt count as "pending" on that replica while the request
 is in flight and for a short grace after, until the replica's own events confirm or drop them.
 
+A replica that publishes its events over ZMQ in vLLM's format (`kvserve serve
+--kv-events-endpoint`) names the endpoint in that answer; the router then takes the answer as its
+starting state and follows the stream instead of polling (kvserve/router/kv_zmq.py), back to a full
+answer whenever the stream cannot go on. Replicas without it are polled as before.
+
 What a replica says is bounded (kvserve/router/kv_page.py): its answer's bytes, the hashes it
 may hold, the shape of every field; the body is parsed on a worker thread. A replica that
 breaks a rule is taken out (`mark_down`, with a log line) and its blocks forgotten.
@@ -29,6 +34,7 @@ import httpx
 
 from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
+from kvserve.router.kv_zmq import Resync, ZmqFollower, apply_batch, replica_endpoint
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
 from kvserve.server.chat_render import ChatPrompt
@@ -58,6 +64,7 @@ class ReplicaBlocks:
     seq: int = 0
     held: set[bytes] = field(default_factory=set)
     pending: dict[bytes, list] = field(default_factory=dict)  # hash -> [requests in flight, expiry]
+    stream: tuple[str, str | None, str, int] | None = None  # ZMQ (endpoint, replay, topic, seq) it advertised
 
     def has(self, h: bytes, now: float) -> bool:
         if h in self.held:
@@ -91,6 +98,7 @@ class KVIndex:
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
+        self._streams: dict[Replica, ZmqFollower] = {}
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
@@ -102,12 +110,18 @@ class KVIndex:
         if task is not None:
             task.cancel()
         self.blocks.pop(replica, None)
+        stream = self._streams.pop(replica, None)
+        if stream is not None:
+            stream.close()
 
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
 
     def usable(self, replica: Replica) -> ReplicaBlocks | None:
         """The replica's blocks, if it publishes them and its tokenizer is loaded here."""
@@ -125,6 +139,10 @@ class KVIndex:
                 continue
             try:
                 wait = await self._poll(replica)
+                b = self.blocks.get(replica)
+                if b is not None and b.stream is not None and self._renderers.get(b.renderer) is not None:
+                    await self._follow_stream(replica, b)
+                    wait = self.poll_interval  # then a full answer, and the stream again
             except BrokenRule as e:
                 self.blocks.pop(replica, None)
                 replica.extra["kv_events"] = f"broke the rules: {e}"
@@ -168,13 +186,47 @@ class KVIndex:
         else:
             await asyncio.to_thread(apply_events, b.held, page.events, self.max_held)
         b.seq = data["seq"]
-        now = time.monotonic()
-        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
-            del b.pending[h]
+        if "kv_events_endpoint" in data:
+            b.stream = (data["kv_events_endpoint"], data.get("kv_events_replay_endpoint"),
+                        data.get("kv_events_topic", ""), data.get("kv_events_seq", -1))
+        self._prune_pending(b)
         replica.extra["kv_events"] = ("followed" if self._renderers.get(b.renderer)
                                       else self._renderer_notes.get(b.renderer, "no tokenizer here"))
         replica.extra["blocks_held"] = len(b.held)
         return self.poll_interval
+
+    @staticmethod
+    def _prune_pending(b: ReplicaBlocks) -> None:
+        now = time.monotonic()
+        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
+            del b.pending[h]
+
+    async def _follow_stream(self, replica: Replica, b: ReplicaBlocks) -> None:
+        """Follow the replica's ZMQ events from the answer just read until the stream cannot go
+        on (then the caller reads a full answer) or the replica is no longer healthy."""
+        endpoint, replay, topic, seq = b.stream
+        pub = replica_endpoint(endpoint, replica.url)
+        rep = replica_endpoint(replay, replica.url) if replay is not None else None
+        f = self._streams.get(replica)
+        if f is None or (f.endpoint, f.replay_endpoint, f.topic) != (pub, rep, topic):
+            if f is not None:
+                f.close()
+            f = self._streams[replica] = ZmqFollower(pub, rep, topic, self.max_bytes)
+        f.restart_at(seq)
+        replica.extra["kv_events"] = f"followed over ZMQ ({pub})"
+
+        def alive() -> bool:
+            return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
+
+        try:
+            async for batch in f.batches(alive, max(self.poll_interval, 0.05)):
+                if batch is not None:
+                    apply_batch(b.held, batch, b.block_size, self.max_held)
+                    replica.extra["blocks_held"] = len(b.held)
+                self._prune_pending(b)
+        except Resync as e:
+            log.info("%s: its KV events stream: %s; reading /kv/events in full", replica.url, e)
+        b.seq = 0  # the next answer is a full one: the stream's batches and the HTTP log's numbers differ
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:

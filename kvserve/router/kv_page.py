@@ -18,7 +18,8 @@ import httpx
 HASH_HEX = 64  # a chained SHA-256 (kvserve/kv/block_pool.py), as hex
 _SPACE = re.compile(r"[ \t\n\r]*")
 _HEX = re.compile(r"[0-9a-f]{%d}" % HASH_HEX)
-_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str}
+_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str,
+            "kv_events_endpoint": str, "kv_events_replay_endpoint": str, "kv_events_topic": str, "kv_events_seq": int}
 _SCALAR_CHARS = 4096  # the longest a scalar field (a model path) may be
 
 

@@ -93,6 +93,8 @@ def build_app(
         yield
         ctx.state.shutdown()
         ctx.grammars.shutdown()
+        if ctx.kv_publisher is not None:
+            ctx.kv_publisher.close()
 
     # /docs and /openapi.json list the routes; request bodies are read by parsing.py, not FastAPI.
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,

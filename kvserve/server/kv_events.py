@@ -6,8 +6,11 @@ exactly as this server does (kvserve/router/kv_index.py), then either the events
 bounded log, `held`: every hash held now. It also carries `renderer`, the fingerprint of what
 turns a chat into prompt ids here (tokenizer, chat template, special-token rule); a router whose
 own rendering differs fetches `GET /kv/renderer` (the template and the rule) to render as this
-server does, and routes by text where it still cannot. Behind the API key like every route but
-/health.
+server does, and routes by text where it still cannot. A server that publishes the same events
+over ZMQ (`--kv-events-endpoint`, kvserve/server/kv_publisher.py) names its endpoints, topic and
+`kv_events_seq`, the last batch sent before this answer's events were read: a router takes this
+answer as its starting state and follows the ZMQ stream from the next batch (kvserve/router/kv_zmq.py).
+Behind the API key like every route but /health.
 """
 from __future__ import annotations
 
@@ -34,10 +37,16 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def kv_events(since: int = Query(0, ge=0)) -> dict:
         ctx.state.require_ready()
         llm = ctx.state.llm
+        publisher = ctx.kv_publisher
+        zmq_seq = publisher.last_seq() if publisher is not None else None  # read before the log: see above
         page = llm.manager.pool.events.since(since)
         out = {"model": str(llm.model_path), "block_size": llm.manager.block_size,
                "caching": llm.manager.pool.enable_caching, "instance": llm.manager.pool.events.instance,
                "seq": page.seq, "renderer": await renderer_fingerprint()}
+        if publisher is not None and publisher.bound:
+            out.update(kv_events_endpoint=publisher.endpoint, kv_events_topic=publisher.topic, kv_events_seq=zmq_seq)
+            if publisher.replay_endpoint is not None:
+                out["kv_events_replay_endpoint"] = publisher.replay_endpoint
         if page.held is not None:
             out["held"] = [h.hex() for h in page.held]
         else:
