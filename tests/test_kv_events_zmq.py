@@ -10,6 +10,7 @@ importable. The hashes are recomputed here from the prompt's token ids.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 import subprocess
 import sys
@@ -369,3 +370,46 @@ def test_router_follows_two_replicas_over_zmq_and_routes_a_shared_prefix_to_its_
             router.stop()
         for s in replicas:
             s.stop()
+
+
+def test_a_stream_that_does_not_reach_the_router_sends_it_back_to_full_reads(caplog):
+    """A stand-in replica advertises a ZMQ endpoint nobody listens on, and says at each check that
+    it has sent one more batch: none arrives, so the router reads /kv/events in full again."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from router_harness import AppThread
+
+    dead = free_port()
+    full_reads, heads = [], []
+    fields = {"model": "/nowhere/model.gguf", "block_size": 16, "caching": True, "instance": "i1", "seq": 3,
+              "kv_events_endpoint": f"tcp://*:{dead}", "kv_events_topic": ""}
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ready"})
+
+    async def events(request: Request) -> JSONResponse:
+        if request.query_params.get("head") == "true":
+            heads.append(time.monotonic())
+            return JSONResponse({**fields, "kv_events_seq": len(heads)})
+        full_reads.append(time.monotonic())
+        return JSONResponse({**fields, "kv_events_seq": 0, "held": [H[0].hex()]})
+
+    stand_in = AppThread(Starlette(routes=[Route("/health", health), Route("/kv/events", events)]))
+    router = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvserve.router"):
+            router = RouterThread([stand_in.url], "cache_aware", cache_source="precise", health_interval=60,
+                                  kv_stream_check=0.3)
+            router.wait_for(lambda: len(full_reads) >= 3, timeout=15)
+        assert router.admin()[stand_in.url]["kv_events"] == f"followed over ZMQ (tcp://127.0.0.1:{dead})"
+        assert router.admin()[stand_in.url]["blocks_held"] == 1
+        warned = [r.getMessage() for r in caplog.records if "do not reach the router" in r.getMessage()]
+        assert warned == [f"{stand_in.url}: its ZMQ KV events (tcp://127.0.0.1:{dead}) do not reach the router; "
+                          f"reading /kv/events every 0.3 s instead"]
+    finally:
+        if router is not None:
+            router.stop()
+        stand_in.stop()

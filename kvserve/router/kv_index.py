@@ -85,7 +85,8 @@ class ReplicaBlocks:
 class KVIndex:
     def __init__(self, client: httpx.AsyncClient, poll_interval: float, api_key: str | None,
                  pending_grace: float = 1.0, max_bytes: int = 24 << 20, max_held: int = 1 << 18,
-                 mark_down: Callable[[Replica, str], None] = lambda replica, why: None) -> None:
+                 mark_down: Callable[[Replica, str], None] = lambda replica, why: None,
+                 stream_check: float = 5.0) -> None:
         self.client = client
         self.poll_interval = poll_interval
         self.max_bytes = max_bytes  # of one /kv/events answer
@@ -93,12 +94,14 @@ class KVIndex:
         self.mark_down = mark_down
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
+        self.stream_check = stream_check  # seconds between checks that a replica's ZMQ stream reaches the router
         self.blocks: dict[Replica, ReplicaBlocks] = {}
         self._tokenizers: dict[str, Tokenizer | None] = {}  # per model file
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
         self._streams: dict[Replica, ZmqFollower] = {}
+        self._unreached: set[Replica] = set()  # replicas whose stream was found not to reach here (warned once)
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
@@ -140,7 +143,7 @@ class KVIndex:
             try:
                 wait = await self._poll(replica)
                 b = self.blocks.get(replica)
-                if b is not None and b.stream is not None and self._renderers.get(b.renderer) is not None:
+                if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
                     await self._follow_stream(replica, b)
                     wait = self.poll_interval  # then a full answer, and the stream again
             except BrokenRule as e:
@@ -218,15 +221,40 @@ class KVIndex:
         def alive() -> bool:
             return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
 
+        check_at, sent = time.monotonic() + self.stream_check, None
         try:
             async for batch in f.batches(alive, max(self.poll_interval, 0.05)):
                 if batch is not None:
                     apply_batch(b.held, batch, b.block_size, self.max_held)
                     replica.extra["blocks_held"] = len(b.held)
                 self._prune_pending(b)
+                if time.monotonic() >= check_at:
+                    sent = await self._check_stream(replica, b, f, sent)
+                    check_at = time.monotonic() + self.stream_check
         except Resync as e:
             log.info("%s: its KV events stream: %s; reading /kv/events in full", replica.url, e)
         b.seq = 0  # the next answer is a full one: the stream's batches and the HTTP log's numbers differ
+
+    async def _check_stream(self, replica: Replica, b: ReplicaBlocks, f: ZmqFollower, sent: int | None) -> int | None:
+        """The replica's fields alone (`?head=true`): a batch it had sent at the last check that has
+        still not arrived (the stream does not reach the router), or another instance, is a Resync.
+        Returns the last batch it has sent now."""
+        async with asyncio.timeout(10.0):
+            async with self.client.stream("GET", replica.url + "/kv/events", params={"head": "true"},
+                                          headers=self.headers, timeout=5.0) as r:
+                if r.status_code != 200:
+                    return sent  # the health loop judges the replica
+                body = await read_body(r, 64 << 10)
+        data = parse_page(body, self.max_held, head=True).fields
+        if data.get("instance") != b.instance:
+            raise Resync("it restarted")
+        if sent is not None and f.next <= sent:
+            if replica not in self._unreached:
+                self._unreached.add(replica)
+                log.warning("%s: its ZMQ KV events (%s) do not reach the router; reading /kv/events every %g s "
+                            "instead", replica.url, f.endpoint, self.stream_check)
+            raise Resync(f"batch {sent} was sent {self.stream_check:g} s ago and has not arrived")
+        return data.get("kv_events_seq", -1)
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:

@@ -48,8 +48,9 @@ async def read_body(response: httpx.Response, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_page(body: bytes, max_held: int) -> KVPage:
-    """Check and parse one answer (on a worker thread: asyncio.to_thread)."""
+def parse_page(body: bytes, max_held: int, head: bool = False) -> KVPage:
+    """Check and parse one answer (on a worker thread: asyncio.to_thread); `head`: one asked for
+    with ?head=true, the fields without events or held hashes."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -85,7 +86,9 @@ def parse_page(body: bytes, max_held: int) -> KVPage:
         for key in ("model", "block_size", "instance", "seq"):
             if key not in page.fields:
                 raise BrokenRule(f'no "{key}" field')
-        if (page.held is None) == (page.events is None):
+        if head and (page.held is not None or page.events is not None):
+            raise BrokenRule('a ?head=true answer has "held" or "events"')
+        if not head and (page.held is None) == (page.events is None):
             raise BrokenRule('exactly one of "held" and "events" must be there')
         if not 1 <= page.fields["block_size"] <= 1 << 16 or page.fields["seq"] < 0:
             raise BrokenRule(f"block_size {page.fields['block_size']} or seq {page.fields['seq']} out of range")
