@@ -15,7 +15,7 @@ is in flight and for a short grace after, until the replica's own events confirm
 
 A replica that publishes its events over ZMQ in vLLM's format (`kvserve serve
 --kv-events-endpoint`) names the endpoint in that answer; the router then takes the answer as its
-starting state and follows the stream instead of polling (kvserve/router/kv_zmq.py), back to a full
+starting state and follows the stream instead of polling (kvserve/router/kv_stream.py, kv_zmq.py), back to a full
 answer whenever the stream cannot go on. Replicas without it are polled as before.
 
 What a replica says is bounded (kvserve/router/kv_page.py): its answer's bytes, the hashes it
@@ -34,7 +34,7 @@ import httpx
 
 from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
-from kvserve.router.kv_zmq import Resync, ZmqFollower, apply_batch, replica_endpoint
+from kvserve.router.kv_stream import StreamSource
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
 from kvserve.server.chat_render import ChatPrompt
@@ -94,14 +94,12 @@ class KVIndex:
         self.mark_down = mark_down
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
-        self.stream_check = stream_check  # seconds between checks that a replica's ZMQ stream reaches the router
         self.blocks: dict[Replica, ReplicaBlocks] = {}
         self._tokenizers: dict[str, Tokenizer | None] = {}  # per model file
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
-        self._streams: dict[Replica, ZmqFollower] = {}
-        self._unreached: set[Replica] = set()  # replicas whose stream was found not to reach here (warned once)
+        self.streams = StreamSource(client, self.headers, max_bytes, max_held, max(poll_interval, 0.05), stream_check)
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
@@ -113,18 +111,14 @@ class KVIndex:
         if task is not None:
             task.cancel()
         self.blocks.pop(replica, None)
-        stream = self._streams.pop(replica, None)
-        if stream is not None:
-            stream.close()
+        self.streams.forget(replica)
 
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
-        for stream in self._streams.values():
-            stream.close()
-        self._streams.clear()
+        self.streams.close()
 
     def usable(self, replica: Replica) -> ReplicaBlocks | None:
         """The replica's blocks, if it publishes them and its tokenizer is loaded here."""
@@ -144,7 +138,9 @@ class KVIndex:
                 wait = await self._poll(replica)
                 b = self.blocks.get(replica)
                 if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
-                    await self._follow_stream(replica, b)
+                    await self.streams.follow(replica, b, lambda: self._current(replica, b),
+                                              lambda: self._prune_pending(b))
+                    b.seq = 0  # so the next answer is a full one (the stream's and the log's numbers differ)
                     wait = self.poll_interval  # then a full answer, and the stream again
             except BrokenRule as e:
                 self.blocks.pop(replica, None)
@@ -198,63 +194,14 @@ class KVIndex:
         replica.extra["blocks_held"] = len(b.held)
         return self.poll_interval
 
+    def _current(self, replica: Replica, b: ReplicaBlocks) -> bool:
+        return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
+
     @staticmethod
     def _prune_pending(b: ReplicaBlocks) -> None:
         now = time.monotonic()
         for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
             del b.pending[h]
-
-    async def _follow_stream(self, replica: Replica, b: ReplicaBlocks) -> None:
-        """Follow the replica's ZMQ events from the answer just read until the stream cannot go
-        on (then the caller reads a full answer) or the replica is no longer healthy."""
-        endpoint, replay, topic, seq = b.stream
-        pub = replica_endpoint(endpoint, replica.url)
-        rep = replica_endpoint(replay, replica.url) if replay is not None else None
-        f = self._streams.get(replica)
-        if f is None or (f.endpoint, f.replay_endpoint, f.topic) != (pub, rep, topic):
-            if f is not None:
-                f.close()
-            f = self._streams[replica] = ZmqFollower(pub, rep, topic, self.max_bytes)
-        f.restart_at(seq)
-        replica.extra["kv_events"] = f"followed over ZMQ ({pub})"
-
-        def alive() -> bool:
-            return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
-
-        check_at, sent = time.monotonic() + self.stream_check, None
-        try:
-            async for batch in f.batches(alive, max(self.poll_interval, 0.05)):
-                if batch is not None:
-                    apply_batch(b.held, batch, b.block_size, self.max_held)
-                    replica.extra["blocks_held"] = len(b.held)
-                self._prune_pending(b)
-                if time.monotonic() >= check_at:
-                    sent = await self._check_stream(replica, b, f, sent)
-                    check_at = time.monotonic() + self.stream_check
-        except Resync as e:
-            log.info("%s: its KV events stream: %s; reading /kv/events in full", replica.url, e)
-        b.seq = 0  # the next answer is a full one: the stream's batches and the HTTP log's numbers differ
-
-    async def _check_stream(self, replica: Replica, b: ReplicaBlocks, f: ZmqFollower, sent: int | None) -> int | None:
-        """The replica's fields alone (`?head=true`): a batch it had sent at the last check that has
-        still not arrived (the stream does not reach the router), or another instance, is a Resync.
-        Returns the last batch it has sent now."""
-        async with asyncio.timeout(10.0):
-            async with self.client.stream("GET", replica.url + "/kv/events", params={"head": "true"},
-                                          headers=self.headers, timeout=5.0) as r:
-                if r.status_code != 200:
-                    return sent  # the health loop judges the replica
-                body = await read_body(r, 64 << 10)
-        data = parse_page(body, self.max_held, head=True).fields
-        if data.get("instance") != b.instance:
-            raise Resync("it restarted")
-        if sent is not None and f.next <= sent:
-            if replica not in self._unreached:
-                self._unreached.add(replica)
-                log.warning("%s: its ZMQ KV events (%s) do not reach the router; reading /kv/events every %g s "
-                            "instead", replica.url, f.endpoint, self.stream_check)
-            raise Resync(f"batch {sent} was sent {self.stream_check:g} s ago and has not arrived")
-        return data.get("kv_events_seq", -1)
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:
