@@ -6,13 +6,15 @@ vLLM encodes these with msgspec, `array_like=True` and `tag=True`: a batch is th
 `[ts, events, data_parallel_rank]` and each event the array `[tag, field, ...]` (the tag is the
 class name), fields in declaration order. The same library and settings here give the same
 bytes. `BlockStored` carries vLLM's seven fields (block_hashes, parent_block_hash, token_ids,
-block_size, lora_id, medium, lora_name): vLLM's newer decoders require all seven, older ones
-(five fields) skip the trailing extras, and llm-d reads them by position. Fields vLLM added later
+block_size, lora_id, medium, lora_name): vLLM's newer decoders require all seven (msgspec skips
+trailing elements a struct does not declare, so a five-field decoder would read them too), and
+llm-d reads them by position. Fields vLLM added later
 with defaults (extra_keys, group_idx, ...) are left out, which its decoders allow.
 
 Hashes are kvserve's own: the whole 32-byte chained SHA-256 as msgpack bytes. vLLM's decoders
 since `ExternalBlockHash` (bytes | int) accept it, as vLLM itself sends with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; llm-d folds bytes to their low 64 bits, as it does vLLM's.
+(vLLM's decoders from before ExternalBlockHash take ints only, and so not these.)
 `medium` is "CPU": kvserve's KV cache lives in main memory. No LoRA: lora_id and lora_name are nil.
 """
 from __future__ import annotations

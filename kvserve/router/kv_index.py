@@ -15,8 +15,9 @@ is in flight and for a short grace after, until the replica's own events confirm
 
 A replica that publishes its events over ZMQ in vLLM's format (`kvserve serve
 --kv-events-endpoint`) names the endpoint in that answer; the router then takes the answer as its
-starting state and follows the stream instead of polling (kvserve/router/kv_stream.py, kv_zmq.py), back to a full
-answer whenever the stream cannot go on. Replicas without it are polled as before.
+starting state and follows the stream instead of polling (kvserve/router/kv_stream.py,
+kv_zmq.py), back to a full answer whenever the stream cannot go on. Replicas without it are
+polled as before.
 
 What a replica says is bounded (kvserve/router/kv_page.py): its answer's bytes, the hashes it
 may hold, the shape of every field; the body is parsed on a worker thread. A replica that
