@@ -204,7 +204,8 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
     llm = SimpleNamespace(model_path="/m.gguf", manager=SimpleNamespace(block_size=16, pool=pool), tokenizer=tokenizer)
     app = FastAPI()
     add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None, llm=llm),
-                                             settings=SimpleNamespace(special_tokens_in_messages=False)))
+                                             settings=SimpleNamespace(special_tokens_in_messages=False),
+                                             kv_publisher=None))
 
     for h in HASHES[:3]:
         log.record(STORED, bytes.fromhex(h))

@@ -149,13 +149,14 @@ class BlockPool:
             return None
         return b
 
-    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Publish a full, computed block under its hash (a duplicate stays unpublished)."""
+    def cache(self, block: KVBlock, block_hash: bytes, token_ids: Sequence[int], parent: bytes | None = None) -> None:
+        """Publish a full, computed block under its hash (a duplicate stays unpublished); `parent`
+        is the previous block's hash in its chain, for the event log."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         self._cached[block_hash] = block
-        self.events.record(STORED, block_hash)
+        self.events.record(STORED, block_hash, parent, block.token_ids)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:

@@ -82,9 +82,10 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(seq_id, [])
         for i in range(len(hashes), min(num_computed // bs, len(table))):
             ids = token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(hashes[-1] if hashes else None, ids)
+            parent = hashes[-1] if hashes else None
+            h = hash_block(parent, ids)
             hashes.append(h)
-            self.pool.cache(table[i], h, ids)
+            self.pool.cache(table[i], h, ids, parent)
 
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, [])

@@ -13,6 +13,12 @@ the router would not know them yet; a burst of requests with a new shared prefix
 scatter. So the blocks of a routed prompt count as "pending" on that replica while the request
 is in flight and for a short grace after, until the replica's own events confirm or drop them.
 
+A replica that publishes its events over ZMQ in vLLM's format (`kvserve serve
+--kv-events-endpoint`) names the endpoint in that answer; the router then takes the answer as its
+starting state and follows the stream instead of polling (kvserve/router/kv_stream.py,
+kv_zmq.py), back to a full answer whenever the stream cannot go on. Replicas without it are
+polled as before.
+
 What a replica says is bounded (kvserve/router/kv_page.py): its answer's bytes, the hashes it
 may hold, the shape of every field; the body is parsed on a worker thread. A replica that
 breaks a rule is taken out (`mark_down`, with a log line) and its blocks forgotten.
@@ -23,13 +29,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from kvserve.fim import encode_fim
 from kvserve.kv.block_pool import prefix_block_hashes
+from kvserve.router.kv_blocks import ReplicaBlocks
 from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_body
+from kvserve.router.kv_stream import StreamSource
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
 from kvserve.server.chat_render import ChatPrompt
@@ -50,36 +58,11 @@ class Renderer:
     special_tokens_in_content: bool = False
 
 
-@dataclass
-class ReplicaBlocks:
-    model: str
-    block_size: int
-    instance: str = ""
-    renderer: str = ""  # the replica's renderer fingerprint ("model:PATH" for one that names none)
-    seq: int = 0
-    held: set[bytes] = field(default_factory=set)
-    pending: dict[bytes, list] = field(default_factory=dict)  # hash -> [requests in flight, expiry]
-
-    def has(self, h: bytes, now: float) -> bool:
-        if h in self.held:
-            return True
-        p = self.pending.get(h)
-        return p is not None and (p[0] > 0 or p[1] > now)
-
-    def match(self, hashes: list[bytes]) -> int:
-        now = time.monotonic()
-        n = 0
-        for h in hashes:
-            if not self.has(h, now):
-                break
-            n += 1
-        return n * self.block_size
-
-
 class KVIndex:
     def __init__(self, client: httpx.AsyncClient, poll_interval: float, api_key: str | None,
                  pending_grace: float = 1.0, max_bytes: int = 24 << 20, max_held: int = 1 << 18,
-                 mark_down: Callable[[Replica, str], None] = lambda replica, why: None) -> None:
+                 mark_down: Callable[[Replica, str], None] = lambda replica, why: None,
+                 stream_check: float = 5.0) -> None:
         self.client = client
         self.poll_interval = poll_interval
         self.max_bytes = max_bytes  # of one /kv/events answer
@@ -92,6 +75,7 @@ class KVIndex:
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
+        self.streams = StreamSource(client, self.headers, max_bytes, max_held, max(poll_interval, 0.05), stream_check)
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
@@ -103,12 +87,14 @@ class KVIndex:
         if task is not None:
             task.cancel()
         self.blocks.pop(replica, None)
+        self.streams.forget(replica)
 
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
+        self.streams.close()
 
     def usable(self, replica: Replica) -> ReplicaBlocks | None:
         """The replica's blocks, if it publishes them and its tokenizer is loaded here."""
@@ -126,6 +112,12 @@ class KVIndex:
                 continue
             try:
                 wait = await self._poll(replica)
+                b = self.blocks.get(replica)
+                if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
+                    await self.streams.follow(replica, b, lambda: self._current(replica, b),
+                                              lambda: self._prune_pending(b))
+                    b.seq = 0  # so the next answer is a full one (the stream's and the log's numbers differ)
+                    wait = self.poll_interval  # then a full answer, and the stream again
             except BrokenRule as e:
                 self.blocks.pop(replica, None)
                 replica.extra["kv_events"] = f"broke the rules: {e}"
@@ -169,13 +161,23 @@ class KVIndex:
         else:
             await asyncio.to_thread(apply_events, b.held, page.events, self.max_held)
         b.seq = data["seq"]
-        now = time.monotonic()
-        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
-            del b.pending[h]
+        if "kv_events_endpoint" in data:
+            b.stream = (data["kv_events_endpoint"], data.get("kv_events_replay_endpoint"),
+                        data.get("kv_events_topic", ""), data.get("kv_events_seq", -1))
+        self._prune_pending(b)
         replica.extra["kv_events"] = ("followed" if self._renderers.get(b.renderer)
                                       else self._renderer_notes.get(b.renderer, "no tokenizer here"))
         replica.extra["blocks_held"] = len(b.held)
         return self.poll_interval
+
+    def _current(self, replica: Replica, b: ReplicaBlocks) -> bool:
+        return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
+
+    @staticmethod
+    def _prune_pending(b: ReplicaBlocks) -> None:
+        now = time.monotonic()
+        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
+            del b.pending[h]
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:

@@ -18,7 +18,8 @@ import httpx
 HASH_HEX = 64  # a chained SHA-256 (kvserve/kv/block_pool.py), as hex
 _SPACE = re.compile(r"[ \t\n\r]*")
 _HEX = re.compile(r"[0-9a-f]{%d}" % HASH_HEX)
-_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str}
+_SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str,
+            "kv_events_endpoint": str, "kv_events_replay_endpoint": str, "kv_events_topic": str, "kv_events_seq": int}
 _SCALAR_CHARS = 4096  # the longest a scalar field (a model path) may be
 
 
@@ -47,8 +48,9 @@ async def read_body(response: httpx.Response, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_page(body: bytes, max_held: int) -> KVPage:
-    """Check and parse one answer (on a worker thread: asyncio.to_thread)."""
+def parse_page(body: bytes, max_held: int, head: bool = False) -> KVPage:
+    """Check and parse one answer (on a worker thread: asyncio.to_thread); `head`: one asked for
+    with ?head=true, the fields without events or held hashes."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -84,7 +86,9 @@ def parse_page(body: bytes, max_held: int) -> KVPage:
         for key in ("model", "block_size", "instance", "seq"):
             if key not in page.fields:
                 raise BrokenRule(f'no "{key}" field')
-        if (page.held is None) == (page.events is None):
+        if head and (page.held is not None or page.events is not None):
+            raise BrokenRule('a ?head=true answer has "held" or "events"')
+        if not head and (page.held is None) == (page.events is None):
             raise BrokenRule('exactly one of "held" and "events" must be there')
         if not 1 <= page.fields["block_size"] <= 1 << 16 or page.fields["seq"] < 0:
             raise BrokenRule(f"block_size {page.fields['block_size']} or seq {page.fields['seq']} out of range")

@@ -38,6 +38,9 @@ class PolicySettings:
     # many is ~17 MiB). A replica past either is taken out (kvserve/router/kv_page.py).
     kv_max_held: int = 1 << 18
     kv_max_bytes: int = 24 << 20
+    # A replica followed over ZMQ (kvserve/router/kv_zmq.py): how often the router checks that a
+    # batch the replica says it sent has arrived; one that has not sends it back to a full read.
+    kv_stream_check: float = 5.0
 
 
 @dataclass(frozen=True)

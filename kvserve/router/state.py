@@ -70,7 +70,7 @@ class RouterState:
         if s.policy.name == "cache_aware" and s.policy.cache_source != "approximate":
             self.index = KVIndex(self.client, s.policy.kv_poll_interval, s.replica_api_key,
                                  max_bytes=s.policy.kv_max_bytes, max_held=s.policy.kv_max_held,
-                                 mark_down=self.mark_down)
+                                 mark_down=self.mark_down, stream_check=s.policy.kv_stream_check)
         self.policy = make_policy(s.policy, self.index)
         await self.check_all()  # know who is up before the first request
         for r in self.replicas:

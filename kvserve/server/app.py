@@ -115,6 +115,8 @@ def build_app(
         yield
         ctx.state.shutdown()
         ctx.grammars.shutdown()
+        if ctx.kv_publisher is not None:
+            ctx.kv_publisher.close()
 
     # /docs (served offline) and /openapi.json with each route's body model: kvserve/server/api_docs.py.
     app = FastAPI(title="kvserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,

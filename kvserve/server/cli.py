@@ -92,6 +92,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     j.add_argument("--advertise-url", default=None, help="the URL the router should use (default: http://HOST:PORT)")
     j.add_argument("--join-key", default=os.environ.get("KVSERVE_ROUTER_ADMIN_KEY"),
                    help="the router's admin key (default: $KVSERVE_ROUTER_ADMIN_KEY)")
+    k = p.add_argument_group("KV events (vLLM's ZMQ wire format, for llm-d and kvserve route)")
+    k.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="publish KV cache block events on a ZMQ PUB socket: tcp://*:5557 binds every interface, "
+                        "tcp://HOST:PORT connects to a subscriber that binds (as vLLM; default: off)")
+    k.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                   help="a ZMQ ROUTER socket, bound, where subscribers ask for missed batches, e.g. tcp://*:5558")
+    k.add_argument("--kv-events-topic", default="", help="the topic frame of every message (default: empty; "
+                   "llm-d reads kv@POD@MODEL)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run_serve)
 
@@ -101,6 +109,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
     _check_limits(args)
+    _check_kv_events(args)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
@@ -152,6 +161,9 @@ def run_serve(args: argparse.Namespace) -> int:
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
         responses_store_size=args.responses_store_size,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
     )
     failure: list[BaseException] = []
     server = None
@@ -200,6 +212,22 @@ def _check_limits(args: argparse.Namespace) -> None:
         if value < low or (high is not None and value > high):
             allowed = f"at least {low}" if high is None else f"in [{low}, {high}]"
             raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
+
+
+def _check_kv_events(args: argparse.Namespace) -> None:
+    """A bad KV events endpoint fails now, in one line, before the model loads."""
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (the PUB socket it replays)")
+        return
+    from kvserve.server.kv_publisher import binds, check_endpoint
+
+    check_endpoint(args.kv_events_endpoint, "--kv-events-endpoint")
+    if args.kv_events_replay_endpoint is not None:
+        check_endpoint(args.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
+        if not binds(args.kv_events_replay_endpoint):
+            raise ValueError("--kv-events-replay-endpoint is bound, so give tcp://*:PORT or ipc://PATH; got "
+                             f"{args.kv_events_replay_endpoint!r}")
 
 
 def _load(args: argparse.Namespace) -> LLM:

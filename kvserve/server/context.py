@@ -12,6 +12,7 @@ from fastapi import Request
 
 from kvserve import __version__
 from kvserve.engine.engine import EngineStats
+from kvserve.kv.events import BlockEventLog
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import request_id
 from kvserve.server.errors import from_invalid
@@ -23,6 +24,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
+from kvserve.server.vllm_metrics import CacheInfo
 
 
 class ServerContext:
@@ -32,12 +34,32 @@ class ServerContext:
         self.settings = settings
         self.state = ServerState(settings)
         self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
-        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats)
+        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats,
+                                     settings.model_name, self._cache_info)
         self.client = EngineClient(self.state, self.metrics, self.grammars)
         self.responses = ResponseStore(settings.responses_store_size)
+        self.kv_publisher = None  # the ZMQ KV events publisher (kvserve/server/kv_publisher.py), if asked for
+        if settings.kv_events_endpoint is not None:
+            from kvserve.server.kv_publisher import KVEventPublisher
+
+            self.kv_publisher = KVEventPublisher(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
+                                                 settings.kv_events_topic)
+            self.kv_publisher.start(self._kv_events)
 
     def _stats(self) -> EngineStats | None:
         return self.state.engine.stats() if self.state.engine is not None else None
+
+    def _cache_info(self) -> CacheInfo | None:
+        llm = self.state.llm
+        if llm is None:
+            return None
+        pool = llm.manager.pool
+        return CacheInfo(llm.manager.block_size, pool.num_blocks, str(llm.kv_dtype).removeprefix("torch."),
+                         pool.enable_caching)
+
+    def _kv_events(self) -> tuple[BlockEventLog, int] | None:
+        llm = self.state.llm
+        return None if llm is None else (llm.manager.pool.events, llm.manager.block_size)
 
     def _grammar_stats(self) -> dict[str, float] | None:
         if self.state.llm is None:

@@ -6,8 +6,12 @@ exactly as this server does (kvserve/router/kv_index.py), then either the events
 bounded log, `held`: every hash held now. It also carries `renderer`, the fingerprint of what
 turns a chat into prompt ids here (tokenizer, chat template, special-token rule); a router whose
 own rendering differs fetches `GET /kv/renderer` (the template and the rule) to render as this
-server does, and routes by text where it still cannot. Behind the API key like every route but
-/health.
+server does, and routes by text where it still cannot. A server that publishes the same events
+over ZMQ (`--kv-events-endpoint`, kvserve/server/kv_publisher.py) names its endpoints, topic and
+`kv_events_seq`, the last batch sent before this answer's events were read: a router takes this
+answer as its starting state and follows the ZMQ stream from the next batch (kvserve/router/kv_zmq.py);
+`?head=true` gives the fields alone, for a router checking every few seconds that the stream reaches it.
+Behind the API key like every route but /health.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Query
+
+from kvserve.kv.events import EventsPage
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -31,16 +37,23 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
         return fingerprints[id(tok)]
 
     @app.get("/kv/events")
-    async def kv_events(since: int = Query(0, ge=0)) -> dict:
+    async def kv_events(since: int = Query(0, ge=0), head: bool = Query(False)) -> dict:
         ctx.state.require_ready()
         llm = ctx.state.llm
-        page = llm.manager.pool.events.since(since)
+        publisher = ctx.kv_publisher
+        zmq_seq = publisher.last_seq() if publisher is not None else None  # read before the log: see above
+        log = llm.manager.pool.events
+        page = EventsPage(log.seq, None, None) if head else log.since(since)  # head: the fields only
         out = {"model": str(llm.model_path), "block_size": llm.manager.block_size,
                "caching": llm.manager.pool.enable_caching, "instance": llm.manager.pool.events.instance,
                "seq": page.seq, "renderer": await renderer_fingerprint()}
+        if publisher is not None and publisher.bound:
+            out.update(kv_events_endpoint=publisher.endpoint, kv_events_topic=publisher.topic, kv_events_seq=zmq_seq)
+            if publisher.replay_endpoint is not None:
+                out["kv_events_replay_endpoint"] = publisher.replay_endpoint
         if page.held is not None:
             out["held"] = [h.hex() for h in page.held]
-        else:
+        elif page.events is not None:
             out["events"] = [[seq, kind, h.hex()] for seq, kind, h in page.events]
         return out
 

@@ -2,7 +2,8 @@
 
 Latency histograms are observed by the server as requests progress; the engine's gauges and
 counters (running, waiting, KV usage, prefix cache, tokens) are read from its last step's stats
-at scrape time. All times are from the request's arrival at the server.
+at scrape time, with the same figures under vLLM's names beside them (kvserve/server/vllm_metrics.py).
+All times are from the request's arrival at the server.
 """
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from prometheus_client.registry import Collector
 
 from kvserve.engine.engine import EngineStats
 from kvserve.outputs import RequestMetrics
+from kvserve.server.vllm_metrics import CacheInfo, vllm_families
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_GAP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int], model_name: str,
+                 cache: Callable[[], CacheInfo | None]) -> None:
         self._stats = stats
         self._admitted = admitted
+        self._model_name = model_name
+        self._cache = cache
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily("kvserve_requests_admitted", "Requests admitted and not yet answered.",
@@ -48,6 +53,7 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from vllm_families(s, self._model_name, self._cache())  # the same snapshot, vLLM's names
 
 
 class _GrammarCollector(Collector):
@@ -76,7 +82,8 @@ class _GrammarCollector(Collector):
 
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats | None], admitted: Callable[[], int],
-                 grammar: Callable[[], dict[str, float] | None] = lambda: None) -> None:
+                 grammar: Callable[[], dict[str, float] | None] = lambda: None, model_name: str = "",
+                 cache: Callable[[], CacheInfo | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -94,7 +101,7 @@ class ServerMetrics:
         self.finished = Counter(
             "kvserve_request_finished", "Completions ended, by finish reason (stop, length, abort, error).",
             ["finish_reason"], registry=r)
-        r.register(_EngineCollector(stats, admitted))
+        r.register(_EngineCollector(stats, admitted, model_name, cache))
         r.register(_GrammarCollector(grammar))
 
     def observe_finished(self, m: RequestMetrics | None, reasons: list[str], end: float) -> None:

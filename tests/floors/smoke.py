@@ -13,6 +13,8 @@ runs at the newest versions. What each library does for kvserve, and where it is
                          a real `kvserve serve` on loopback: health, models, a completion, a streamed
                          chat, OpenAI error bodies, the connection guards on uvicorn's H11Protocol,
                          /metrics, a clean exit on SIGINT
+  pyzmq + msgspec        KV events in vLLM's format: a publisher's batch received on a SUB socket
+                         and decoded (kvserve/server/kv_publisher.py, kvserve/kv/event_wire.py)
 torch is the exception: its floor (2.4) is not installable on a CPU-only machine (see the Makefile).
 Not a file pytest collects by itself (no test_ prefix): the normal suite covers these paths in depth.
 """
@@ -203,6 +205,32 @@ def test_half_sent_headers_are_closed_after_the_header_timeout(server):
         start = time.monotonic()
         assert _read_all(s, timeout=10) == b""
         assert time.monotonic() - start < 5  # --header-timeout 1
+
+
+def test_kv_events_publish_and_decode():
+    import zmq
+
+    from kvserve.kv import event_wire
+    from kvserve.kv.events import STORED, BlockEventLog
+    from kvserve.server.kv_publisher import KVEventPublisher
+    from server_harness import free_port
+
+    port, log = free_port(), BlockEventLog()
+    publisher = KVEventPublisher(f"tcp://*:{port}")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)  # the SUB socket joins
+    publisher.start(lambda: (log, 16))
+    log.record(STORED, b"h" * 32, None, tuple(range(16)))
+    try:
+        assert sub.poll(5000)
+        _, seq, payload = sub.recv_multipart()
+        [event] = event_wire.decode(payload).events
+        assert seq == bytes(8) and event.block_hashes == [b"h" * 32] and event.token_ids == list(range(16))
+    finally:
+        sub.close(0)
+        publisher.close()
 
 
 def test_metrics(server):
