@@ -131,3 +131,59 @@ def test_bad_command_line_fails_in_one_line(args, message):
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+# One streamed request of each other API: (path, body, the text its stream ends with when whole,
+# the 503's body while draining in that API's own shape).
+OTHER_APIS = [
+    ("/v1/responses", {"model": MODEL_NAME, "input": "Once upon a time", "max_output_tokens": 300, "temperature": 0,
+                       "stream": True},
+     "response.incomplete", lambda b: b["error"]["type"] == "service_unavailable_error"),
+    ("/v1/messages", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Once upon a time"}],
+                      "max_tokens": 300, "temperature": 0, "stream": True},
+     "event: message_stop", lambda b: b["type"] == "error" and b["error"]["type"] == "overloaded_error"),
+    ("/api/chat", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Once upon a time"}],
+                   "options": {"num_predict": 300, "temperature": 0}},
+     '"done":true', lambda b: isinstance(b["error"], str)),
+]
+
+
+def test_sigterm_drains_the_other_apis_streams_too(tmp_path_factory):
+    """Responses, Anthropic Messages and Ollama chat streams admitted before SIGTERM run to their
+    end (300 tokens: the tiny model's random weights seldom say EOS sooner); new ones get the 503
+    in their API's own error shape; all three counted as running in /metrics meanwhile."""
+    log = tmp_path_factory.mktemp("drain-apis") / "server.log"
+    server = ServerProcess(tiny_model_dir(tmp_path_factory), log)
+    try:
+        server.wait_ready()
+
+        async def stream(client: httpx.AsyncClient, path: str, payload: dict, started: asyncio.Event) -> str:
+            text = ""
+            async with client.stream("POST", path, json=payload) as r:
+                assert r.status_code == 200
+                async for chunk in r.aiter_text():
+                    text += chunk
+                    started.set()
+            return text
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120) as client:
+                started = [asyncio.Event() for _ in OTHER_APIS]
+                tasks = [asyncio.create_task(stream(client, path, payload, s))
+                         for (path, payload, _, _), s in zip(OTHER_APIS, started)]
+                await asyncio.gather(*(s.wait() for s in started))
+                metrics = (await client.get("/metrics")).text
+                assert float(metrics.split("\nkvserve_num_requests_running ")[1].split()[0]) == len(OTHER_APIS)
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.1)
+                for path, payload, _, refused in OTHER_APIS:
+                    r = await client.post(path, json={**payload, "stream": False})
+                    assert r.status_code == 503 and refused(r.json()), (path, r.text)
+                for (path, _, end, _), text in zip(OTHER_APIS, await asyncio.gather(*tasks)):
+                    assert end in text, (path, text[-300:])
+
+        asyncio.run(scenario())
+        assert server.proc.wait(15) == 0
+        assert f"draining, {len(OTHER_APIS)} request(s) in flight" in server.log()
+    finally:
+        server.stop()
