@@ -325,6 +325,7 @@ WEB = {"type": "web_search"}
     ({"tools": [{"type": "function"}]}, 400, "tools[0].name"),
     ({"tools": [TIME_TOOL, TIME_TOOL]}, 400, "tools"),
     ({"background": True}, 400, "background"),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"conversation": "conv_1"}, 400, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
     ({"truncation": "auto"}, 400, "truncation"),

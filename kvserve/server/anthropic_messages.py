@@ -101,6 +101,8 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
     _log_ignored(req)
     try:
         req.checked()
+        if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
         given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
         params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
                                 constraint=_constraint(req), **{**ctx.settings.defaults, **given})

@@ -86,7 +86,7 @@ class ServerContext:
             ids, p = encode(), params
             if fit_within is not None:
                 room = fit_within - len(ids)
-                p = dataclasses.replace(p, max_tokens=max(1, min(p.max_tokens or room, room)))
+                p = dataclasses.replace(p, max_tokens=max(1, room if p.max_tokens is None else min(p.max_tokens, room)))
             return self.state.engine.validate(ids, p), p
 
         try:

@@ -293,6 +293,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
         items = [*previous.conversation, *items]
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
     reject(not messages, "input", "must not be empty")
+    reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
     defaulted = req.max_output_tokens is None
     max_tokens = ctx.settings.max_tokens_default if defaulted else req.max_output_tokens
     params = sampling_params(lambda: _sampling(req, max_tokens, (req.top_logprobs or 0) if want_logprobs else None,
