@@ -212,3 +212,23 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request(server):
     wait_for(lambda: server.metric("kvserve_kv_cache_blocks_used") == 0)
     wait_for(lambda: server.metric(ABORTED) == aborted + 1)
     assert server.metric("kvserve_requests_admitted") == 0
+
+
+def test_a_tool_call_streamed_in_pieces_reaches_ollamas_stream_whole():
+    """The chat path streams a call's arguments in pieces (OpenAI's form); Ollama's stream sends
+    each call once, whole, with its arguments as an object: the model's Hermes text fed a few
+    characters at a time through the server's own ChoiceDeltas, then gathered."""
+    from kvserve.server.ollama_api import WholeCalls
+    from kvserve.server.openai_compat import ChoiceDeltas
+
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    deltas, calls, content = ChoiceDeltas("auto"), WholeCalls(), ""
+    for i in range(0, len(text), 3):
+        for d in deltas.feed(text[i:i + 3]):
+            calls.feed(d.get("tool_calls") or [])
+            content += d.get("content") or ""
+    rest, reason = deltas.finish("stop")
+    for d in rest:
+        calls.feed(d.get("tool_calls") or [])
+    assert len(calls.by_index) == 1 and reason == "tool_calls" and content.strip() == ""
+    assert calls.whole() == [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]

@@ -162,6 +162,24 @@ def _calls(delta_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for c in delta_calls]
 
 
+class WholeCalls:
+    """Tool calls streamed in pieces (OpenAI's deltas: the first with id and name, then arguments
+    as the model writes them) gathered whole: Ollama sends each call once, complete."""
+
+    def __init__(self) -> None:
+        self.by_index: dict[int, dict[str, Any]] = {}
+
+    def feed(self, delta_calls: list[dict[str, Any]]) -> None:
+        for call in delta_calls:
+            whole = self.by_index.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
+            fn = call.get("function") or {}
+            whole["function"]["name"] += fn.get("name") or ""
+            whole["function"]["arguments"] += fn.get("arguments") or ""
+
+    def whole(self) -> list[dict[str, Any]]:
+        return _calls([self.by_index[i] for i in sorted(self.by_index)])
+
+
 def _whole(ctx: ServerContext, job: Job, req: _Generation, final: RequestOutput, key: str, mode: str | None) -> dict:
     c = final.outputs[0]
     body: dict[str, Any] = {"model": req._name, "created_at": _now()}
@@ -190,20 +208,16 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
         body = {"model": req._name, "created_at": _now(), key: value, "done": done, **extra}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
-    calls: dict[int, dict[str, Any]] = {}  # tool calls by index, their arguments as they stream in
+    calls = WholeCalls()
 
     def pieces(delta: dict[str, Any]) -> dict[str, Any] | str:
         if key == "response":
             return delta.get("content", "")
-        for call in delta.get("tool_calls") or []:  # Ollama sends each call whole: gathered until the end
-            whole = calls.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
-            fn = call.get("function") or {}
-            whole["function"]["name"] += fn.get("name") or ""
-            whole["function"]["arguments"] += fn.get("arguments") or ""
+        calls.feed(delta.get("tool_calls") or [])
         return {"content": delta.get("content", "")}
 
     def gathered() -> dict[str, Any]:
-        return {"content": "", "tool_calls": _calls([calls[i] for i in sorted(calls)])}
+        return {"content": "", "tool_calls": calls.whole()}
 
     try:
         async with aclosing(ctx.client.outputs(job)) as outputs:
@@ -219,7 +233,7 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
                     rest, _ = deltas.finish(c.finish_reason)
                     for delta in rest:
                         yield line(pieces(delta))
-                    if calls:
+                    if calls.by_index:
                         yield line(gathered())
                     yield line(pieces({}), True, done_reason=c.finish_reason, **_tail(out, job, key))
     except APIError as e:
