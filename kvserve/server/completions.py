@@ -54,10 +54,11 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
             raise from_invalid(no_fim_error())
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
-        echoes = await _echo_texts(ctx, prompts, req) if req.echo else None  # the client's prompt, not FIM's
+        given = prompts  # echoed as the client sent them (not as FIM markers), once they are known valid
         if fim:
             prompts = await ctx.client.encode_fim(prompts, req.suffix)
         ids = await ctx.client.tokenize(prompts, params, request.receive)
+        echoes = await _echo_texts(ctx, given, req) if req.echo else None
     except ValueError as e:
         admission.release()
         raise from_invalid(e) from None
