@@ -121,6 +121,7 @@ CASES = [
     # unsupported features say so
     ("suffix", C, comp(suffix="x"), 400, BAD, "suffix"),
     ("echo-as-string", C, comp(echo="true"), 400, BAD, "echo"),
+    ("echo-of-ids-out-of-vocab", C, comp(prompt=[[5, -3], [10**12]], echo=True), 400, BAD, "prompt"),
     ("tool-choice-not-a-tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                           tool_choice={"type": "function", "function": {"name": "g"}}), 400, BAD, "tool_choice"),
     ("response-format-yaml", CHAT, chat(response_format={"type": "yaml"}), 400, BAD, "response_format.type"),
