@@ -115,7 +115,7 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._manager.tables.get(self.seq_id, ()))
+        return self._manager.num_held_blocks(self.seq_id)
 
     @property
     def nbytes(self) -> int:
@@ -172,12 +172,8 @@ class LLM:
                          else parse_dtype(cache.dtype, "KV cache dtype"))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
-        window = self.config.sliding_window
-        if window and self.max_model_len > window:  # full attention equals the window's only within it
-            log.warning("context capped at %d tokens: the model attends through a sliding window of %d, "
-                        "which kvserve does not model", window, window)
-            self.max_model_len = window
-        self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
+        self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
+                                      self.config.sliding_window)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
         self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,
                                   self.eos_token_ids)
@@ -235,6 +231,7 @@ class LLM:
                 done += len(chunk)
                 cache.token_ids = ids[:done]
                 self.manager.cache_computed(cache.seq_id, cache.token_ids, done)
+                self.manager.slide(cache.seq_id, done)
             return cache, self._sample(logits, cache, params)
         except BaseException:
             cache.close()
@@ -254,6 +251,7 @@ class LLM:
         logits = self.runner.run([SeqChunk([token], n, cache.block_ids, True)])
         cache.token_ids.append(token)
         self.manager.cache_computed(cache.seq_id, cache.token_ids, n + 1)
+        self.manager.slide(cache.seq_id, n + 1)
         return cache, self._sample(logits, cache, params or GREEDY)
 
     def _sample(self, logits: torch.Tensor, cache: KVCache, params: SamplingParams) -> int:

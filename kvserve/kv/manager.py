@@ -3,6 +3,14 @@
 Speaks in check/act pairs for the scheduler: find_prefix() then allocate() (which refuses,
 allocating nothing, when the pool cannot cover the step); cache_computed() after a step
 publishes blocks that became full; free() returns a sequence's blocks tail-first.
+
+Under sliding-window attention (`sliding_window`), slide() frees a sequence's blocks that fell
+wholly out of its window as it advances: their table entries become holes (None; -1 in
+block_ids), so token i still maps to table[i // block_size]. A slid-out block was published
+before it is freed (it is full and computed), and freeing keeps its hash: its K/V stay valid
+until the pool hands the block out again, which drops the hash (BlockPool._evict). So a later
+prefix hit on it reads what it stored, and a prefix lookup, which walks the chain from block 0,
+stops at the first block already reused.
 """
 from __future__ import annotations
 
@@ -19,10 +27,11 @@ class PrefixStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.tables: dict[str, list[KVBlock]] = {}
+        self.sliding_window = sliding_window  # keys each query sees; None: the whole context
+        self.tables: dict[str, list[KVBlock | None]] = {}  # None: a block slid out of the window
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each table's full blocks
         self.prefix_stats = PrefixStats()
 
@@ -30,7 +39,12 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def block_ids(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq_id, ())]
+        """The table as block ids; -1 where a block slid out of the window (never read again)."""
+        return [-1 if b is None else b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Blocks the sequence holds now (slid-out ones excluded)."""
+        return sum(1 for b in self.tables.get(seq_id, ()) if b is not None)
 
     def find_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
@@ -85,9 +99,26 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             h = hash_block(parent, ids)
             hashes.append(h)
-            self.pool.cache(table[i], h, ids, parent)
+            if table[i] is not None:
+                self.pool.cache(table[i], h, ids, parent)
+
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        """Under a sliding window, free seq_id's blocks that no later query can see: the next
+        query sits at num_computed and sees keys from num_computed - window + 1 on. Call it after
+        cache_computed (so the blocks are published first). Returns how many blocks it freed."""
+        if not self.sliding_window:
+            return 0
+        table = self.tables.get(seq_id)
+        if not table:
+            return 0
+        gone = min(max(0, num_computed - self.sliding_window + 1) // self.block_size, len(table))
+        freed = [b for b in table[:gone] if b is not None]
+        if freed:
+            table[:gone] = [None] * gone
+            self.pool.free(reversed(freed))  # tail-first, as free() does: the chain's start is evicted last
+        return len(freed)
 
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
-        self.pool.free(reversed(table))
+        self.pool.free(b for b in reversed(table) if b is not None)
