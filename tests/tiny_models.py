@@ -55,7 +55,8 @@ def make_tiny_hf_model(
     with_tokenizer: bool = True,
     **config_overrides: Any,
 ) -> tuple[Any, Path]:
-    """Build, randomise and save a tiny LlamaForCausalLM / Qwen2ForCausalLM (float32, eval mode).
+    """Build, randomise and save a tiny LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM
+    (float32, eval mode). Mistral takes its sliding_window through config_overrides.
 
     vocab_size defaults to the real tokenizer's 49152 (512 when with_tokenizer=False).
     rope_scaling is a transformers rope dict without theta, e.g. {"rope_type": "llama3", ...}.
@@ -63,7 +64,8 @@ def make_tiny_hf_model(
     between implementations are not decided by rounding. Norm weights and biases are randomised
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     directory = Path(directory)
     if vocab_size is None:
@@ -91,10 +93,12 @@ def make_tiny_hf_model(
     if arch == "llama":
         config = LlamaConfig(**common, attention_bias=attention_bias, **config_overrides)
         model = LlamaForCausalLM(config)
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, **config_overrides))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **config_overrides))
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral' or 'qwen2', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
