@@ -152,9 +152,10 @@ def write_tiny_gguf(
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
-    linear scaling becomes metadata. with_vocab copies the default model's tokenizer.* metadata
-    (its 49152-token vocabulary, merges, special ids and chat template) into the file;
-    vocab_renames respells some of its tokens (ids 3-16 are unused control tokens).
+    linear (and yarn, longrope: metadata only) scaling becomes metadata. with_vocab copies the
+    default model's tokenizer.* metadata (its 49152-token vocabulary, merges, special ids and chat
+    template) into the file; vocab_renames respells some of its tokens (ids 3-16 are unused
+    control tokens).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -188,8 +189,8 @@ def write_tiny_gguf(
         _add_default_vocab(writer, vocab_renames)
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
     writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
-    if rope.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    if rope.get("rope_type") in ("linear", "yarn", "longrope"):  # yarn, longrope: for kvserve's refusal
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
@@ -45,7 +45,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
     elif rs.kind != "none":
-        raise ModelFormatError(f"unsupported RoPE scaling {rs.kind!r}: kvserve supports none, linear, llama3")
+        raise ModelFormatError(rope_scaling_unsupported(rs.kind))
     return inv_freq
 
 
