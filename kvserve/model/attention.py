@@ -136,10 +136,11 @@ class TorchAttention(AttentionBackend):
                                                scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
-    def _gather(self, kv_cache, meta, seqs, firsts) -> torch.Tensor:
-        """The sequences' contexts out of the pool from block firsts[b] on, padded:
-        [2, Hkv, B, max_blocks * bs, D]."""
+    def _gather(self, kv_cache, meta, seqs, firsts=None) -> torch.Tensor:
+        """The sequences' contexts out of the pool (from block firsts[b] on, under a window),
+        padded: [2, Hkv, B, max_blocks * bs, D]."""
         _, hkv, _, bs, d = kv_cache.shape
+        firsts = firsts or [0] * len(seqs)
         max_blocks = max(-(-meta.seq_lens[i] // bs) - f for i, f in zip(seqs, firsts))
         rows = []
         for i, f in zip(seqs, firsts):  # pad each table with its own first block: written, so finite
@@ -152,17 +153,18 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q, kv_cache, meta, seqs, scale, window=0):
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
-        bs = kv_cache.shape[3]
-        starts = [first_key(n - 1, window) for n in lens]  # each query's first key
-        firsts = [s // bs for s in starts]  # ... and its block: gathered rows begin there
+        starts = firsts = None
+        if window and max(lens) > window:  # each query's first key, and its block: gathered rows begin there
+            starts = [first_key(n - 1, window) for n in lens]
+            firsts = [s // kv_cache.shape[3] for s in starts]
         kv = self._gather(kv_cache, meta, seqs, firsts).to(q.dtype)  # [2, Hkv, B, L, D]
         hkv, L, d = kv.shape[1], kv.shape[3], kv.shape[4]
         # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
         qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
         # K @ q^T keeps the large operand untransposed (several times faster than q @ K^T).
         scores = torch.matmul(kv[0], qg.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [Hkv, B, G, L]
-        if window and any(starts):  # row j of sequence b is position firsts[b] * bs + j
-            kpos = torch.arange(L).unsqueeze(0) + torch.tensor(firsts).unsqueeze(1) * bs  # [B, L]
+        if starts:  # row j of sequence b is position firsts[b] * bs + j
+            kpos = torch.arange(L).unsqueeze(0) + torch.tensor(firsts).unsqueeze(1) * kv_cache.shape[3]  # [B, L]
             outside = (kpos >= torch.tensor(lens).unsqueeze(1)) | (kpos < torch.tensor(starts).unsqueeze(1))
             scores.masked_fill_(outside[None, :, None, :], float("-inf"))
         elif min(lens) < L:
