@@ -212,3 +212,34 @@ def test_no_window_slides_nothing() -> None:
     m.allocate("a", 30)
     m.cache_computed("a", ids(30), 30)
     assert m.slide("a", 30) == 0 and m.block_ids("a") == list(range(8))
+
+
+def test_a_prefix_hit_behind_the_window_leaves_those_blocks_in_the_pool() -> None:
+    """A new sequence whose prefix hit reaches past its window takes only the blocks its first
+    computed token can see; the ones behind are holes, and stay cached and free."""
+    m = KVCacheManager(BlockPool(8, cache_reserve=8), BS, sliding_window=6)
+    prompt = ids(25)
+    m.allocate("a", 25)
+    m.cache_computed("a", prompt, 25)
+    m.free("a")
+    assert m.pool.num_cached_free_blocks == 6
+    hit = m.find_prefix(prompt)
+    assert [b.block_id for b in hit] == [0, 1, 2, 3, 4, 5]  # 24 tokens; position 24 sees 19 .. 24
+    # only blocks 4 (tokens 16-19) and 5 are taken, and one new
+    assert m.can_allocate("b", 25, hit)
+    assert m.allocate("b", 25, hit)
+    assert m.block_ids("b") == [-1, -1, -1, -1, 4, 5, 6]
+    assert [m.pool.blocks[i].ref_cnt for i in range(7)] == [0, 0, 0, 0, 1, 1, 1]
+    assert m.pool.num_used_blocks == 3 and m.pool.num_cached_free_blocks == 4
+    m.cache_computed("b", prompt, 25)  # the hash chain runs through the holes
+    assert m.slide("b", 25) == 1 and m.block_ids("b")[4] == -1  # position 25 sees 20 .. 25: block 4 goes
+    m.free("b")
+    assert [b.block_id for b in m.find_prefix(prompt)] == [0, 1, 2, 3, 4, 5]
+    m.pool.check_invariant()
+
+
+def test_blocks_held_at_most_under_a_window() -> None:
+    m = KVCacheManager(BlockPool(8), BS, sliding_window=6, step_tokens=8)
+    # a step of 8 tokens and the 5 before it: 13 tokens over at most 5 blocks of 4
+    assert [m.blocks_held_at_most(n) for n in (1, 12, 17, 20, 10_000)] == [1, 3, 5, 5, 5]
+    assert KVCacheManager(BlockPool(8), BS).blocks_held_at_most(10_000) == 2500

@@ -182,3 +182,26 @@ def test_a_prefix_hit_on_slid_out_blocks_only_while_they_hold_their_kv(mistral) 
     assert m.prefix_stats.hits == hits_before
     pool.check_invariant()
     assert pool.num_used_blocks == 0
+
+
+def test_the_context_goes_past_the_pool_when_the_window_fits(mistral) -> None:
+    """A 12-block pool (48 tokens) under a window of 8 and 8-token steps: a sequence holds at most
+    5 blocks, so the context is the model's, not the pool's; 60-token prompts decode to 90 tokens
+    with transformers' greedy tokens, through the engine and through prefill / decode."""
+    hf, path = mistral
+    llm = load(path, num_blocks=12, scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    assert llm.max_model_len == 2048
+    prompts = [prompt(60, seed=11), prompt(57, seed=12)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 30)
+    llm.manager.pool.check_invariant()
+    assert llm.manager.pool.num_used_blocks == 0
+    cache, token = llm.prefill(prompts[0])  # chunk by chunk: never more than 5 blocks held
+    mine = [token]
+    for _ in range(9):
+        cache, token = llm.decode(cache, token)
+        assert cache.num_blocks <= 5
+        mine.append(token)
+    assert mine == outs[0].outputs[0].token_ids[:10]
+    cache.close()
