@@ -59,8 +59,8 @@ def test_the_window_is_read_and_not_capped(mistral) -> None:
 
 @pytest.mark.parametrize("chunk", [None, 5, 8, 13])
 def test_logits_match_transformers_through_prefill_chunks_and_decode(mistral, chunk) -> None:
-    """Every position's logits: prefill (whole or in chunks), then decode one token at a time,
-    blocks sliding out as it goes."""
+    """Logits at each prefill chunk's last position (the prompt whole or in chunks), then at every
+    position decoded one token at a time, blocks sliding out as it goes."""
     hf, path = mistral
     llm = load(path)
     ids = prompt(41)
@@ -83,13 +83,13 @@ def test_logits_match_transformers_through_prefill_chunks_and_decode(mistral, ch
         assert m.num_held_blocks("s") <= -(-(WINDOW + BS) // BS)  # the window's blocks, and the one being filled
     for p, logits in got:
         assert rel_err(logits, ref[p]) < 1e-5, p
-    full_attention = ref.new_tensor(0)  # the window matters here: attending to all 41 tokens differs
-    with torch.no_grad():
-        hf.config.sliding_window, saved = None, hf.config.sliding_window
-        try:
+    # The window matters here: transformers attending to all 41 tokens gives other logits.
+    hf.config.sliding_window = None
+    try:
+        with torch.no_grad():
             full_attention = hf(torch.tensor([ids])).logits[0, -1]
-        finally:
-            hf.config.sliding_window = saved
+    finally:
+        hf.config.sliding_window = WINDOW
     assert rel_err(full_attention, ref[-1]) > 1e-2
     m.free("s")
     m.pool.check_invariant()
