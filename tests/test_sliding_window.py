@@ -205,3 +205,26 @@ def test_the_context_goes_past_the_pool_when_the_window_fits(mistral) -> None:
         mine.append(token)
     assert mine == outs[0].outputs[0].token_ids[:10]
     cache.close()
+
+
+def test_a_gguf_mistral_and_a_qwen2_that_slides_match_transformers(mistral, tmp_path) -> None:
+    """The window read from GGUF metadata (llama.attention.sliding_window), and Qwen2 with
+    use_sliding_window in every layer (max_window_layers 0), against transformers' greedy tokens."""
+    from tiny_models import make_tiny_hf_model, write_tiny_gguf
+    from transformers import Qwen2ForCausalLM
+
+    hf, _ = mistral
+    ids = prompt(33, seed=21)
+    gguf_llm = LLM(str(write_tiny_gguf(tmp_path / "mistral.gguf", hf, with_vocab=True)), dtype="float32",
+                   cache=CacheConfig(block_size=BS, num_blocks=64))
+    assert gguf_llm.config.sliding_window == WINDOW
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert gguf_llm.generate([ids], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hf, ids, 16)
+
+    _, qdir = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                                 max_window_layers=0)
+    qwen = Qwen2ForCausalLM.from_pretrained(qdir, attn_implementation="eager", dtype=torch.float32).eval()
+    assert qwen.config.layer_types == ["sliding_attention"] * 2
+    llm = load(qdir)
+    assert llm.config.sliding_window == WINDOW
+    assert llm.generate([ids], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(qwen, ids, 16)

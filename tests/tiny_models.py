@@ -180,6 +180,8 @@ def write_tiny_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if getattr(config, "sliding_window", None):  # Mistral's (llama.cpp writes it for models that slide)
+        writer.add_sliding_window(config.sliding_window)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
