@@ -9,6 +9,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# The RoPE scaling kinds kvserve computes. Others that Llama-family checkpoints use -- YaRN,
+# dynamic NTK, LongRoPE -- change the frequencies (or the attention scale) in ways kvserve does not
+# model, so both model readers refuse them at load with rope_scaling_unsupported()'s message.
+SUPPORTED_ROPE_SCALING = ("none", "linear", "llama3")
+
+
+def rope_scaling_unsupported(kind: object) -> str:
+    """The one refusal of a RoPE scaling kind, for the HF and GGUF readers alike."""
+    return (f"RoPE scaling {kind!r} is not supported (kvserve supports {', '.join(SUPPORTED_ROPE_SCALING)}; "
+            "not yarn, dynamic NTK or longrope)")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling. kind: "none", "linear" or "llama3" (Llama 3.1's piecewise rule)."""
@@ -42,8 +54,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
-    # Sliding-window attention (Mistral v0.1: 4096): each token attends to this many before it.
-    # Not modelled: kvserve caps the context at the window, within which attention is exact.
+    # Sliding-window attention (Mistral v0.1: 4096) in every layer: the token at position p attends
+    # to keys p - window + 1 .. p (transformers' mask). Blocks that fall out of a sequence's window
+    # go back to the pool (kv/manager.py slide()).
     sliding_window: int | None = None
 
     def describe(self) -> dict[str, Any]:

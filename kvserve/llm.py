@@ -42,7 +42,7 @@ from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
 from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
@@ -115,7 +115,7 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._manager.tables.get(self.seq_id, ()))
+        return self._manager.num_held_blocks(self.seq_id)
 
     @property
     def nbytes(self) -> int:
@@ -171,13 +171,14 @@ class LLM:
         self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
                          else parse_dtype(cache.dtype, "KV cache dtype"))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
-        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.kv_sizing.num_tokens)
-        window = self.config.sliding_window
-        if window and self.max_model_len > window:  # full attention equals the window's only within it
-            log.warning("context capped at %d tokens: the model attends through a sliding window of %d, "
-                        "which kvserve does not model", window, window)
-            self.max_model_len = window
-        self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size)
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        window_blocks = peak_blocks(self.config.sliding_window, cache.block_size, scheduler.max_num_batched_tokens)
+        if window_blocks is None or window_blocks > self.kv_sizing.num_blocks:
+            # A sequence holds its whole context: the pool bounds it (under a sliding window only the
+            # window's blocks and a step's are held at once, and the pool need only hold those).
+            self.max_model_len = min(self.max_model_len, self.kv_sizing.num_tokens)
+        self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
+                                      self.config.sliding_window, scheduler.max_num_batched_tokens)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
         self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,
                                   self.eos_token_ids)
@@ -222,19 +223,26 @@ class LLM:
             prefix = self.manager.find_prefix(ids)
             done = len(prefix) * self.manager.block_size
             self.manager.record_prefix_query(len(ids), done)
-            if not self.manager.allocate(cache.seq_id, len(ids), prefix):
+            step = self.scheduler_config.max_num_batched_tokens  # bounds attention memory
+            # The whole prompt's blocks up front (a full pool fails before any work), or under a
+            # sliding window each chunk's as it comes: blocks behind the window are freed meanwhile.
+            upto = min(len(ids), done + step) if self.manager.sliding_window else len(ids)
+            if not self.manager.allocate(cache.seq_id, upto, prefix):
                 raise OutOfBlocksError(
                     f"the KV pool has {self.manager.pool.num_free_blocks} free blocks, the prompt needs "
-                    f"{self.manager.blocks_needed(len(ids)) - len(prefix)}: close other caches first"
+                    f"{self.manager.blocks_needed(upto) - len(prefix)}: close other caches first"
                 )
             cache.token_ids = ids[:done]
-            step = self.scheduler_config.max_num_batched_tokens  # bounds attention memory
             while done < len(ids):
                 chunk = ids[done : done + step]
+                if not self.manager.allocate(cache.seq_id, done + len(chunk)):
+                    raise OutOfBlocksError(f"the KV pool has {self.manager.pool.num_free_blocks} free blocks, too few "
+                                           "for the prompt's next chunk: close other caches first")
                 logits = self.runner.run([SeqChunk(chunk, done, cache.block_ids, done + len(chunk) == len(ids))])
                 done += len(chunk)
                 cache.token_ids = ids[:done]
                 self.manager.cache_computed(cache.seq_id, cache.token_ids, done)
+                self.manager.slide(cache.seq_id, done)
             return cache, self._sample(logits, cache, params)
         except BaseException:
             cache.close()
@@ -254,6 +262,7 @@ class LLM:
         logits = self.runner.run([SeqChunk([token], n, cache.block_ids, True)])
         cache.token_ids.append(token)
         self.manager.cache_computed(cache.seq_id, cache.token_ids, n + 1)
+        self.manager.slide(cache.seq_id, n + 1)
         return cache, self._sample(logits, cache, params or GREEDY)
 
     def _sample(self, logits: torch.Tensor, cache: KVCache, params: SamplingParams) -> int:

@@ -37,13 +37,15 @@ def random_case(B, H, Hkv, D, bs, lens, dtype, seed=0):
     return q, kv, tables
 
 
-def exact(q, kv, tables, lens, bs, scale):
-    """float64 attention of each query over its own context."""
+def exact(q, kv, tables, lens, bs, scale, window=0):
+    """float64 attention of each query over its own context (its last `window` keys, if given)."""
     B, H, D = q.shape
     Hkv = kv.shape[1]
     out = torch.empty(B, H, D, dtype=torch.float64)
     for b in range(B):
         ctx = kv[:, :, tables[b]].reshape(2, Hkv, -1, D)[:, :, : lens[b]].double()  # [2, Hkv, L, D]
+        if window:
+            ctx = ctx[:, :, -window:]
         k = ctx[0].repeat_interleave(H // Hkv, 0)
         v = ctx[1].repeat_interleave(H // Hkv, 0)
         p = torch.softmax((k @ q[b].double().unsqueeze(-1)).squeeze(-1) * scale, -1)  # [H, L]
@@ -90,6 +92,74 @@ def test_paged_decode_never_reads_past_a_context() -> None:
     poisoned.view(2, 3, -1, 64)[:, :, ~used] = float("nan")
     out = paged_attention.paged_decode(q, poisoned, *as_tensors(tables, lens), 0.125)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,tol", PAIRS)
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_paged_decode_sliding_window_matches_exact_attention(window, dtype, kv_dtype, tol) -> None:
+    """Each query sees its last `window` keys only (transformers: key > query - window); contexts
+    shorter than the window see all of theirs."""
+    bs, lens = 16, [1, 4, 16, 17, 37, 38, 70, 100]
+    q, kv, tables = random_case(len(lens), 9, 3, 64, bs, lens, dtype)
+    kv = kv.to(kv_dtype)
+    out = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125, window=window)
+    assert (out.double() - exact(q, kv, tables, lens, bs, 0.125, window)).abs().max().item() < tol
+    full = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125)
+    assert not torch.equal(out[6], full[6])  # the window changes a long context's output
+
+
+def slid_out(tables, lens, bs, window, pool, poison=float("nan")):
+    """The tables with blocks wholly before each window as -1 (freed), and the pool with every
+    slot outside the windows poisoned: what a sliding-window step may find there. The torch
+    reference multiplies masked rows by 0, so it takes a finite poison (the runner zeroes each
+    block on its first write: stale slots are finite); the kernel never reads them, NaN or not."""
+    holes = [[-1 if (j + 1) * bs <= max(0, n - window) else b for j, b in enumerate(t)] for t, n in zip(tables, lens)]
+    poisoned = pool.clone()
+    seen = torch.zeros(pool.shape[2] * bs, dtype=torch.bool)
+    for t, n in zip(tables, lens):
+        for i in range(max(0, n - window), n):
+            seen[t[i // bs] * bs + i % bs] = True
+    poisoned.view(2, pool.shape[1], -1, pool.shape[-1])[:, :, ~seen] = poison
+    return holes, poisoned
+
+
+@pytest.mark.parametrize("backend,poison", [(TorchAttention, 1e4), (CpuPagedAttention, float("nan"))])
+def test_sliding_window_decode_reads_nothing_before_the_window(backend, poison) -> None:
+    """Freed blocks (-1 in the table) and stale slots before the window never reach the output."""
+    bs, window, lens = 16, 20, [5, 20, 21, 36, 37, 70, 100]
+    q, kv, tables = random_case(len(lens), 9, 3, 64, bs, lens, torch.float32)
+    holes, poisoned = slid_out(tables, lens, bs, window, kv, poison)
+    assert any(-1 in t for t in holes)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [1] * len(lens), lens, holes, bs)
+    out = backend().forward(q, poisoned, None, poisoned, meta, 0.125, window)
+    assert (out.double() - exact(q, kv, tables, lens, bs, 0.125, window)).abs().max().item() < 2e-6
+
+
+def test_sliding_window_prefill_chunks_match_exact_attention() -> None:
+    """Prefill chunks (whole prompts and later chunks) under a window, torch reference and kernel
+    backend, with the blocks before each chunk's first window freed and poisoned."""
+    H, Hkv, D, bs, window = 9, 3, 64, 8, 11
+    lens, query_lens = [30, 9, 50, 40, 25], [30, 9, 12, 1, 7]  # whole prompts, a chunk, a decode, a chunk
+    _, kv, tables = random_case(len(lens), H, Hkv, D, bs, lens, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    T = sum(query_lens)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
+    slots = [t[p // bs] * bs + p % bs for t, n, L in zip(tables, query_lens, lens) for p in range(L - n, L)]
+    store_kv(k, v, kv, torch.tensor(slots))
+    firsts = [L - n for n, L in zip(query_lens, lens)]  # each chunk's first query's window starts there
+    holes, poisoned = slid_out(tables, firsts, bs, window - 1, kv, 1e4)  # keys from first - window + 1 on
+    store_kv(k, v, poisoned, torch.tensor(slots))  # slid_out poisoned the chunks' own slots: restore them
+    want = torch.empty(T, H, D, dtype=torch.float64)
+    row = 0
+    for t, n, L in zip(tables, query_lens, lens):
+        for j in range(n):
+            pos = L - n + j
+            want[row] = exact(q[row : row + 1], kv, [t], [pos + 1], bs, 0.125, window)[0]
+            row += 1
+    for backend in (TorchAttention(), CpuPagedAttention()):
+        meta = AttentionMetadata(torch.tensor(slots), query_lens, lens, holes, bs)
+        out = backend.forward(q, k, v, poisoned, meta, 0.125, window)
+        assert (out.double() - want).abs().max().item() < 2e-6
 
 
 def test_paged_decode_is_batch_invariant() -> None:
@@ -263,6 +333,12 @@ def test_paged_decode_refuses_tables_that_point_outside_the_pool() -> None:
     ):
         with pytest.raises(RuntimeError, match=r"paged decode kernel failed \(code -3\)"):
             paged_attention.paged_decode(q, kv, bad_tables, bad_lens, 0.125)
+    # Under a window only the blocks it reads are checked: a freed block before it is fine, one inside is not.
+    freed = bt.clone()
+    freed[0, 0] = -1
+    paged_attention.paged_decode(q, kv, freed, sl, 0.125, window=4)  # sequence 0 reads positions 16 .. 19
+    with pytest.raises(RuntimeError, match=r"code -3"):
+        paged_attention.paged_decode(q, kv, freed, sl, 0.125, window=5)  # ... and 15, in block 0
 
 
 def test_rope_store_refuses_slots_outside_the_pool_and_writes_nothing() -> None:

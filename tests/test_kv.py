@@ -159,3 +159,87 @@ def test_a_named_kv_cache_dtype_is_the_pools_and_a_bad_one_is_refused(tiny_llama
     assert llm.kv_dtype == torch.bfloat16 and llm.runner.kv_caches[0].dtype == torch.bfloat16
     with pytest.raises(ValueError, match="^KV cache dtype must be one of auto, .*, got 'int8'$"):
         LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="int8"))
+
+
+def test_sliding_window_frees_blocks_wholly_before_the_window() -> None:
+    """Window 6, blocks of 4: after n computed tokens the next query (position n) sees n - 5 .. n,
+    so blocks whose last token is before n - 5 go back to the pool, published first."""
+    m = KVCacheManager(BlockPool(8, cache_reserve=8), BS, sliding_window=6)
+    prompt = ids(14)
+    assert m.allocate("a", 14)
+    assert m.block_ids("a") == [0, 1, 2, 3]
+    m.cache_computed("a", prompt, 14)
+    assert m.slide("a", 14) == 2  # keys from 9 on: blocks 0 (0-3) and 1 (4-7) are out, block 2 (8-11) in
+    assert m.block_ids("a") == [-1, -1, 2, 3] and m.num_held_blocks("a") == 2
+    assert m.pool.num_used_blocks == 2 and m.pool.num_cached_free_blocks == 2  # 0 and 1: free, still published
+    assert m.slide("a", 14) == 0  # nothing more until the window moves past block 2
+    for n in (15, 16, 17):  # decoding: position 16 needs block 4; the window leaves block 2 at n = 17
+        assert m.allocate("a", n + 1)
+        m.cache_computed("a", prompt + ids(4, 100), n)
+        assert m.slide("a", n) == (n == 17)
+    assert m.block_ids("a") == [-1, -1, -1, 3, 4] and m.pool.num_used_blocks == 2
+    # A table with holes grows by what it lacks (the holes count as covered) and frees what it holds.
+    assert m.can_allocate("a", 24) and not m.can_allocate("a", 48)
+    m.pool.check_invariant()
+    m.free("a")
+    assert m.pool.num_used_blocks == 0 and m.pool.num_cached_free_blocks == 4  # blocks 0-3: full, published
+    m.pool.check_invariant()
+
+
+def test_a_prefix_hit_on_slid_out_blocks_is_valid_until_they_are_reused() -> None:
+    """Slid-out blocks keep their hash while free: a new sequence with the same prompt hits them.
+    Once one is handed out again its hash is gone and the chain stops there."""
+    m = KVCacheManager(BlockPool(6, cache_reserve=0), BS, sliding_window=4)
+    prompt = ids(17)
+    m.allocate("a", 17)
+    m.cache_computed("a", prompt, 17)
+    assert m.slide("a", 17) == 3  # keys from 14 on: blocks 0-2 out
+    assert [b.block_id for b in m.find_prefix(prompt)] == [0, 1, 2, 3]  # 3 is in use, 0-2 free but valid
+    # The free queue holds 2, 1, 0 (freed tail-first: a chain's start is evicted last), and with
+    # cache_reserve 0 cached blocks go before fresh ones: another sequence takes 2, then 1.
+    m.allocate("b", 8)
+    assert m.block_ids("b") == [2, 1]
+    assert [b.block_id for b in m.find_prefix(prompt)] == [0]  # block 1 was reused: the walk stops
+    m.pool.check_invariant()
+    m.free("a")
+    m.free("b")
+    m.pool.check_invariant()
+    assert m.pool.num_used_blocks == 0
+
+
+def test_no_window_slides_nothing() -> None:
+    m = KVCacheManager(BlockPool(8), BS)
+    m.allocate("a", 30)
+    m.cache_computed("a", ids(30), 30)
+    assert m.slide("a", 30) == 0 and m.block_ids("a") == list(range(8))
+
+
+def test_a_prefix_hit_behind_the_window_leaves_those_blocks_in_the_pool() -> None:
+    """A new sequence whose prefix hit reaches past its window takes only the blocks its first
+    computed token can see; the ones behind are holes, and stay cached and free."""
+    m = KVCacheManager(BlockPool(8, cache_reserve=8), BS, sliding_window=6)
+    prompt = ids(25)
+    m.allocate("a", 25)
+    m.cache_computed("a", prompt, 25)
+    m.free("a")
+    assert m.pool.num_cached_free_blocks == 6
+    hit = m.find_prefix(prompt)
+    assert [b.block_id for b in hit] == [0, 1, 2, 3, 4, 5]  # 24 tokens; position 24 sees 19 .. 24
+    # only blocks 4 (tokens 16-19) and 5 are taken, and one new
+    assert m.can_allocate("b", 25, hit)
+    assert m.allocate("b", 25, hit)
+    assert m.block_ids("b") == [-1, -1, -1, -1, 4, 5, 6]
+    assert [m.pool.blocks[i].ref_cnt for i in range(7)] == [0, 0, 0, 0, 1, 1, 1]
+    assert m.pool.num_used_blocks == 3 and m.pool.num_cached_free_blocks == 4
+    m.cache_computed("b", prompt, 25)  # the hash chain runs through the holes
+    assert m.slide("b", 25) == 1 and m.block_ids("b")[4] == -1  # position 25 sees 20 .. 25: block 4 goes
+    m.free("b")
+    assert [b.block_id for b in m.find_prefix(prompt)] == [0, 1, 2, 3, 4, 5]
+    m.pool.check_invariant()
+
+
+def test_blocks_held_at_most_under_a_window() -> None:
+    m = KVCacheManager(BlockPool(8), BS, sliding_window=6, step_tokens=8)
+    # a step of 8 tokens and the 5 before it: 13 tokens over at most 5 blocks of 4
+    assert [m.blocks_held_at_most(n) for n in (1, 12, 17, 20, 10_000)] == [1, 3, 5, 5, 5]
+    assert KVCacheManager(BlockPool(8), BS).blocks_held_at_most(10_000) == 2500

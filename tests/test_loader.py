@@ -234,6 +234,53 @@ def test_hf_rope_scaling_in_both_config_styles(tmp_path: Path) -> None:
     _one_line(err, "config.json", "'yarn'", "llama3")
 
 
+UNSUPPORTED_ROPE = {  # kind: an HF rope dict of that kind (theta added by make_tiny_hf_model)
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 512,
+                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+}
+SUPPORTED_NAMED = "kvserve supports none, linear, llama3"
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", list(UNSUPPORTED_ROPE))
+def test_hf_unsupported_rope_scaling_is_refused_at_load(kind: str, arch: str, tmp_path: Path) -> None:
+    """Both config styles (transformers 5's rope_parameters, 4.x's rope_scaling with "type")."""
+    _, d = make_tiny_hf_model(tmp_path / "m", arch=arch, with_tokenizer=False, vocab_size=512)
+    _rewrite_config(d, rope_parameters={**UNSUPPORTED_ROPE[kind], "rope_theta": 10000.0})
+    with pytest.raises(ModelFormatError) as err:
+        load_checkpoint(d)
+    _one_line(err, "config.json", f"RoPE scaling {kind!r} is not supported", SUPPORTED_NAMED)
+    legacy = {("type" if k == "rope_type" else k): v for k, v in UNSUPPORTED_ROPE[kind].items()}
+    _rewrite_config(d, rope_parameters=None, rope_scaling=legacy, rope_theta=10000.0)
+    with pytest.raises(ModelFormatError) as err:
+        read_model_config(d)
+    _one_line(err, "config.json", f"RoPE scaling {kind!r} is not supported", SUPPORTED_NAMED)
+
+
+def test_hf_sliding_window_per_architecture(tmp_path: Path) -> None:
+    """Mistral's window; Qwen2's only where use_sliding_window is on and every layer slides
+    (layer_types, or max_window_layers as transformers derives them); a mix is refused."""
+    _, d = make_tiny_hf_model(tmp_path / "mistral", arch="mistral", with_tokenizer=False, sliding_window=8)
+    assert read_model_config(d).sliding_window == 8
+    _rewrite_config(d, sliding_window=None)
+    assert read_model_config(d).sliding_window is None
+    _, d = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2", with_tokenizer=False)
+    for fields, want in (
+        ({"use_sliding_window": False, "sliding_window": 8}, None),
+        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0, "layer_types": None}, 8),
+        ({"max_window_layers": 2}, None),  # no layer from index 2 on in a 2-layer model: none slides
+        ({"layer_types": ["sliding_attention"] * 2}, 8),
+    ):
+        _rewrite_config(d, **fields)
+        assert read_model_config(d).sliding_window == want, fields
+    _rewrite_config(d, layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ModelFormatError) as err:
+        read_model_config(d)
+    _one_line(err, "config.json", "1 of 2 layers", "every layer or in none")
+
+
 def test_hf_head_dim_eos_list_and_generation_config(tmp_path: Path) -> None:
     _, d = make_tiny_hf_model(tmp_path / "m", with_tokenizer=False, head_dim=32)
     assert read_model_config(d).head_dim == 32
@@ -331,6 +378,19 @@ def test_gguf_rope_scaling_llama3_and_linear(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as err:
         read_model_config(write_tiny_gguf(tmp_path / "c.gguf", model))
     _one_line(err, "c.gguf", "rope_freqs")
+
+
+@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+def test_gguf_unsupported_rope_scaling_is_refused_like_hf(kind: str, tmp_path: Path) -> None:
+    """llama.cpp's rope.scaling.type names yarn and longrope: the GGUF reader refuses them with
+    the HF reader's words."""
+    model, _ = make_tiny_hf_model(tmp_path / "m", with_tokenizer=False, vocab_size=512)
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.rope_parameters = {"rope_type": kind, "factor": 4.0, "rope_theta": 10000.0}
+    path = write_tiny_gguf(tmp_path / "m.gguf", model.state_dict(), config=config)
+    with pytest.raises(ModelFormatError) as err:
+        load_checkpoint(path)
+    _one_line(err, "m.gguf", f"RoPE scaling {kind!r} is not supported", SUPPORTED_NAMED)
 
 
 # --- dequantization -------------------------------------------------------------------------
@@ -460,14 +520,15 @@ def test_a_loaded_model_keeps_no_parsed_file_and_still_reads_its_mapped_weights(
     second[0].close()
 
 
-def test_a_sliding_window_caps_the_context_where_it_is_on(tmp_path) -> None:
+def test_a_sliding_window_is_modelled_not_a_cap_on_the_context(tmp_path) -> None:
     from kvserve import LLM
     from kvserve.config import CacheConfig
 
     _, on = make_tiny_hf_model(tmp_path / "on", sliding_window=48)
     llm = LLM(str(on), dtype="float32", cache=CacheConfig(num_blocks=64))
-    assert llm.config.sliding_window == 48 and llm.max_model_len == 48
-    # Qwen2 configs list a window with use_sliding_window false: full attention, no cap.
+    assert llm.config.sliding_window == 48 and llm.model.window == 48
+    assert llm.max_model_len == 2048  # the model's: a sequence holds at most 36 of the pool's 64 blocks
+    # Qwen2 configs list a window with use_sliding_window false: full attention.
     _, off = make_tiny_hf_model(tmp_path / "off", arch="qwen2", sliding_window=48, use_sliding_window=False)
     llm = LLM(str(off), dtype="float32", cache=CacheConfig(num_blocks=64))
-    assert llm.config.sliding_window is None and llm.max_model_len == 64 * 16  # the pool caps it, not a window
+    assert llm.config.sliding_window is None and llm.model.window == 0 and llm.max_model_len == 64 * 16

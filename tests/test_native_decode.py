@@ -6,6 +6,7 @@ the per-op path; bad tables are refused without writing the pool.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -38,16 +39,22 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
 
 
-def _decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int) -> None:
+def _decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int, window: int = 0) -> None:
     """Prefill each prompt, then decode all together `steps` times, each step through the per-op
-    path and the native step over the same pool; their logits must be identical."""
+    path and the native step over the same pool; their logits must be identical. Under a sliding
+    window, the blocks wholly before each window are -1 in the tables (freed)."""
     native, blocks = runner.native, iter(range(1, 10_000))
     tables = [[next(blocks) for _ in range((len(p) + steps) // BS + 1)] for p in prompts]
     seqs = [list(p) for p in prompts]
     runner.native = None
     for seq, table in zip(seqs, tables):
         seq.append(int(runner.run([SeqChunk(seq, 0, table, True)])[0].argmax()))
+    holes = 0
     for _ in range(steps):
+        for s, t in zip(seqs, tables):  # the next query, at len(s) - 1, sees keys from len(s) - window on
+            for j in range(max(0, len(s) - window) // BS if window else 0):
+                holes += t[j] != -1
+                t[j] = -1
         chunks = [SeqChunk([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables)]
         runner.native = None
         ref = runner.run(chunks).clone()
@@ -56,6 +63,7 @@ def _decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int) -> N
         assert torch.equal(ref, got), f"max |difference| {(ref - got).abs().max().item()}"
         for s, token in zip(seqs, ref.argmax(-1).tolist()):
             s.append(token)
+    assert bool(holes) == bool(window)
 
 
 def test_the_default_model_takes_the_native_step(llm: LLM) -> None:
@@ -97,7 +105,7 @@ def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(llm: LLM) -> None:
         assert torch.equal(runner.run([c])[0], together[i])
 
 
-def _tiny_quantized(tiny_llama_dir, qtypes: dict[str, Q], bias: bool = False) -> LlamaModel:
+def _tiny_quantized(tiny_llama_dir, qtypes: dict[str, Q], bias: bool = False, window: int | None = None) -> LlamaModel:
     ckpt = load_checkpoint(tiny_llama_dir, torch.float32, "none")
     tensors = ckpt.tensors
     for name in list(tensors):
@@ -109,7 +117,20 @@ def _tiny_quantized(tiny_llama_dir, qtypes: dict[str, Q], bias: bool = False) ->
         for i in range(c.num_hidden_layers):
             for n, rows in (("q", c.num_attention_heads), ("k", c.num_key_value_heads), ("v", c.num_key_value_heads)):
                 tensors[f"model.layers.{i}.self_attn.{n}_proj.bias"] = torch.randn(rows * c.head_dim) * 0.1
-    return LlamaModel(ckpt.config, tensors, torch.float32)
+    return LlamaModel(dataclasses.replace(ckpt.config, sliding_window=window), tensors, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype) -> None:
+    """A window of 8 with freed (-1) blocks before it: the step reads only the window, as the
+    per-op path does (whose window tests/test_sliding_window.py checks against transformers);
+    without the window it would refuse the tables."""
+    model = _tiny_quantized(tiny_llama_dir, {}, window=8)
+    c = model.config
+    pools = [torch.zeros(2, c.num_key_value_heads, 64, BS, c.head_dim, dtype=kv_dtype) for _ in model.layers]
+    runner = ModelRunner(model, pools, BS)
+    assert runner.native is not None and runner.native._model.window == 8
+    _decode_both(runner, _prompts(4, seed=6), steps=6, window=8)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -55,7 +55,8 @@ def make_tiny_hf_model(
     with_tokenizer: bool = True,
     **config_overrides: Any,
 ) -> tuple[Any, Path]:
-    """Build, randomise and save a tiny LlamaForCausalLM / Qwen2ForCausalLM (float32, eval mode).
+    """Build, randomise and save a tiny LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM
+    (float32, eval mode). Mistral takes its sliding_window through config_overrides.
 
     vocab_size defaults to the real tokenizer's 49152 (512 when with_tokenizer=False).
     rope_scaling is a transformers rope dict without theta, e.g. {"rope_type": "llama3", ...}.
@@ -63,7 +64,8 @@ def make_tiny_hf_model(
     between implementations are not decided by rounding. Norm weights and biases are randomised
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     directory = Path(directory)
     if vocab_size is None:
@@ -91,10 +93,12 @@ def make_tiny_hf_model(
     if arch == "llama":
         config = LlamaConfig(**common, attention_bias=attention_bias, **config_overrides)
         model = LlamaForCausalLM(config)
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, **config_overrides))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **config_overrides))
     else:
-        raise ValueError(f"arch must be 'llama' or 'qwen2', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral' or 'qwen2', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -148,9 +152,10 @@ def write_tiny_gguf(
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
-    linear scaling becomes metadata. with_vocab copies the default model's tokenizer.* metadata
-    (its 49152-token vocabulary, merges, special ids and chat template) into the file;
-    vocab_renames respells some of its tokens (ids 3-16 are unused control tokens).
+    linear (and yarn, longrope: metadata only) scaling becomes metadata. with_vocab copies the
+    default model's tokenizer.* metadata (its 49152-token vocabulary, merges, special ids and chat
+    template) into the file; vocab_renames respells some of its tokens (ids 3-16 are unused
+    control tokens).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -175,6 +180,8 @@ def write_tiny_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    if getattr(config, "sliding_window", None):  # Mistral's (llama.cpp writes it for models that slide)
+        writer.add_sliding_window(config.sliding_window)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -184,8 +191,8 @@ def write_tiny_gguf(
         _add_default_vocab(writer, vocab_renames)
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
     writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
-    if rope.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    if rope.get("rope_type") in ("linear", "yarn", "longrope"):  # yarn, longrope: for kvserve's refusal
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim

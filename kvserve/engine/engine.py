@@ -110,7 +110,7 @@ class LLMEngine:
                 "min_tokens", f"min_tokens is {params.min_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
                 f"and the prompt takes {n}: min_tokens must be at most {self.max_model_len - n}")
         total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        blocks = self.manager.blocks_needed(total)
+        blocks = self.manager.blocks_held_at_most(total)
         if blocks > self.manager.pool.num_blocks:
             raise InvalidParam(
                 "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "

@@ -155,6 +155,8 @@ class Scheduler:
                 self.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if self.manager.sliding_window:  # blocks that left the window go back to the pool
+                self.manager.slide(seq.seq_id, seq.num_computed_tokens)
             if seq.prompt_done:
                 seq.request.prompt_cached = True
 

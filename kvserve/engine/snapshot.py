@@ -34,7 +34,7 @@ def engine_state(engine: LLMEngine) -> dict[str, Any]:
     for state, seqs in (("running", scheduler.running), ("waiting", scheduler.waiting)):
         for seq in seqs:
             rid = seq.request.request_id
-            blocks = len(manager.tables.get(seq.seq_id, ()))
+            blocks = manager.num_held_blocks(seq.seq_id)
             if len(requests) < MAX_REQUESTS:
                 requests.append(_seq_row(seq, state, blocks))
             if rid not in code_of and len(code_of) < MAX_REQUESTS:
@@ -47,7 +47,7 @@ def engine_state(engine: LLMEngine) -> dict[str, Any]:
     for seq_id, table in manager.tables.items():
         code = code_of.get(seq_id.rsplit("#", 1)[0], 2 + MAX_REQUESTS)  # beyond the list: "other"
         for b in table:
-            if owners[b.block_id] < 2:  # a shared prefix block shows its first holder
+            if b is not None and owners[b.block_id] < 2:  # a shared prefix block shows its first holder
                 owners[b.block_id] = code
     cell = -(-pool.num_blocks // MAX_CELLS)
     cells = owners if cell == 1 else [max(owners[i : i + cell]) for i in range(0, pool.num_blocks, cell)]

@@ -47,6 +47,7 @@ typedef struct {
     int block_size;
     long num_blocks;
     float eps, scale;
+    int window;            /* sliding window (keys per query), 0: none */
     const float *inv_freq; /* [D / 2] */
     int embed_type;        /* GGML type of the embedding table (0: float32 rows) */
     const uint8_t *embed;
@@ -115,7 +116,7 @@ static int linear_ok(const kv_linear *L, long cols, long rows) {
 
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
 int kvserve_decode_check(const kv_model *m) {
-    if (m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
+    if (m->window < 0 || m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
         return -1;
     if (m->embed_type != 0 && (block_bytes(m->embed_type) == 0 || m->hidden % block_values(m->embed_type))) return -1;
     const long qkv_rows = (long)(m->H + 2 * m->Hkv) * m->D;
@@ -153,7 +154,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
     const long num_slots = m->num_blocks * m->block_size;
     for (int t = 0; t < B; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0) return -3;
-    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, (int)m->num_blocks, m->block_size);
+    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, (int)m->num_blocks, m->block_size,
+                                            m->window);
     if (max_len < 0) return max_len;
     if (max_len > ws->max_context) return -4;
     const int N = m->hidden, H = m->H, Hkv = m->Hkv, D = m->D, F = m->ffn, G = H / Hkv;
@@ -185,7 +187,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #pragma omp for schedule(static)
             for (int item = 0; item < B * Hkv; item++) {
                 const int b = item / Hkv, h = item % Hkv;
-                attend_item(ws->q, L->kv, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], b, h, H, Hkv,
+                attend_item(ws->q, L->kv, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h, H, Hkv,
                             (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
             }
             linear_in_region(&L->o, ws->att, B, ws->o, ws->acts);

@@ -34,7 +34,7 @@ class Model(ctypes.Structure):
     _fields_ = [
         ("n_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("ffn", _i),
         ("kv_fmt", _i), ("block_size", _i), ("num_blocks", _l), ("eps", _f), ("scale", _f),
-        ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
+        ("window", _i), ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
         ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)),
     ]
 

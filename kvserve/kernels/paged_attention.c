@@ -11,6 +11,10 @@
  * float16 (the 16-bit formats passed as uint16). q and out: [B, H, D] contiguous, float32 or
  * bfloat16 (the model's dtype, which the pool's need not be: float32 activations over a
  * float16 pool read half the bytes per context token).
+ *
+ * Sliding-window attention (window > 0): the query at position L - 1 sees the `window` keys
+ * L - window .. L - 1 only (transformers' mask: key > query - window). Blocks wholly before
+ * the window are never read, so a block table may hold anything there (freed blocks: -1).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,9 +40,12 @@ static inline const float *row_f32(const void *base, size_t index, int D, int fm
     return buf;
 }
 
-/* Inlined per head size so that D is a constant the loops are unrolled for. */
+/* The first key position a query at position L - 1 sees: 0, or L - window under a window. */
+static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
+
+/* Inlined per head size so that D is a constant the loops are unrolled for. Keys t0 .. L - 1. */
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv, void *out,
-                                                             const int32_t *table, int L, int b, int h, int H, int Hkv,
+                                                             const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
                                                              size_t head_rows, int bs, int D, float scale, int q_fmt,
                                                              int kv_fmt, float *restrict scores) {
     const int G = H / Hkv;
@@ -48,32 +55,33 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
     }
     const size_t k_head = (size_t)h * head_rows, v_head = (size_t)(Hkv + h) * head_rows; /* in rows */
+    const int n = L - t0; /* keys seen; scores[g][t - t0] */
 
-    for (int t = 0; t < L; t++) { /* scores[g][t] = q_g . k_t */
+    for (int t = t0; t < L; t++) { /* scores[g][t] = q_g . k_t */
         const float *k = row_f32(kv, k_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
         for (int g = 0; g < G; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int i = 0; i < D; i++) s += qf[g][i] * k[i];
-            scores[(size_t)g * L + t] = s;
+            scores[(size_t)g * n + t - t0] = s;
         }
     }
     for (int g = 0; g < G; g++) { /* softmax over the context */
-        float *s = scores + (size_t)g * L, m = -INFINITY, sum = 0.f;
-        for (int t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
+        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
+        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < L; t++) {
+        for (int t = 0; t < n; t++) {
             s[t] = exp_approx(s[t] - m);
             sum += s[t];
         }
         const float inv = 1.f / sum;
-        for (int t = 0; t < L; t++) s[t] *= inv;
+        for (int t = 0; t < n; t++) s[t] *= inv;
         memset(acc[g], 0, sizeof(float) * D);
     }
-    for (int t = 0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
+    for (int t = t0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
         const float *v = row_f32(kv, v_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
         for (int g = 0; g < G; g++) {
-            const float p = scores[(size_t)g * L + t];
+            const float p = scores[(size_t)g * n + t - t0];
 #pragma omp simd
             for (int i = 0; i < D; i++) acc[g][i] += p * v[i];
         }
@@ -91,10 +99,11 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
  * inlined copy has them as constants (a format read at run time leaves gcc vectorizing every
  * branch with slow masked loads). The pairs the models run with get their own copies; any other
  * pair works, slower. Also called by decode_step.c, inside its own parallel region. */
-static void attend_item(const void *q, const void *kv, void *out, const int32_t *table, int L, int b, int h, int H,
-                        int Hkv, size_t head_rows, int bs, int D, float scale, int q_fmt, int kv_fmt,
+static void attend_item(const void *q, const void *kv, void *out, const int32_t *table, int L, int window, int b,
+                        int h, int H, int Hkv, size_t head_rows, int bs, int D, float scale, int q_fmt, int kv_fmt,
                         float *restrict scores) {
-#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+    const int t0 = window_start(L, window);
+#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
 #define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
     if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
         ATTEND_D(FMT_F32, FMT_F32);
@@ -119,28 +128,29 @@ static int attention_shapes_check(int H, int Hkv, int D, int q_fmt, int kv_fmt) 
                : 0;
 }
 
-/* The longest context of the batch (>= 1), or -3 when a context length or block id would read
- * outside the tables or the pool. */
+/* The most keys one query of the batch sees (>= 1), or -3 when a context length or a block id
+ * the window reads would fall outside the tables or the pool. */
 static int attention_tables_ok(const int32_t *tables, int max_blocks, const int32_t *seq_lens, int B, int num_blocks,
-                               int bs) {
+                               int bs, int window) {
     int max_len = 1;
     for (int b = 0; b < B; b++) {
-        const int L = seq_lens[b];
+        const int L = seq_lens[b], t0 = window_start(L, window);
         if (L < 1 || L > (long)max_blocks * bs) return -3;
-        for (int j = 0; j < (L + bs - 1) / bs; j++)
+        for (int j = t0 / bs; j < (L + bs - 1) / bs; j++)
             if (tables[(size_t)b * max_blocks + j] < 0 || tables[(size_t)b * max_blocks + j] >= num_blocks) return -3;
-        max_len = L > max_len ? L : max_len;
+        max_len = L - t0 > max_len ? L - t0 : max_len;
     }
     return max_len;
 }
 
-/* Returns 0; -1 for shapes this kernel does not take; -3 when a context length or block id
- * would read outside the tables or the pool (nothing is read then); -2 when out of memory. */
+/* window: 0, or the sliding window (keys seen per query). Returns 0; -1 for shapes this kernel
+ * does not take; -3 when a context length or block id would read outside the tables or the pool
+ * (nothing is read then); -2 when out of memory. */
 int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
                          const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
-                         float scale, int q_fmt, int kv_fmt, int nthreads) {
-    if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt)) return -1;
-    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs);
+                         float scale, int q_fmt, int kv_fmt, int window, int nthreads) {
+    if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt) || window < 0) return -1;
+    const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs, window);
     if (max_len < 0) return max_len;
     const size_t head_rows = (size_t)num_blocks * bs;
     int failed = 0;
@@ -155,8 +165,8 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
         for (int item = 0; item < B * Hkv; item++) {
             const int b = item / Hkv, h = item % Hkv;
             if (scores)
-                attend_item(q, kv, out, tables + (size_t)b * max_blocks, seq_lens[b], b, h, H, Hkv, head_rows, bs, D,
-                            scale, q_fmt, kv_fmt, scores);
+                attend_item(q, kv, out, tables + (size_t)b * max_blocks, seq_lens[b], window, b, h, H, Hkv, head_rows,
+                            bs, D, scale, q_fmt, kv_fmt, scores);
         }
         free(scores);
     }

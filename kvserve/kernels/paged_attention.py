@@ -10,7 +10,7 @@ from kvserve.kernels import DTYPES as _DTYPES
 from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i, _i]}
+_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i, _i, _i]}
 
 
 def available() -> bool:
@@ -47,6 +47,7 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B] int32
     scale: float,
     checked: bool = False,  # the caller has checked supports(q, kv_cache) for this step
+    window: int = 0,  # sliding window: each query sees its last `window` keys (0: all)
 ) -> torch.Tensor:  # [B, H, D]
     lib = _lib()
     assert lib is not None and (checked or supports(q, kv_cache))
@@ -63,7 +64,7 @@ def paged_decode(
     rc = lib.kvserve_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, _DTYPES[q.dtype], _KV_DTYPES[kv_cache.dtype],
-        torch.get_num_threads(),
+        window, torch.get_num_threads(),
     )
     if rc != 0:
         raise RuntimeError(f"paged decode kernel failed (code {rc}) for q {tuple(q.shape)}, pool {tuple(kv_cache.shape)}")

@@ -3,6 +3,14 @@
 Speaks in check/act pairs for the scheduler: find_prefix() then allocate() (which refuses,
 allocating nothing, when the pool cannot cover the step); cache_computed() after a step
 publishes blocks that became full; free() returns a sequence's blocks tail-first.
+
+Under sliding-window attention (`sliding_window`), slide() frees a sequence's blocks that fell
+wholly out of its window as it advances: their table entries become holes (None; -1 in
+block_ids), so token i still maps to table[i // block_size]. A slid-out block was published
+before it is freed (it is full and computed), and freeing keeps its hash: its K/V stay valid
+until the pool hands the block out again, which drops the hash (BlockPool._evict). So a later
+prefix hit on it reads what it stored, and a prefix lookup, which walks the chain from block 0,
+stops at the first block already reused.
 """
 from __future__ import annotations
 
@@ -12,6 +20,14 @@ from dataclasses import dataclass
 from kvserve.kv.block_pool import BlockPool, KVBlock, hash_block, prefix_block_hashes
 
 
+def peak_blocks(sliding_window: int | None, block_size: int, step_tokens: int) -> int | None:
+    """The most blocks a sequence holds at once under a sliding window, whatever its length: a
+    step's tokens and the window - 1 before them, unaligned (one block more). None: no window."""
+    if not sliding_window:
+        return None
+    return -(-(sliding_window - 1 + step_tokens) // block_size) + 1
+
+
 @dataclass
 class PrefixStats:
     queries: int = 0  # prompt tokens looked up
@@ -19,18 +35,32 @@ class PrefixStats:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None,
+                 step_tokens: int = 512) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.tables: dict[str, list[KVBlock]] = {}
+        self.sliding_window = sliding_window  # keys each query sees; None: the whole context
+        self.step_tokens = step_tokens  # the most tokens a sequence computes in one step
+        self.tables: dict[str, list[KVBlock | None]] = {}  # None: a block slid out of the window
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each table's full blocks
         self.prefix_stats = PrefixStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_held_at_most(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under a
+        sliding window those of its window and a step (slide() frees the rest as it goes)."""
+        peak = peak_blocks(self.sliding_window, self.block_size, self.step_tokens)
+        return self.blocks_needed(num_tokens) if peak is None else min(peak, self.blocks_needed(num_tokens))
+
     def block_ids(self, seq_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq_id, ())]
+        """The table as block ids; -1 where a block slid out of the window (never read again)."""
+        return [-1 if b is None else b.block_id for b in self.tables.get(seq_id, ())]
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Blocks the sequence holds now (slid-out ones excluded)."""
+        return sum(1 for b in self.tables.get(seq_id, ()) if b is not None)
 
     def find_prefix(self, token_ids: Sequence[int]) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
@@ -52,22 +82,31 @@ class KVCacheManager:
         self.prefix_stats.queries += num_tokens
         self.prefix_stats.hits += num_hit_tokens
 
+    def _behind_window(self, num_computed: int, num_blocks: int) -> int:
+        """How many of the first num_blocks blocks no query from num_computed on can see."""
+        if not self.sliding_window:
+            return 0
+        return min(num_blocks, max(0, num_computed - self.sliding_window + 1) // self.block_size)
+
     def can_allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[KVBlock] = ()) -> bool:
         held = len(self.tables.get(seq_id, ()))
-        revived = sum(1 for b in prefix if b.ref_cnt == 0)  # leave the free queue when taken
+        skip = self._behind_window(len(prefix) * self.block_size, len(prefix))  # hits not taken: holes
+        revived = sum(1 for b in prefix[skip:] if b.ref_cnt == 0)  # leave the free queue when taken
         need = self.blocks_needed(num_tokens) - held - len(prefix)
         return need <= self.pool.num_free_blocks - revived
 
     def allocate(self, seq_id: str, num_tokens: int, prefix: Sequence[KVBlock] = ()) -> bool:
         """Grow seq_id's table to cover num_tokens tokens, starting with the prefix blocks if
-        new. Returns False and changes nothing if the pool cannot cover it."""
+        new (under a sliding window, those already behind it are holes: never read, not taken).
+        Returns False and changes nothing if the pool cannot cover it."""
         if not self.can_allocate(seq_id, num_tokens, prefix):
             return False
         table = self.tables.setdefault(seq_id, [])
         if prefix:
             assert not table, "a prefix can only start a new table"
-            self.pool.touch(prefix)
-            table.extend(prefix)
+            skip = self._behind_window(len(prefix) * self.block_size, len(prefix))
+            self.pool.touch(prefix[skip:])
+            table.extend([None] * skip + list(prefix[skip:]))
         need = self.blocks_needed(num_tokens) - len(table)
         if need > 0:
             table.extend(self.pool.allocate(need))
@@ -85,9 +124,26 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             h = hash_block(parent, ids)
             hashes.append(h)
-            self.pool.cache(table[i], h, ids, parent)
+            if table[i] is not None:
+                self.pool.cache(table[i], h, ids, parent)
+
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        """Under a sliding window, free seq_id's blocks that no later query can see: the next
+        query sits at num_computed and sees keys from num_computed - window + 1 on. Call it after
+        cache_computed (so the blocks are published first). Returns how many blocks it freed."""
+        if not self.sliding_window:
+            return 0
+        table = self.tables.get(seq_id)
+        if not table:
+            return 0
+        gone = self._behind_window(num_computed, len(table))
+        freed = [b for b in table[:gone] if b is not None]
+        if freed:
+            table[:gone] = [None] * gone
+            self.pool.free(reversed(freed))  # tail-first, as free() does: the chain's start is evicted last
+        return len(freed)
 
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)
-        self.pool.free(reversed(table))
+        self.pool.free(b for b in reversed(table) if b is not None)

@@ -9,6 +9,11 @@ which tokens belong to which sequence. The pool's dtype may be narrower than the
 (float16 under float32): K/V are rounded when stored and widened when read, and a prefill that
 attends to its own fresh K/V rounds them alike, so a prefix-cache hit changes no result.
 
+Sliding-window attention (Mistral, Qwen2 with use_sliding_window): with `window` > 0 the query
+at position p sees keys p - window + 1 .. p only (transformers' mask: key > query - window).
+Blocks wholly before a sequence's window are never read, so the KV manager may free them: their
+entries in a block table are then -1 (kv/manager.py).
+
 AttentionBackend is the swap point: TorchAttention is the reference path (any device);
 CpuPagedAttention replaces its decode with kvserve's fused C kernel, which reads each context
 straight out of its blocks; a GPU kernel backend only has to implement the same forward().
@@ -57,8 +62,14 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D], the step's k and v already stored
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # sliding window: keys per query (0: the whole context)
     ) -> torch.Tensor:  # [T, H, D]
         """Each new token attends to its sequence's context (itself included) in the pool."""
+
+
+def first_key(pos: int, window: int) -> int:
+    """The first key position a query at `pos` sees: 0, or pos - window + 1 under a window."""
+    return max(0, pos - window + 1) if window else 0
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -82,9 +93,9 @@ class TorchAttention(AttentionBackend):
     The gather copies the context out of the pool; CpuPagedAttention's kernel reads it in place.
     """
 
-    def forward(self, q, k, v, kv_cache, meta, scale):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=0):
         if meta.decode_only:  # a pure decode step: one batched call
-            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale)
+            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -92,17 +103,18 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + n)
         if decode:
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
-            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale)
+            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale, window)
         for i, n in enumerate(meta.query_lens):
             if n > 1:
                 s = starts[i]
-                out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale)
+                out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale,
+                                               window)
         return out
 
-    def _prefill(self, q, k, v, kv_cache, meta, i, scale):
+    def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0):
         n, L = meta.query_lens[i], meta.seq_lens[i]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if n == L:  # the chunk is the whole context: attend to its own K/V, no gather
+        if n == L and not (window and L > window):  # the whole context, causal: its own K/V, no gather
             if kv_cache.dtype != q.dtype:  # as stored: the same values a later chunk reads from the pool
                 k, v = _as_stored(k, kv_cache), _as_stored(v, kv_cache)
             k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
@@ -110,37 +122,52 @@ class TorchAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             _, hkv, _, bs, d = kv_cache.shape
-            blocks = meta.block_tables[i][: -(-L // bs)]
-            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, :L].to(q.dtype)  # [2, Hkv, L, D]
-            # Query j sits at position L - n + j and sees keys 0 .. L - n + j.
+            first = first_key(L - n, window) // bs  # the first block any query of the chunk sees
+            blocks = meta.block_tables[i][first : -(-L // bs)]
+            base = first * bs  # position of the gathered keys' first row
+            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, : L - base].to(q.dtype)  # [2, Hkv, L', D]
+            # Query j sits at position L - n + j and sees keys 0 (or, in a window, L - n + j - window + 1) .. L - n + j.
             qpos = torch.arange(L - n, L).unsqueeze(1)
-            mask = torch.arange(L).unsqueeze(0) <= qpos  # [n, L]
+            kpos = torch.arange(base, L).unsqueeze(0)
+            mask = kpos <= qpos  # [n, L']
+            if window:
+                mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask,
                                                scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
-    def _gather(self, kv_cache, meta, seqs) -> torch.Tensor:
-        """The sequences' contexts out of the pool, padded: [2, Hkv, B, max_blocks * bs, D]."""
+    def _gather(self, kv_cache, meta, seqs, firsts=None) -> torch.Tensor:
+        """The sequences' contexts out of the pool (from block firsts[b] on, under a window),
+        padded: [2, Hkv, B, max_blocks * bs, D]."""
         _, hkv, _, bs, d = kv_cache.shape
-        max_blocks = -(-max(meta.seq_lens[i] for i in seqs) // bs)
+        firsts = firsts or [0] * len(seqs)
+        max_blocks = max(-(-meta.seq_lens[i] // bs) - f for i, f in zip(seqs, firsts))
         rows = []
-        for i in seqs:  # pad each table with its own first block: written, so finite
-            blocks = meta.block_tables[i][:max_blocks]
+        for i, f in zip(seqs, firsts):  # pad each table with its own first block: written, so finite
+            blocks = meta.block_tables[i][f : f + max_blocks]
             rows.append(blocks + [blocks[0]] * (max_blocks - len(blocks)))
         table = torch.tensor(rows, dtype=torch.long).flatten()
         pool = kv_cache.view(2 * hkv, -1, bs * d)  # [2 Hkv, num_blocks, bs * D]
         return pool.index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs, d)
 
-    def _decode(self, q, kv_cache, meta, seqs, scale):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0):
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
-        kv = self._gather(kv_cache, meta, seqs).to(q.dtype)  # [2, Hkv, B, L, D]
+        starts = firsts = None
+        if window and max(lens) > window:  # each query's first key, and its block: gathered rows begin there
+            starts = [first_key(n - 1, window) for n in lens]
+            firsts = [s // kv_cache.shape[3] for s in starts]
+        kv = self._gather(kv_cache, meta, seqs, firsts).to(q.dtype)  # [2, Hkv, B, L, D]
         hkv, L, d = kv.shape[1], kv.shape[3], kv.shape[4]
         # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
         qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
         # K @ q^T keeps the large operand untransposed (several times faster than q @ K^T).
         scores = torch.matmul(kv[0], qg.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [Hkv, B, G, L]
-        if min(lens) < L:
+        if starts:  # row j of sequence b is position firsts[b] * bs + j
+            kpos = torch.arange(L).unsqueeze(0) + torch.tensor(firsts).unsqueeze(1) * kv_cache.shape[3]  # [B, L]
+            outside = (kpos >= torch.tensor(lens).unsqueeze(1)) | (kpos < torch.tensor(starts).unsqueeze(1))
+            scores.masked_fill_(outside[None, :, None, :], float("-inf"))
+        elif min(lens) < L:
             pad = torch.arange(L).unsqueeze(0) >= torch.tensor(lens).unsqueeze(1)  # [B, L]
             scores.masked_fill_(pad[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
@@ -156,7 +183,7 @@ class CpuPagedAttention(TorchAttention):
     depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch.
     """
 
-    def _decode(self, q, kv_cache, meta, seqs, scale):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0):
         # Everything but the kernel call is worked out once per step (the same in every layer).
         key = ("paged_decode", seqs if isinstance(seqs, range) else tuple(seqs))
         step = meta.scratch.get(key)
@@ -172,9 +199,9 @@ class CpuPagedAttention(TorchAttention):
                 step = False
             meta.scratch[key] = step
         if step is False:
-            return super()._decode(q, kv_cache, meta, list(seqs), scale)
+            return super()._decode(q, kv_cache, meta, list(seqs), scale, window)
         tables, lens = step
-        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True)
+        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True, window=window)
 
 
 def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:

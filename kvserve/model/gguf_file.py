@@ -24,7 +24,7 @@ import torch
 from gguf import GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
 
-from kvserve.config import ModelConfig, RopeScaling
+from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
@@ -157,11 +157,8 @@ def _rope_scaling(
     factor = _f32(_field(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch), 1.0))
     if kind == "linear" and factor != 1.0:
         return RopeScaling("linear", factor)
-    if kind not in ("none", "linear"):
-        raise ModelFormatError(
-            f"{path}: RoPE scaling {kind!r} is not supported "
-            "(kvserve supports none, linear, llama3)"
-        )
+    if kind not in ("none", "linear"):  # llama3 comes as a rope_freqs tensor, below; yarn, longrope refused
+        raise ModelFormatError(f"{path}: {rope_scaling_unsupported(kind)}")
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is None:
         return RopeScaling()

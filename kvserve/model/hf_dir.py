@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.config import ModelConfig, RopeScaling
+from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -38,7 +38,7 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
+    if kind in ("default", "none"):
         return theta, RopeScaling()
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
@@ -50,9 +50,7 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
             float(params["high_freq_factor"]),
             int(params["original_max_position_embeddings"]),
         )
-    raise ModelFormatError(
-        f"{path}: RoPE scaling {kind!r} is not supported (kvserve supports default, linear, llama3)"
-    )
+    raise ModelFormatError(f"{path}: {rope_scaling_unsupported(kind)}")
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -84,7 +82,7 @@ def read_config(directory: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            sliding_window=_sliding_window(cfg),
+            sliding_window=_sliding_window(cfg, path),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -95,11 +93,29 @@ def read_config(directory: Path) -> ModelConfig:
         raise ModelFormatError(f"{path}: missing {e.args[0]!r}, which kvserve needs") from None
 
 
-def _sliding_window(cfg: dict) -> int | None:
-    """The window where the config turns it on (Qwen2 lists one with use_sliding_window false)."""
+def _sliding_window(cfg: dict, path: Path) -> int | None:
+    """The window where the config turns it on (Qwen2 lists one with use_sliding_window false).
+
+    Qwen2 slides only in layers listed as "sliding_attention" in layer_types, which transformers
+    derives from max_window_layers (layers from that index on slide): none sliding means no window;
+    a mix of windowed and full layers is refused (kvserve frees a block only when every layer's
+    window has passed it, and applies one window to all layers)."""
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return None
+    if cfg.get("model_type") == "qwen2":
+        n = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)
+        ]
+        sliding = sum(t == "sliding_attention" for t in types)
+        if sliding == 0:
+            return None
+        if sliding != len(types):
+            raise ModelFormatError(
+                f"{path}: sliding-window attention in {sliding} of {len(types)} layers is not supported "
+                "(kvserve runs a window in every layer or in none)"
+            )
     return int(window)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import ModelConfig, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
@@ -45,7 +45,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
     elif rs.kind != "none":
-        raise ModelFormatError(f"unsupported RoPE scaling {rs.kind!r}: kvserve supports none, linear, llama3")
+        raise ModelFormatError(rope_scaling_unsupported(rs.kind))
     return inv_freq
 
 
@@ -75,6 +75,7 @@ class LlamaModel:
         self.dtype = dtype
         self.attention = attention or default_backend()
         self.scale = config.head_dim**-0.5
+        self.window = config.sliding_window or 0  # keys each query sees (0: the whole context)
         self.inv_freq = rope_inv_freq(config)
 
         def take(name: str) -> Weight:
@@ -159,7 +160,7 @@ class LlamaModel:
         for lw, kv_cache in zip(self.layers, kv_caches):
             x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
             q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H, qk_buf)
-            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # [T, H, D]
             x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, eps, h_buf)
             delta = lw.down(ops.silu_mul(lw.gate_up(h)))
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step

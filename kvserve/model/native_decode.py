@@ -97,7 +97,7 @@ class NativeDecode:
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                                         c.num_key_value_heads, c.head_dim, c.intermediate_size)
         m.kv_fmt, m.block_size, m.num_blocks = KV_DTYPES[pool.dtype], block_size, pool.shape[2]
-        m.eps, m.scale = c.rms_norm_eps, model.scale
+        m.eps, m.scale, m.window = c.rms_norm_eps, model.scale, model.window
         m.inv_freq = _f32(model.inv_freq.float(), self._keep)
         embed = model.embed
         if isinstance(embed, QuantizedWeight):
