@@ -46,3 +46,25 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
     _, path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", num_heads=4, num_kv_heads=2)
     return path
+
+
+@pytest.fixture
+def make_llm(tiny_llama_dir):
+    """LLM factory on the tiny model; after each test every pool must be whole and consistent,
+    with nothing left running."""
+    from kvserve import LLM, CacheConfig, SchedulerConfig
+
+    made: list = []
+
+    def make(num_blocks: int = 256, caching: bool = True, **sched):
+        llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
+                  scheduler=SchedulerConfig(**sched))
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        pool = llm.manager.pool
+        pool.check_invariant()
+        assert pool.num_used_blocks == 0, "blocks leaked"
+        assert not llm.engine.has_unfinished_requests()

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM, CacheConfig, SamplingParams
-from kvserve.config import SchedulerConfig
+from kvserve import SamplingParams
 from kvserve.outputs import OutputKind
 from kvserve.router.request import parse_request
 from router_harness import RouterThread
@@ -43,22 +42,6 @@ def tiny_hf(tiny_llama_dir):
     return AutoModel.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture
-def make_llm(tiny_llama_dir):
-    """LLM factory; after each test every pool is whole, consistent, and nothing is left running."""
-    made: list[LLM] = []
-
-    def make(num_blocks: int = 256, **sched) -> LLM:
-        llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=num_blocks),
-                  scheduler=SchedulerConfig(**sched))
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.manager.pool.check_invariant()
-        assert llm.manager.pool.num_used_blocks == 0, "blocks leaked"
-        assert not llm.engine.has_unfinished_requests()
 
 
 def reference(hf, ids: list[int]) -> torch.Tensor:

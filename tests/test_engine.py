@@ -6,30 +6,13 @@ import threading
 
 import pytest
 
-from kvserve import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from kvserve import LLM, SamplingParams
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.errors import EngineStalledError, InvalidParam, NonFiniteLogitsError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def make_llm(tiny_llama_dir):
-    """LLM factory; after each test every pool must be whole and consistent."""
-    made: list[LLM] = []
-
-    def make(num_blocks: int = 256, caching: bool = True, **sched) -> LLM:
-        llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
-                  scheduler=SchedulerConfig(**sched))
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        pool = llm.manager.pool
-        pool.check_invariant()
-        assert pool.num_used_blocks == 0, "blocks leaked"
-        assert not llm.engine.has_unfinished_requests()
 
 
 def prompts_of(llm: LLM, lengths: list[int], seed: int = 0) -> list[list[int]]:
