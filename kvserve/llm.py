@@ -19,9 +19,9 @@ default model); "none" decodes them to `dtype` (the exact float path: float32 re
 transformers); "q8_0" / "q4_0" quantize a float checkpoint (safetensors, F16/BF16 GGUF) on load.
 The KV cache follows: float16 under quantized weights (half the bytes per cached token), the
 model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
-`batch_invariant=True` (the default) quantized layers use the integer kernel at every batch size,
-so a greedy request's tokens are the same whatever else is batched with it; False trades that for
-sgemm on long prefills (faster past ~128-256 rows).
+`batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
+request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
+of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ class LLM:
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
         seed: int | None = None,
-        batch_invariant: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         t0 = time.perf_counter()
         # "auto" under weights kept quantized: float32 activations. The integer kernels widen
@@ -165,8 +165,9 @@ class LLM:
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         quantized = any(isinstance(w, QuantizedWeight) for w in ckpt.tensors.values())  # (the model takes them)
         self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
-        # A greedy request's tokens do not depend on what else is in its batch: quantized layers
-        # keep the integer kernel at every batch size (False: sgemm for long prefills, faster).
+        # True: a greedy request's tokens do not depend on what else is in its batch (quantized
+        # layers keep the integer kernel at every batch size); it costs long prefills ~1.9x in
+        # time to first token, so sgemm past the crossover stays the default.
         self.model.set_batch_invariant(batch_invariant)
         self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
                          else parse_dtype(cache.dtype, "KV cache dtype"))

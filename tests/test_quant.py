@@ -344,16 +344,20 @@ def test_float_checkpoint_quantized_on_load(quantization: str, tiny_llama_dir: P
 
 
 @pytest.mark.slow
-def test_quantized_greedy_tokens_do_not_depend_on_the_batch(llms) -> None:
-    """Each prompt alone, then all eight in one batch beside a long prompt (its prefill puts ~300
+def test_batch_invariant_quantized_greedy_tokens_do_not_depend_on_the_batch(llms) -> None:
+    """With batch_invariant: each prompt alone, then all eight in one batch beside a long prompt (its prefill puts ~300
     rows in a step, past the integer kernel's crossover to sgemm): the same tokens, every prompt."""
     from kvserve import SamplingParams
 
     q, _ = llms
-    sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [q.tokenizer.encode(p) for p in PROMPTS]
-    alone = [q.generate([p], sp, use_tqdm=False)[0].token_ids for p in ids]
-    filler = q.tokenizer.encode(" ".join(f"Item {i} of the list is a word." for i in range(30)))
-    assert len(filler) > 256
-    batched = q.generate([filler, *ids], sp, use_tqdm=False)[1:]
-    assert [b.token_ids for b in batched] == alone
+    q.model.set_batch_invariant(True)  # as LLM(batch_invariant=True) or `kvserve serve --batch-invariant`
+    try:
+        sp = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+        ids = [q.tokenizer.encode(p) for p in PROMPTS]
+        alone = [q.generate([p], sp, use_tqdm=False)[0].token_ids for p in ids]
+        filler = q.tokenizer.encode(" ".join(f"Item {i} of the list is a word." for i in range(30)))
+        assert len(filler) > 256
+        batched = q.generate([filler, *ids], sp, use_tqdm=False)[1:]
+        assert [b.token_ids for b in batched] == alone
+    finally:
+        q.model.set_batch_invariant(False)

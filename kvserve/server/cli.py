@@ -21,10 +21,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as \"model\" (default: --model)")
     p.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16")
     add_quantize_arg(p)
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=False,
                    help="quantized weights: the integer kernel at every batch size, so a greedy request's tokens do "
-                        "not depend on what else is batched with it (default); --no-batch-invariant: sgemm for long "
-                        "prefills, faster past ~128-256 rows")
+                        "not depend on what else is batched with it; costs long prompts ~1.9x in time to first token "
+                        "(default: off, sgemm past ~128-256 rows)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
