@@ -172,8 +172,13 @@ def test_sigterm_drains_the_other_apis_streams_too(tmp_path_factory):
                 tasks = [asyncio.create_task(stream(client, path, payload, s))
                          for (path, payload, _, _), s in zip(OTHER_APIS, started)]
                 await asyncio.gather(*(s.wait() for s in started))
-                metrics = (await client.get("/metrics")).text
-                assert float(metrics.split("\nkvserve_num_requests_running ")[1].split()[0]) == len(OTHER_APIS)
+                # A stream's first bytes (response.created, message_start) may precede its first step.
+                running, deadline = 0.0, time.monotonic() + 10
+                while running < len(OTHER_APIS) and time.monotonic() < deadline:
+                    metrics = (await client.get("/metrics")).text
+                    running = float(metrics.split("\nkvserve_num_requests_running ")[1].split()[0])
+                    await asyncio.sleep(0.01)
+                assert running == len(OTHER_APIS)
                 server.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.1)
                 for path, payload, _, refused in OTHER_APIS:
