@@ -111,3 +111,19 @@ def start_server(tmp_path_factory, *args: str, api_key: str | None = API_KEY) ->
     server = ServerProcess(tiny_model_dir(tmp_path_factory), log, *args, api_key=api_key)
     server.wait_ready()
     return server
+
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def start_default_server(tmp_path_factory, *args: str, api_key: str | None = API_KEY) -> ServerProcess:
+    """A server of the embedded default model, served under its own name (loading takes longer)."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(DEFAULT_MODEL, log, "--served-model-name", DEFAULT_MODEL, *args, api_key=api_key)  # type: ignore[arg-type]
+    try:
+        server.wait_ready(timeout=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+

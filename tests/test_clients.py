@@ -17,11 +17,11 @@ import httpx
 import pytest
 from pydantic import BaseModel, Field
 
-from server_harness import ServerProcess
+from server_harness import DEFAULT_MODEL, start_default_server
 
 pytestmark = pytest.mark.slow
 
-NAME = "smollm2-135m"
+NAME = DEFAULT_MODEL
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -32,13 +32,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("clients") / "server.log"
-    s = ServerProcess(NAME, log, "--served-model-name", NAME, "--max-n", "20", api_key=None)  # type: ignore[arg-type]
-    try:
-        s.wait_ready(timeout=300)
-        yield s
-    finally:
-        s.stop()
+    s = start_default_server(tmp_path_factory, "--max-n", "20", api_key=None)
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

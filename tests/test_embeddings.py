@@ -21,9 +21,9 @@ from kvserve import SamplingParams
 from kvserve.outputs import OutputKind
 from kvserve.router.request import parse_request
 from router_harness import RouterThread
-from server_harness import API_KEY, ServerProcess
+from server_harness import API_KEY, DEFAULT_MODEL, start_default_server
 
-NAME = "smollm2-135m"
+NAME = DEFAULT_MODEL
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.",
          "A much longer input, " + "with many repeated clauses, " * 12 + "to be read in several chunks."]
 
@@ -118,14 +118,9 @@ def test_the_router_reads_an_embeddings_input() -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("embeddings") / "server.log"
-    s = ServerProcess(NAME, log, "--served-model-name", NAME, "--quantize", "none", "--max-prompts", "8",  # type: ignore[arg-type]
-                      "--max-model-len", "256")
-    try:
-        s.wait_ready(timeout=300)
-        yield s
-    finally:
-        s.stop()
+    s = start_default_server(tmp_path_factory, "--quantize", "none", "--max-prompts", "8", "--max-model-len", "256")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ from kvserve import LLM, CacheConfig, SamplingParams
 from kvserve.model.export import write_tokenizer_files
 from kvserve.outputs import OutputKind
 from kvserve.tokenizer import Tokenizer
-from server_harness import API_KEY, ServerProcess
+from server_harness import API_KEY, DEFAULT_MODEL, start_default_server
 
-NAME = "smollm2-135m"
+NAME = DEFAULT_MODEL
 C = "/v1/completions"
 
 
@@ -115,13 +115,9 @@ def test_delta_outputs_carry_prompt_logprobs_once_then_on_the_final(make_llm) ->
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("scoring") / "server.log"
-    s = ServerProcess(NAME, log, "--served-model-name", NAME, "--quantize", "none")  # type: ignore[arg-type]
-    try:
-        s.wait_ready(timeout=300)
-        yield s
-    finally:
-        s.stop()
+    s = start_default_server(tmp_path_factory, "--quantize", "none")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="module")

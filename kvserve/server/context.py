@@ -69,7 +69,7 @@ class ServerContext:
                 "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
     async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], list[int]], *,
-                        arrival: float, prefix: str, fit_within: int | None = None,
+                        arrival: float, prefix: str, sep: str = "-", fit_within: int | None = None,
                         renames: Mapping[str, str] | None = None) -> tuple[Admission, Job]:
         """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it and check
         it against the context and the pool in one worker-thread hop (`encode` runs there), compile
@@ -78,8 +78,8 @@ class ServerContext:
         fit_within: a context (in tokens) that max_tokens is cut to fit after the prompt (None or a
         larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
         the API treats as a ceiling rather than a promise. A prompt that fills the whole context is
-        refused by the engine's check, as any other. prefix: the job id's ("chatcmpl" gives
-        chatcmpl-<hex>; "resp_" gives resp_<hex>, as OpenAI names responses)."""
+        refused by the engine's check, as any other. prefix, sep: the job id's
+        (chatcmpl-<hex>; the Responses API's resp_<hex>, as OpenAI names them)."""
         admission = self.state.admit(1, params.n)
 
         def prepare() -> tuple[list[int], SamplingParams]:
@@ -98,8 +98,7 @@ class ServerContext:
         except BaseException:
             admission.release()
             raise
-        named = request_id.name(request, prefix[:-1], "_") if prefix.endswith("_") else request_id.name(request, prefix)
-        return admission, Job([ids], params, arrival, request_id=named)
+        return admission, Job([ids], params, arrival, request_id=request_id.name(request, prefix, sep))
 
     async def parse(self, request: Request, model: type) -> object:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)

@@ -301,7 +301,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     chat_tools = [_chat_tool(t) for t in tools] if mode is not None else None
     prompt = ChatPrompt(messages, True, chat_tools or None)
     admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt), arrival=arrival,
-                                         prefix="resp_", renames=_RENAMES,
+                                         prefix="resp", sep="_", renames=_RENAMES,
                                          # a default the client never sent must not be why it is refused
                                          fit_within=ctx.state.llm.max_model_len if defaulted else None)
     run = _Run(ctx, job, req, items,
