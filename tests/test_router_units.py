@@ -2,6 +2,7 @@
 retries / Retry-After / circuit breaker against small real HTTP servers on loopback."""
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -248,9 +249,11 @@ def test_a_refused_connection_takes_the_replica_out_at_once_and_spends_no_retry_
 
 
 class Dropper:
-    """A replica on loopback that accepts connections and closes each one unanswered."""
+    """A replica on loopback that accepts connections and closes each one after sending `answer`
+    (by default nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes = b"") -> None:
+        self.answer = answer
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.accepted = 0
@@ -264,6 +267,7 @@ class Dropper:
                 return
             self.accepted += 1
             conn.recv(65536)
+            conn.sendall(self.answer)
             conn.close()
 
     def stop(self) -> None:
@@ -289,6 +293,31 @@ def test_requests_cut_before_an_answer_are_retried_and_open_the_circuit_breaker(
     finally:
         router.stop()
         dropper.stop()
+
+
+def test_a_replica_dying_between_a_whole_answers_head_and_body_is_retried_elsewhere(upstreams):
+    """A replica writes a whole answer's head and body apart; SIGKILL between them left the
+    client a 503 though nothing of the answer had reached it."""
+    ok = upstreams[0]
+    dying = Dropper(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n")
+    router = RouterThread([ok.url], "round_robin", health_interval=60, breaker_failures=1000)
+    try:
+        with httpx.Client() as admin_client:
+            admin_client.post(router.url + "/admin/replicas", json={"url": dying.url},
+                              headers={"Authorization": "Bearer admin-key"})
+        next(r for r in router.state.replicas if r.url == dying.url).state = HEALTHY
+        with router.client() as c:
+            results = [c.post("/v1/completions", json={"prompt": "x"}) for _ in range(4)]
+        assert [(r.status_code, r.json()) for r in results] == [(200, {"ok": True})] * 4
+        assert [r.headers["x-kvserve-replica"] for r in results] == [ok.url] * 4
+        assert ok.calls == 4
+        metrics = httpx.get(router.url + "/metrics").text
+        sent = re.search(rf'kvserve_router_requests_total{{replica="{dying.url}"}} (\d+)', metrics)
+        assert sent and int(sent[1]) >= 2  # round robin sent it some; each went on to the other
+        assert f'kvserve_router_retries_total{{reason="connect",replica="{dying.url}"}} {sent[1]}.0' in metrics
+    finally:
+        router.stop()
+        dying.stop()
 
 
 def test_no_healthy_replica_is_a_503_with_an_openai_body():

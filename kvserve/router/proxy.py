@@ -5,8 +5,10 @@ it arrives (no buffering), a stream's events whole (Server-Sent Events, or NDJSO
 Ollama's API): an event cut short by a dying replica is dropped and replaced by an error event in
 the dialect of the request's API (kvserve/server/errors.py), so a client's parser never sees half
 of one. The router's own errors take that dialect too. A replica
-that dies mid-answer ends the client's stream at once (the connection closes; an answer none of
-which reached the client yet is a 503 instead) or after `read_timeout` of silence. The answer's
+that dies between a whole answer's head and its body is tried like one that died before its head
+(nothing reached the client). One that dies mid-answer ends the client's stream at once (the
+connection closes; a stream none of which reached the client yet is a 503 instead) or after
+`read_timeout` of silence. The answer's
 head goes to the client with its first body bytes. A client that leaves closes the upstream request, so the replica
 aborts the work.
 
@@ -160,6 +162,14 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         tried.add(replica)
         try:
             upstream = await state.upstream.request(replica.url, method, target, headers, body)
+            if upstream.status not in _RETRY_STATUS and not _streams(upstream):
+                # Nothing has reached the client until the body's first bytes: a replica that dies
+                # between a whole answer's head and body is tried no differently from one that died before.
+                try:
+                    await upstream.started()
+                except BaseException:
+                    upstream.close()
+                    raise
         except ReadTimeout as e:  # the replica may be working on it: sending it again doubles the load
             attempt.failed("timeout", f"{type(e).__name__}: {e}")
             break
@@ -225,6 +235,12 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                         headers={"Retry-After": str(max(1, math.ceil(wait)))}).response(scope["path"])
     return APIError(503, "no replica could take the request: " + ("none is healthy" if not tried else
                     "every one tried failed"), code="no_replica", headers={"Retry-After": "1"}).response(scope["path"])
+
+
+def _streams(upstream: Answer) -> bool:
+    """An event stream's first bytes wait for the first token: the relay watches the client meanwhile."""
+    content_type = upstream.header(b"content-type") or b""
+    return content_type.startswith((b"text/event-stream", b"application/x-ndjson"))
 
 
 class RelayResponse(Response):

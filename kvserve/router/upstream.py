@@ -130,6 +130,14 @@ class Response:
         self._queued = 0
         return data
 
+    async def started(self) -> None:
+        """Wait until the body's first bytes (or its end) arrived, without taking them; raises
+        as read() does. A replica writes a whole answer's head and body apart, and may die between."""
+        while not self._chunks and not self._done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
     async def body(self) -> bytes:
         parts = []
         while chunk := await self.read():
