@@ -131,7 +131,7 @@ def explain(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    ids = llm.engine.validate(prompt, params)
+    ids = llm.engine.inputs.process(prompt, params)
     cfg, model = llm.config, llm.model
     d, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, ffn = cfg.hidden_size, cfg.intermediate_size

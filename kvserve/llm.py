@@ -50,7 +50,6 @@ from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
 from kvserve.model.quant import QuantizedWeight
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve")
@@ -201,9 +200,9 @@ class LLM:
     def use_chat_template(self, source: str) -> None:
         """Render chats with `source` (Jinja) instead of the model's template; its end-of-turn
         tokens stop generation too."""
-        self.tokenizer = self.engine.tokenizer = self.tokenizer.with_chat_template(source)
-        self.eos_token_ids = self.engine.eos_token_ids = self.eos_token_ids | self.tokenizer.eos_token_ids
-        self.engine.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self.tokenizer = self.tokenizer.with_chat_template(source)
+        self.engine.use_tokenizer(self.tokenizer)
+        self.eos_token_ids = self.engine.eos_token_ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
@@ -215,7 +214,7 @@ class LLM:
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[KVCache, int]:
         """Read the whole prompt once into a new KV cache; return it and the first token."""
         params = params or GREEDY
-        ids = self.engine.validate(prompt, params)
+        ids = self.engine.inputs.process(prompt, params)
         cache = KVCache(self, f"prefill-{next(self._ids)}", len(ids))
         self._live_caches.add(cache)
         if params.seed is not None:
@@ -314,11 +313,12 @@ class LLM:
 
     def _run(self, prompts: Sequence[str | list[int]], plist: list[SamplingParams], use_tqdm: bool, what: str,
              pooling: bool = False) -> list[RequestOutput]:
-        ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
+        ids = [self.engine.inputs.process(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
         base = next(self._ids)
         rids = [f"{what[:3]}-{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp, tok in zip(rids, prompts, plist, ids):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, output_kind=OutputKind.FINAL_ONLY, pooling=pooling)
+            self.engine.add_request(rid, tok, sp, output_kind=OutputKind.FINAL_ONLY, pooling=pooling,
+                                    prompt=p if isinstance(p, str) else None)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:

@@ -115,7 +115,7 @@ class EngineClient:
 
     def validate(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The engine's checks of a prompt's ids and its parameters (on the calling thread)."""
-        return self.state.engine.validate(ids, params)
+        return self.state.engine.inputs.check(ids, params)
 
     async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                        receive: Receive | None = None) -> list[list[int]]:
@@ -125,7 +125,8 @@ class EngineClient:
         given up if the client leaves (`receive`: the request's, its body read)."""
         if params.constraint is not None:
             await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
-        return await self.state.engine.validate_all(prompts, params)
+        inputs = self.state.engine.inputs
+        return await asyncio.to_thread(lambda: [inputs.process(p, params) for p in prompts])
 
     def encode_chat_now(self, prompt: ChatPrompt) -> list[int]:
         """The conversation's prompt ids by the model's chat template, content kept as text (on the
