@@ -35,7 +35,8 @@ def _ports() -> list[str]:
     names = ("--node-manager-port", "--object-manager-port", "--min-worker-port", "--dashboard-agent-listen-port",
              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
     out = [x for name in names for x in (name, str(free_port()))]
-    return out + ["--max-worker-port", "0", "--object-store-memory", str(80 << 20), "--disable-usage-stats"]
+    return out + ["--max-worker-port", "0", "--object-store-memory", str(80 << 20), "--disable-usage-stats",
+                  "--include-log-monitor=false"]
 
 
 def session_pids(sid: int) -> list[int]:
@@ -63,7 +64,7 @@ class RayCluster:
         self._start(["--head", "--port", str(self.gcs_port), "--include-dashboard=false",
                      "--dashboard-port", str(free_port()), "--ray-client-server-port", str(free_port()),
                      "--temp-dir", str(self.dir)], "head")
-        self._wait(lambda: self._status_ok(), 60, "the head")
+        self._wait(self._gcs_listens, 60, "the head")
         self._start(["--address", self.address, '--resources={"node2": 1}'], "node2")
 
     def _start(self, args: list[str], name: str) -> None:
@@ -71,9 +72,13 @@ class RayCluster:
         self.nodes.append(subprocess.Popen([RAY, "start", "--block", "--num-cpus=1", *args, *_ports()], env=self.env,
                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def _status_ok(self) -> bool:
-        return subprocess.run([RAY, "status", "--address", self.address], env=self.env,
-                              capture_output=True).returncode == 0
+    def _gcs_listens(self) -> bool:
+        """(`ray status` would be one more Python process importing Ray, each time.)"""
+        try:
+            socket.create_connection(("127.0.0.1", self.gcs_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
 
     def _wait(self, condition, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -116,7 +121,7 @@ class RayCluster:
                 p.send_signal(signal.SIGTERM)  # `ray start --block` stops what it started
         for p in self.nodes:
             try:
-                p.wait(20)
+                p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
             for pid in session_pids(p.pid):  # whatever outlived it (workers, actors)

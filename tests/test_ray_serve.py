@@ -1,9 +1,12 @@
 """kvserve under Ray Serve on a real two-node Ray cluster (tests/ray_harness.py), deployed from
 deploy/ray/kvserve.yaml with a tiny model: OpenAI answers through Serve's proxy, prompts sharing a
-prefix routed to the replica holding it, and a replica killed under load."""
+prefix routed to the replica holding it, and a replica killed under load. First, in this process:
+a request forwarded to kvserve's app as a replica runs it, and the arguments refused."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import os
 import signal
 import threading
@@ -19,8 +22,64 @@ from server_harness import MODEL_NAME, REPO, tiny_model_dir
 pytest.importorskip("ray.serve")
 from ray_harness import RayCluster, free_port, wait_http  # noqa: E402
 
+from kvserve.ray_serve.forwarding import ForwardedRequest, ResponseHead, call_app  # noqa: E402
+
 REPLICA_HEADER = "x-kvserve-replica"
 SYSTEM = ("You are the archivist of a very long and winding library. " * 40).strip()  # ~30 KV blocks
+
+
+def forwarded(body: dict) -> ForwardedRequest:
+    return ForwardedRequest("POST", "/v1/chat/completions", b"", ((b"content-type", b"application/json"),
+                                                                  (b"transfer-encoding", b"chunked")),
+                            json.dumps(body).encode())
+
+
+def test_forwarded_request_gets_the_apps_answer_and_a_client_that_leaves_frees_its_blocks(make_llm):
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import ServerSettings, build_app
+
+    llm = make_llm()
+    app = build_app(ServerSettings(model_name=MODEL_NAME), llm=llm)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0}
+
+    async def run() -> tuple[list, list]:
+        whole = [item async for item in call_app(app, forwarded(body))]
+        stream = call_app(app, forwarded({**body, "max_tokens": 500, "stream": True}))
+        first = [await anext(stream), await anext(stream)]
+        await stream.aclose()  # the ingress's client left
+        deadline = time.monotonic() + 10
+        while llm.engine.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the abandoned stream was not aborted"
+            await asyncio.sleep(0.01)
+        return whole, first
+
+    try:
+        whole, first = asyncio.run(run())
+        direct = TestClient(app).post("/v1/chat/completions", json=body)
+    finally:
+        app.state.ctx.state.shutdown()
+    head, *chunks = whole
+    assert isinstance(head, ResponseHead) and head.status == 200
+    assert json.loads(b"".join(chunks))["choices"] == direct.json()["choices"]
+    assert head.header(b"content-type") == b"application/json"
+    assert isinstance(first[0], ResponseHead) and first[0].header(b"content-type").startswith(b"text/event-stream")
+    assert first[1].startswith(b"data: ")
+    assert llm.manager.pool.num_used_blocks == 0
+
+
+def test_serve_args_that_do_not_apply_and_unknown_app_args_are_refused():
+    from kvserve.ray_serve.app import build
+    from kvserve.ray_serve.replica import parse_serve_args
+
+    with pytest.raises(ValueError) as e:
+        parse_serve_args("--model smollm2-135m --port=9000 --join http://router:8080")
+    assert str(e.value) == ("serve_args: --port=9000, --join do not apply under Ray Serve (its proxy serves HTTP and "
+                            "places replicas); leave them out")
+    with pytest.raises(ValueError) as e:
+        build({"serve_arg": "--model smollm2-135m"})
+    assert str(e.value) == "unknown application args serve_arg: give serve_args and retries"
+    assert parse_serve_args(["--threads", 2, "--max-num-seqs", "4"]).max_num_seqs == 4
 
 
 def small_config(model_dir: Path, port: int) -> dict:
@@ -124,9 +183,9 @@ def test_serve_answers_routes_by_prefix_and_survives_a_killed_replica(serve_url,
                 return r.headers[REPLICA_HEADER]
 
         with ThreadPoolExecutor(8) as pool:
+            in_flight = [pool.submit(chat, http, f"Long question {i}?", 1000) for i in range(2)]
             streams = [pool.submit(stream, i) for i in range(2)]
-            started.wait(30)
-            in_flight = [pool.submit(chat, http, f"Long question {i}?", 300) for i in range(2)]
+            started.wait(30)  # (the whole answers, sent first, run there by now: most likely)
             os.kill(cluster.replica_pid(holder), signal.SIGKILL)
             after = [pool.submit(chat, http, f"After {i}?", 8) for i in range(4)]
             stream_replicas = [f.result(60) for f in streams]

@@ -31,12 +31,13 @@ class ForwardedRequest:
 
     @classmethod
     def from_scope(cls, scope: dict, body: bytes) -> ForwardedRequest:
-        headers = tuple((k.lower(), v) for k, v in scope["headers"] if k.lower() not in _HOP_BY_HOP)
+        headers = tuple((k.lower(), v) for k, v in scope["headers"])
         client = tuple(scope["client"]) if scope.get("client") else None
         return cls(scope["method"], scope["path"], scope.get("query_string", b""), headers, body, client)
 
     def scope(self) -> dict:
-        headers = [*self.headers, (b"content-length", str(len(self.body)).encode())]
+        headers = [(k, v) for k, v in self.headers if k not in _HOP_BY_HOP]
+        headers.append((b"content-length", str(len(self.body)).encode()))
         return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": self.method,
                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "root_path": "",
                 "query_string": self.query_string, "headers": headers, "client": self.client,
