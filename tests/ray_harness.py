@@ -8,6 +8,7 @@ machine are left alone).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,7 @@ class RayCluster:
                     pass
             if p.poll() is None:
                 p.wait(5)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def wait_http(url: str, timeout: float) -> None:
