@@ -59,7 +59,9 @@ class RayCluster:
         self.dir = Path(tempfile.mkdtemp(prefix="kvray-"))  # short: Ray's socket paths must fit
         self.gcs_port = free_port()
         self.address = f"127.0.0.1:{self.gcs_port}"
+        # No idle workers started ahead of need: on two cores each is seconds of CPU.
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+                    "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
                     "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
         self.nodes: list[subprocess.Popen] = []
         self._start(["--head", "--port", str(self.gcs_port), "--include-dashboard=false",

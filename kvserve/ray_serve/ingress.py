@@ -81,6 +81,14 @@ class KvserveIngress:
                 log.warning("%s %s: the replica died before answering (%s); %s", fwd.method, fwd.path, why,
                             "sending it again" if attempt < self.settings.retries else "giving up")
                 continue
+            except Exception as e:  # noqa: BLE001 - the replica raised: an error body, not a traceback
+                gen.cancel()
+                log.exception("%s %s: the replica failed", fwd.method, fwd.path)
+                return APIError(500, f"the replica failed ({type(e).__name__}): retry the request",
+                                code="replica_failed").response(fwd.path)
+            except BaseException:  # cancelled: the client left, so the replica's work stops too
+                gen.cancel()
+                raise
             response = StreamingResponse(self._relay(gen, first, fwd.path), status_code=head.status)
             response.raw_headers = headers
             return response
@@ -94,9 +102,12 @@ class KvserveIngress:
                 yield first
             async for chunk in gen:
                 yield chunk
-        except REPLICA_GONE as e:
-            log.warning("%s: the replica serving a stream died mid-answer (%s)", path, type(e).__name__)
-            error = APIError(503, "the replica serving this stream died mid-answer: retry the request",
+        except Exception as e:  # noqa: BLE001 - ended with an event the client's parser understands
+            gone = isinstance(e, REPLICA_GONE)
+            log.warning("%s: the replica serving a stream %s mid-answer (%s)", path, "died" if gone else "failed",
+                        type(e).__name__)
+            what = "died" if gone else f"failed ({type(e).__name__})"
+            error = APIError(503, f"the replica serving this stream {what} mid-answer: retry the request",
                              code="replica_failed")
             yield dialect(path).stream_error(error)
         finally:
