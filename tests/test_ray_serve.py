@@ -82,6 +82,21 @@ def test_serve_args_that_do_not_apply_and_unknown_app_args_are_refused():
     assert parse_serve_args(["--threads", 2, "--max-num-seqs", "4"]).max_num_seqs == 4
 
 
+def test_the_shipped_config_is_a_valid_serve_config_and_its_router_options_are_known():
+    from ray.serve.schema import ServeDeploySchema
+
+    from kvserve.ray_serve.app import build
+    from kvserve.ray_serve.router import _OPTIONS
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "deploy/ray/kvserve.yaml").read_text()))
+    app = config.applications[0]
+    build(app.args)  # the arguments parse; nothing loads yet
+    replica = next(d for d in app.deployments if d.name == "KvserveReplica")
+    assert replica.autoscaling_config["target_ongoing_requests"] == 16
+    assert replica.request_router_config["request_router_class"] == "kvserve.ray_serve.router.CacheAwareRouter"
+    assert set(replica.request_router_config["request_router_kwargs"]) <= {"default_max_tokens", *_OPTIONS}
+
+
 def small_config(model_dir: Path, port: int) -> dict:
     """deploy/ray/kvserve.yaml, made small: the tiny model, two fixed replicas, one per node."""
     config = yaml.safe_load((REPO / "deploy/ray/kvserve.yaml").read_text())
