@@ -51,9 +51,10 @@ class KvserveReplica:
         self.app = build_app(settings, llm=llm)
         self.ctx = self.app.state.ctx
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._events = llm.manager.pool.events
         self._stats = {"model": str(llm.model_path), "block_size": llm.manager.block_size,
                        "renderer": llm.tokenizer.fingerprint(settings.special_tokens_in_messages),
-                       "instance": llm.manager.pool.events.instance, "caching": llm.manager.pool.enable_caching}
+                       "instance": self._events.instance, "caching": llm.manager.pool.enable_caching}
         log.info("kvserve replica %s: %s ready", self.replica_id, settings.model_name)
 
     async def forward(self, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
@@ -64,7 +65,7 @@ class KvserveReplica:
             yield item
 
     def record_routing_stats(self) -> dict:
-        held = self.ctx.state.llm.manager.pool.events.held() if self._stats["caching"] else []
+        held = self._events.held() if self._stats["caching"] else []
         return {**self._stats, "held": b"".join(h[:HASH_BYTES] for h in held)}
 
     def check_health(self) -> None:
