@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
+    from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
 
@@ -105,6 +106,54 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
+
+    from kvserve.server.app import build_app
+    from kvserve.server.http import guarded_protocol
+    from kvserve.server.lifecycle import DrainingServer, exit_now
+
+    settings = settings_from_args(args)
+    failure: list[BaseException] = []
+    server = None
+
+    def on_load_failure(e: BaseException) -> None:
+        failure.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(settings, load=lambda: load_llm(args), on_load_failure=on_load_failure)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=2, server_header=False,
+                            http=guarded_protocol(settings.header_timeout, settings.max_connections))
+    server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
+    if args.join:
+        from kvserve.server.join import Joiner, advertised_url
+
+        own = advertised_url(args.host, args.port, args.advertise_url)
+        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
+        Joiner(args.join, own, local, args.join_key).attach(server)
+    log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
+             settings.model_name, settings.url)
+    server.run()
+    if failure:
+        raise ValueError(f"the model failed to load: {failure[0]}")
+    loader = app.state.loader
+    if loader is not None and loader.is_alive():  # stopped while loading: torch's threads must not be torn down
+        exit_now("stopped while the model was loading")
+    return 0
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The checked arguments of `kvserve serve` as the server's settings (a bad one fails here, in
+    one line, before the model loads); sets torch's threads from --threads."""
+    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.server.settings import ServerSettings
+    from kvserve.web.hosts import parse_allowed_hosts
+
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
@@ -116,17 +165,6 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        import uvicorn
-    except ImportError:
-        raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
-
-    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
-    from kvserve.model.loader import resolve_model_path
-    from kvserve.server.app import ServerSettings, build_app
-    from kvserve.server.http import guarded_protocol
-    from kvserve.server.lifecycle import DrainingServer, exit_now
-    from kvserve.web.hosts import parse_allowed_hosts
 
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     if args.chat_template is not None:
@@ -165,34 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
     )
-    failure: list[BaseException] = []
-    server = None
-
-    def on_load_failure(e: BaseException) -> None:
-        failure.append(e)
-        if server is not None:
-            server.should_exit = True
-
-    app = build_app(settings, load=lambda: _load(args), on_load_failure=on_load_failure)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=2, server_header=False,
-                            http=guarded_protocol(settings.header_timeout, settings.max_connections))
-    server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
-    if args.join:
-        from kvserve.server.join import Joiner, advertised_url
-
-        own = advertised_url(args.host, args.port, args.advertise_url)
-        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
-        Joiner(args.join, own, local, args.join_key).attach(server)
-    log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
-             settings.model_name, settings.url)
-    server.run()
-    if failure:
-        raise ValueError(f"the model failed to load: {failure[0]}")
-    loader = app.state.loader
-    if loader is not None and loader.is_alive():  # stopped while loading: torch's threads must not be torn down
-        exit_now("stopped while the model was loading")
-    return 0
+    return settings
 
 
 def _check_limits(args: argparse.Namespace) -> None:
@@ -230,7 +241,7 @@ def _check_kv_events(args: argparse.Namespace) -> None:
                              f"{args.kv_events_replay_endpoint!r}")
 
 
-def _load(args: argparse.Namespace) -> LLM:
+def load_llm(args: argparse.Namespace) -> LLM:
     from kvserve.config import CacheConfig, SchedulerConfig
     from kvserve.llm import LLM
 
