@@ -191,10 +191,10 @@ def kv_events_port(args: argparse.Namespace, replica: int) -> int:
     return args.port + 30 + 2 * replica
 
 
-def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace) -> tuple[str, list[str], dict]:
-    """(table name, command line, environment) of another gateway on args.port in front of urls."""
+def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace, k: int) -> tuple[str, list[str], dict]:
+    """(table name, command line, environment) of the k-th run's gateway on args.port in front of urls."""
     source = source or "cache_aware"
-    port, metrics_port = str(args.port), str(args.port + 60)  # each binds a Prometheus port of its own
+    port, metrics_port = str(args.port), str(args.port + 60 + k)  # each binds a Prometheus port of its own
     if policy == "sglang":
         from kvserve.bench.peers import SGLANG_ROUTER, setup_sglang_router
 
@@ -214,16 +214,12 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace)
                  "--policy", source, "--worker-urls", *urls], {})
     argv = [exe, "--host", "127.0.0.1", "--port", port, "--prometheus-port", metrics_port, "--policy", source,
             "--worker-urls", *urls]
-    env = {}
     if source == "kv_aware":  # the replicas' KV events over ZMQ; prompts rendered by POST /v1/chat/completions/render
         for i, url in enumerate(urls):
             argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i)}",
                      "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i) + 1}"]
         argv += ["--kv-event-block-size", "16", "--kv-event-model", args.served_name]
-        from kvserve.model.loader import resolve_model_path
-
-        env["VLLM_ROUTER_TOKENIZER"] = str(resolve_model_path(args.model))
-    return f"vllm-router {release} ({source})", argv, env
+    return f"vllm-router {release} ({source})", argv, {}
 
 
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
@@ -309,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8700, help="first of the ports used")
     p.add_argument("--logs", type=Path, default=Path("/tmp/kvserve-bench-router"))
     p.add_argument("--write", type=Path, default=None, help="put the results in this markdown file")
+    p.add_argument("--section", default="bench-router",
+                   help="the name of its markers in that file (another name keeps a full run's table beside a short one's)")
     args = p.parse_args(argv)
     if args.synthetic_upstream:
         synthetic_upstream(args.synthetic_upstream)
@@ -344,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             policy, _, source = spec.partition(":")
             prompts = system_prompts(args.prompts, args.prompt_tokens, seed=1000 + k, count_tokens=lambda t: len(tok.encode(t)))
             if policy in GATEWAYS:  # another gateway in kvserve's place, same replicas and load
-                name, argv, env = gateway(policy, source, urls, args)
+                name, argv, env = gateway(policy, source, urls, args, k)
                 router = subprocess.Popen(argv, env={**os.environ, **env}, stdout=open(args.logs / f"router-{k}.log", "w"),
                                           stderr=subprocess.STDOUT, start_new_session=True)
             else:
@@ -399,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     section = "\n".join(lines)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, section, args.section)
     return 0
 
 
