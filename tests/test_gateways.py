@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, free_port, start_server
+from server_harness import MODEL_NAME, ServerProcess, free_port, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +20,23 @@ FINISHED = 'kvserve_request_finished_total{finish_reason="length"}'
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    servers = [start_server(tmp_path_factory, api_key=None) for _ in range(2)]
-    yield servers
-    for s in servers:
-        s.stop()
+    model = tiny_model_dir(tmp_path_factory)
+    servers = [ServerProcess(model, tmp_path_factory.mktemp("server") / "server.log", api_key=None) for _ in range(2)]
+    try:
+        for s in servers:  # both load at once
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _ready_workers(url: str) -> list[str]:
+    try:
+        r = httpx.get(url + "/workers", timeout=2)
+    except httpx.TransportError:
+        return []
+    return [w["url"] for w in r.json()["workers"] if w["status"] == "ready"] if r.status_code == 200 else []
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +52,9 @@ def smg(replicas, tmp_path_factory):
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while True:
+    while sorted(_ready_workers(url)) != sorted(r.url for r in replicas):  # it registers workers after it starts
         assert proc.poll() is None, f"smg exited with {proc.returncode}:\n{log.read_text()}"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"smg not healthy in 30 s:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"smg has not both replicas ready in 30 s:\n{log.read_text()}"
         time.sleep(0.05)
     yield url
     proc.terminate()
