@@ -9,11 +9,11 @@ cache_aware   the replica holding the longest prefix of the prompt, unless the l
               replica's published block hashes) or approximate (a prefix tree of the text sent).
               Its load is outstanding work: the tokens a replica must still compute, so prompt
               tokens it was expected to find cached do not count (a hit costs almost nothing).
-              A prompt no replica holds goes to the replica caching the least (then the least
-              loaded): new prefixes are dealt out by cache footprint, so each replica keeps an
-              even share of the prefixes in its cache and, prefixes being equally popular, of
-              the requests. Dealing them out by momentary load instead left one replica with
-              more prefixes than it could cache and more of the requests than the other.
+              A prompt no replica holds goes to the replica this router has sent the least
+              prompt text (then the least loaded): new prefixes are dealt out by footprint, so
+              each replica keeps an even share of the prefixes in its cache and, prefixes being
+              equally popular, of the requests. Dealing them out by momentary load instead left
+              one replica with more prefixes than it could cache and more of the requests.
 """
 from __future__ import annotations
 
@@ -146,18 +146,14 @@ class CacheAware(Policy):
         return Decision(best, "prefix_hit", tokens, source, hashes)
 
     def footprint(self, r: Replica) -> int:
-        """Tokens of prefixes r caches (precise: blocks published or on their way; approximate:
-        the text sent to it), to deal new prefixes out evenly."""
-        if self.index is not None:
-            b = self.index.usable(r)
-            if b is not None:
-                return (len(b.held) + sum(1 for h in b.pending if h not in b.held)) * b.block_size
-        if self.settings.cache_source == "precise":
-            return 0  # nothing published: ties, and the least loaded wins
+        """Tokens of prompt text this router has sent r (its text tree, least recently used
+        dropped first), to deal new prefixes out evenly. Not the blocks r publishes: a replica's
+        pool is full of whatever it cached last, so after a while every pool looks as full as
+        the next."""
         return len(self.tree(r)) * self.settings.tree_chunk_chars // APPROX_CHARS_PER_TOKEN
 
     def routed(self, decision: Decision, req: RoutedRequest) -> None:
-        if self.settings.cache_source != "precise" and req.text:
+        if req.text:  # the approximate source's match, and every source's footprint
             self.tree(decision.replica).insert(req.text)
         if self.index is not None and decision.hashes:
             self.index.mark_pending(decision.replica, decision.hashes)
