@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             policy, _, source = spec.partition(":")
             prompts = system_prompts(args.prompts, args.prompt_tokens, seed=1000 + k, count_tokens=lambda t: len(tok.encode(t)))
             if policy in GATEWAYS:  # another gateway in kvserve's place, same replicas and load
-                name, argv, env = gateway(policy, source, urls, args, k)
-                router = subprocess.Popen(argv, env={**os.environ, **env}, stdout=open(args.logs / f"router-{k}.log", "w"),
+                name, gw_argv, env = gateway(policy, source, urls, args, k)
+                router = subprocess.Popen(gw_argv, env={**os.environ, **env}, stdout=open(args.logs / f"router-{k}.log", "w"),
                                           stderr=subprocess.STDOUT, start_new_session=True)
             else:
                 name = f"{policy} ({source})" if source else policy
