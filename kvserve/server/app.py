@@ -46,6 +46,7 @@ from kvserve.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from kvserve.server.render import add_render_routes
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
 from kvserve.web.errors import install_handlers
@@ -173,6 +174,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await anthropic_messages.count_tokens(request, ctx)
 
     ollama_api.add_routes(app, ctx)
+    add_render_routes(app, ctx)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -184,6 +186,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
                 "max_model_len": ctx.client.max_model_len}
 
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                        ("/v1/chat/completions/render", ChatCompletionRequest),
                         ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
                         ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
                         ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
