@@ -112,8 +112,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
 
     from kvserve.server.app import build_app
-    from kvserve.server.http import guarded_protocol
-    from kvserve.server.lifecycle import DrainingServer, exit_now
+    from kvserve.web.protocols import h11_protocol
+    from kvserve.server.lifecycle import EngineServer, exit_now
 
     settings = settings_from_args(args)
     failure: list[BaseException] = []
@@ -127,8 +127,9 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(settings, load=lambda: load_llm(args), on_load_failure=on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
                             timeout_graceful_shutdown=2, server_header=False,
-                            http=guarded_protocol(settings.header_timeout, settings.max_connections))
-    server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
+                            http=h11_protocol(settings.header_timeout, settings.max_connections,
+                                                 logging.getLogger("kvserve.server")))
+    server = EngineServer(config, app.state.ctx.state, settings.drain_timeout)
     if args.join:
         from kvserve.server.join import Joiner, advertised_url
 
