@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 
 from kvserve import SamplingParams
+from kvserve.engine.snapshot import engine_state
+from kvserve.explain import explain, format_explanation
 from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.kv.disk_store import DiskStore, encode_block
+from kvserve.kv.kv_size import human
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-SP = SamplingParams(max_tokens=12, **GREEDY)
+SP = SamplingParams(max_tokens=4, **GREEDY)
 NS = bytes(range(16))
 
 
@@ -43,30 +46,49 @@ def test_blocks_offloaded_to_disk_come_back_with_the_same_tokens(make_llm, tmp_p
     plain = make_llm(caching=False)
     prompt = prompt_of(200)
     first = llm.generate(prompt, SP, use_tqdm=False)[0]
-    # 200 prompt + 11 computed output tokens: 13 full blocks cached, all saved.
-    assert llm.offload_prefix_cache() == 13
+    # 200 prompt + 3 computed output tokens: 12 full blocks cached, all saved.
+    assert llm.offload_prefix_cache() == 12
     assert llm.manager.pool.num_cached_free_blocks == 0
-    assert llm.engine.stats().disk.blocks == 13 and llm.engine.stats().disk.blocks_written == 13
+    assert llm.engine.stats().disk.blocks == 12 and llm.engine.stats().disk.blocks_written == 12
     out, disk_hit_tokens, disk = served(llm, prompt)
     # The lookup stops before the block of the last prompt token: 199 // 16 = 12 blocks.
     assert out.num_cached_tokens == 192 and disk_hit_tokens == 192
     assert disk.hit_blocks == 12 and disk.hit_tokens == 192 and disk.load_errors == 0
     assert out.token_ids == first.token_ids == plain.generate(prompt, SP, use_tqdm=False)[0].token_ids
     llm.manager.pool.check_invariant()
+    state = engine_state(llm.engine)  # the live page's picture: both tiers
+    assert state["prefix_cache"]["hits_by_tier"] == {"ram": 0, "disk": 192}
+    assert state["disk"]["blocks"] == 12 and state["disk"]["hit_blocks"] == 12
+    assert state["pool"]["cached"] == 12  # the loaded blocks are RAM's again, and still on disk
+
+
+def test_explain_shows_the_hits_of_each_tier(make_llm, tmp_path) -> None:
+    llm = make_llm(cache=on_disk(tmp_path))
+    prompt = prompt_of(60, seed=12)
+    cold = explain(llm, prompt, max_tokens=2, measure=False)
+    assert (cold.hit_tokens_ram, cold.hit_tokens_disk, cold.disk_blocks) == (0, 0, 0)
+    llm.offload_prefix_cache()
+    warm = explain(llm, prompt, max_tokens=2, measure=False)
+    assert (warm.hit_tokens_ram, warm.hit_tokens_disk, warm.disk_blocks) == (0, 48, 3)
+    assert warm.steps[0].token_id == cold.steps[0].token_id
+    lines = format_explanation(warm).splitlines()
+    assert ("   Prefix cache: 0 from RAM, 48 from disk of 60 prompt tokens were not computed again; now RAM 4 blocks "
+            f"in use, 0 cached; disk 3 blocks ({human(warm.disk_bytes)})") in lines
+    assert any(line.startswith("2. Prefill: 12 of 60 prompt tokens in one forward pass (the first 48 from") for line in lines)
 
 
 def test_blocks_the_pool_evicts_are_written_and_read_back(make_llm, tmp_path) -> None:
-    llm = make_llm(num_blocks=20, cache=on_disk(tmp_path))
-    a = prompt_of(100, seed=1)
+    llm = make_llm(num_blocks=12, cache=on_disk(tmp_path))
+    a = prompt_of(60, seed=1)
     first = llm.generate(a, SP, use_tqdm=False)[0]
-    for seed in (2, 3, 4):  # 3 x 10 blocks through a 20-block pool: every block of `a` is reused
-        llm.generate(prompt_of(150, seed), SP, use_tqdm=False)
+    for seed in (2, 3):  # 2 x 7 blocks through a 12-block pool: every block of `a` is reused
+        llm.generate(prompt_of(100, seed), SP, use_tqdm=False)
     llm.manager.disk.flush()
     assert all(llm.manager.pool.lookup(h, ids) is None for h, ids in prefix_block_hashes(a, 16))
     out, disk_hit_tokens, disk = served(llm, a)
-    assert disk_hit_tokens == 96 and disk.hit_blocks == 6  # (100 - 1) // 16 blocks
+    assert disk_hit_tokens == 48 and disk.hit_blocks == 3  # (60 - 1) // 16 blocks
     assert out.token_ids == first.token_ids
-    assert disk.writes_dropped == 0 and disk.blocks_written >= 6
+    assert disk.writes_dropped == 0 and disk.blocks_written >= 3
     llm.manager.pool.check_invariant()
 
 
@@ -81,16 +103,16 @@ def test_a_restarted_llm_reads_the_same_directory(make_llm, tmp_path) -> None:
     assert out.token_ids == first.token_ids
 
 
-@pytest.mark.parametrize("other", [{"block_size": 32}, {"dtype": "bfloat16"}])
-def test_another_fingerprint_gets_no_hit(make_llm, tmp_path, other) -> None:
+def test_another_fingerprint_gets_no_hit(make_llm, tmp_path) -> None:
     prompt = prompt_of(200, seed=6)
     writer = make_llm(cache=on_disk(tmp_path))
     writer.generate(prompt, SP, use_tqdm=False)
     writer.offload_prefix_cache()
-    reader = make_llm(cache={**on_disk(tmp_path), **other})
-    out, disk_hit_tokens, disk = served(reader, prompt)
-    assert disk_hit_tokens == 0 and out.num_cached_tokens == 0 and disk.hit_blocks == 0
-    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2  # two namespaces side by side
+    for other in ({"block_size": 32}, {"dtype": "bfloat16"}):
+        reader = make_llm(cache={**on_disk(tmp_path), **other})
+        out, disk_hit_tokens, disk = served(reader, prompt)
+        assert disk_hit_tokens == 0 and out.num_cached_tokens == 0 and disk.hit_blocks == 0
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 3  # three namespaces side by side
 
 
 def test_a_block_under_another_namespace_is_refused(tmp_path) -> None:
@@ -191,3 +213,45 @@ def test_a_corrupt_block_ends_the_disk_hit_there(make_llm, tmp_path) -> None:
     assert disk_hit_tokens == 4 * 16 and disk.hit_blocks == 4 and disk.load_errors == 1
     assert out.token_ids == first.token_ids and not os.path.exists(path)
     llm.manager.pool.check_invariant()
+
+
+@pytest.mark.slow  # a server process of its own (its flags)
+def test_a_server_serves_a_prefix_from_disk_and_counts_it(tmp_path_factory) -> None:
+    from server_harness import MODEL_NAME, start_server, wait_for
+
+    disk = tmp_path_factory.mktemp("kv-disk")
+    # 8 KiB blocks of the tiny model: a 26-block pool, so the fillers push the first prompt out.
+    server = start_server(tmp_path_factory, "--kv-cache-gib", "0.0002", "--kv-disk-path", str(disk),
+                          "--kv-disk-gib", "0.01")
+    try:
+        with server.client() as c:
+            def complete(prompt: list[int]) -> dict:
+                r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                                                    "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            a = prompt_of(100, seed=8)
+            first = complete(a)
+            assert server.metric("kvserve_kv_disk_hit_blocks_total") == 0
+            for seed in (9, 10, 11):
+                complete(prompt_of(150, seed))
+            wait_for(lambda: server.metric("kvserve_kv_disk_blocks_written_total") >= 6)
+            again = complete(a)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert server.metric("kvserve_kv_disk_hit_blocks_total") == 6  # (100 - 1) // 16
+        assert server.metric("kvserve_kv_disk_hit_tokens_total") == 96
+        assert server.metric("kvserve_kv_disk_load_errors_total") == 0
+        used = server.metric("kvserve_kv_disk_bytes_used")
+        assert used == sum(f.stat().st_size for f in disk.rglob("*.kvb")) > 0
+        assert server.metric("kvserve_kv_disk_bytes_capacity") == int(0.01 * (1 << 30))
+    finally:
+        server.stop()
+
+
+def test_serve_refuses_a_disk_bound_without_a_path() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvserve", "serve", "--kv-disk-gib", "1"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert r.returncode == 2
+    assert r.stderr.strip().endswith(
+        "kvserve: error: --kv-disk-gib bounds the disk tier: give --kv-disk-path DIR to turn it on")

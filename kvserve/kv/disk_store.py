@@ -47,6 +47,11 @@ class StoreCounters:
     evicted_files: int = 0
 
 
+def block_file_bytes(payload_bytes: int, num_tokens: int) -> int:
+    """The size of one block's file."""
+    return _HEAD.size + 8 * num_tokens + payload_bytes
+
+
 def encode_block(key: bytes, namespace: bytes, token_ids: Sequence[int], payload: memoryview | bytes) -> list:
     """The file's bytes as buffers to write in order (the payload is not copied)."""
     tokens = array("q", token_ids).tobytes()
