@@ -22,6 +22,8 @@ model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 `batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
 request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
 of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
+`CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
+pool evicts are saved there and read back by later prompts, after a restart too.
 """
 from __future__ import annotations
 

@@ -215,38 +215,48 @@ def test_a_corrupt_block_ends_the_disk_hit_there(make_llm, tmp_path) -> None:
     llm.manager.pool.check_invariant()
 
 
-@pytest.mark.slow  # a server process of its own (its flags)
+def _complete(server, prompt: list[int]) -> str:
+    from server_harness import MODEL_NAME
+
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                                            "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow  # two server processes of its own (its flags, a restart)
 def test_a_server_serves_a_prefix_from_disk_and_counts_it(tmp_path_factory) -> None:
-    from server_harness import MODEL_NAME, start_server, wait_for
+    from server_harness import start_server, wait_for
 
     disk = tmp_path_factory.mktemp("kv-disk")
     # 8 KiB blocks of the tiny model: a 26-block pool, so the fillers push the first prompt out.
-    server = start_server(tmp_path_factory, "--kv-cache-gib", "0.0002", "--kv-disk-path", str(disk),
-                          "--kv-disk-gib", "0.01")
+    flags = ("--kv-cache-gib", "0.0002", "--kv-disk-path", str(disk), "--kv-disk-gib", "0.01")
+    server = start_server(tmp_path_factory, *flags)
+    a, b = prompt_of(100, seed=8), prompt_of(40, seed=13)
     try:
-        with server.client() as c:
-            def complete(prompt: list[int]) -> dict:
-                r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
-                                                    "temperature": 0, "ignore_eos": True})
-                assert r.status_code == 200, r.text
-                return r.json()
-
-            a = prompt_of(100, seed=8)
-            first = complete(a)
-            assert server.metric("kvserve_kv_disk_hit_blocks_total") == 0
-            for seed in (9, 10, 11):
-                complete(prompt_of(150, seed))
-            wait_for(lambda: server.metric("kvserve_kv_disk_blocks_written_total") >= 6)
-            again = complete(a)
-        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        first = _complete(server, a)
+        assert server.metric("kvserve_kv_disk_hit_blocks_total") == 0
+        for seed in (9, 10, 11):
+            _complete(server, prompt_of(150, seed))
+        wait_for(lambda: server.metric("kvserve_kv_disk_blocks_written_total") >= 6)
+        assert _complete(server, a) == first
         assert server.metric("kvserve_kv_disk_hit_blocks_total") == 6  # (100 - 1) // 16
         assert server.metric("kvserve_kv_disk_hit_tokens_total") == 96
         assert server.metric("kvserve_kv_disk_load_errors_total") == 0
         used = server.metric("kvserve_kv_disk_bytes_used")
         assert used == sum(f.stat().st_size for f in disk.rglob("*.kvb")) > 0
         assert server.metric("kvserve_kv_disk_bytes_capacity") == int(0.01 * (1 << 30))
+        second = _complete(server, b)  # its blocks stay in RAM until the shutdown saves them
     finally:
         server.stop()
+    assert "cached blocks saved at shutdown" in server.log()
+    restarted = start_server(tmp_path_factory, *flags)
+    try:
+        assert _complete(restarted, b) == second
+        assert restarted.metric("kvserve_kv_disk_hit_blocks_total") == 2  # (40 - 1) // 16
+    finally:
+        restarted.stop()
 
 
 def test_serve_refuses_a_disk_bound_without_a_path() -> None:
