@@ -250,7 +250,7 @@ def test_a_server_serves_a_prefix_from_disk_and_counts_it(tmp_path_factory) -> N
         second = _complete(server, b)  # its blocks stay in RAM until the shutdown saves them
     finally:
         server.stop()
-    assert "cached blocks saved at shutdown" in server.log()
+    assert "cached blocks saved at shutdown" in server.log_path.read_text()
     restarted = start_server(tmp_path_factory, *flags)
     try:
         assert _complete(restarted, b) == second
