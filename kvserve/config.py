@@ -76,6 +76,10 @@ class CacheConfig:
     # The pool's element type: "auto" (float16 under quantized weights with float32 activations,
     # else the model's dtype), "float32", "bfloat16" or "float16". See kv/sizing.py.
     dtype: str = "auto"
+    # The disk tier (kv/disk_tier.py): prefix blocks evicted from RAM are kept in this directory,
+    # at most disk_bytes of it, and read back by later lookups, after restarts too. None: off.
+    disk_path: str | None = None
+    disk_bytes: int = 4 << 30
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 `batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
 request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
 of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
+`CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
+pool evicts are saved there and read back by later prompts, after a restart too.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
 from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.disk_tier import DiskTier, tier_fields
 from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
@@ -177,11 +180,17 @@ class LLM:
             # A sequence holds its whole context: the pool bounds it (under a sliding window only the
             # window's blocks and a step's are held at once, and the pool need only hold those).
             self.max_model_len = min(self.max_model_len, self.kv_sizing.num_tokens)
+        kv_caches = allocate_kv_pool(self.kv_sizing)
+        disk = None
+        if cache.disk_path is not None and cache.enable_prefix_caching:
+            s = self.kv_sizing
+            disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
+                ckpt.path, self.dtype, quantization, batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
+                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
-                                      self.config.sliding_window, scheduler.max_num_batched_tokens)
+                                      self.config.sliding_window, scheduler.max_num_batched_tokens, disk)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
-        self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,
-                                  self.eos_token_ids)
+        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self._sampler, self.eos_token_ids)
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
@@ -195,6 +204,11 @@ class LLM:
         log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,
                  str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)
         log.info(self.kv_sizing.describe())
+
+    def offload_prefix_cache(self) -> int:
+        """Move every cached prefix block no sequence holds out of RAM: to the disk tier (waiting
+        until the files are written), or nowhere without one. Returns the blocks saved."""
+        return self.manager.offload_cached()
 
     # -- prompts --------------------------------------------------------------------------
     def use_chat_template(self, source: str) -> None:
@@ -222,7 +236,7 @@ class LLM:
         try:
             prefix = self.manager.find_prefix(ids)
             done = len(prefix) * self.manager.block_size
-            self.manager.record_prefix_query(len(ids), done)
+            self.manager.record_prefix_query(len(ids), prefix)
             step = self.scheduler_config.max_num_batched_tokens  # bounds attention memory
             # The whole prompt's blocks up front (a full pool fails before any work), or under a
             # sliding window each chunk's as it comes: blocks behind the window are freed meanwhile.

@@ -169,6 +169,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def thread_done(self) -> bool:
+        """The engine thread has ended: another thread may touch the engine now."""
+        return not self._thread.is_alive()
+
+    @property
     def stalled(self) -> bool:
         """True while one step (or command) has run for longer than stall_timeout."""
         since = self._busy_since

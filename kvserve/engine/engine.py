@@ -20,6 +20,7 @@ from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.errors import EngineStalledError, InvalidParam, shown
+from kvserve.kv.disk_tier import DiskStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import OutputKind, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens (prefix hits excluded)
     generation_tokens: int
+    prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens read from the disk tier
+    disk: DiskStats | None = None  # the disk tier's counters; None without one
 
     @property
     def kv_usage(self) -> float:
@@ -225,4 +228,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.scheduler.num_prompt_tokens_computed,
             generation_tokens=self._generation_tokens,
+            prefix_cache_disk_hits=ps.disk_hits,
+            disk=self.manager.disk.stats() if self.manager.disk is not None else None,
         )

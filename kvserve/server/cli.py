@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
+DEFAULT_DISK_GIB = 4.0  # --kv-disk-gib
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -77,6 +78,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the KV cache's element type (default: auto: float16 under quantized weights with float32 "
                         "activations, else --dtype)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    e.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                   help="keep prefix KV blocks evicted from RAM in this directory and read them back on later hits, "
+                        "across restarts (default: off)")
+    e.add_argument("--kv-disk-gib", type=float, default=None,
+                   help="the disk tier's bound; the least recently used blocks are deleted past it (default: 4)")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
     d = p.add_argument_group("chat and sampling defaults")
     d.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead of the model's")
@@ -159,6 +165,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
     _check_limits(args)
+    _check_kv_disk(args)
     _check_kv_events(args)
     if args.threads is not None:
         if args.threads < 1:
@@ -226,6 +233,17 @@ def _check_limits(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
 
 
+def _check_kv_disk(args: argparse.Namespace) -> None:
+    if args.kv_disk_path is None:
+        if args.kv_disk_gib is not None:
+            raise ValueError("--kv-disk-gib bounds the disk tier: give --kv-disk-path DIR to turn it on")
+        return
+    if args.no_prefix_caching:
+        raise ValueError("the disk tier keeps prefix blocks: drop --no-prefix-caching or --kv-disk-path")
+    if args.kv_disk_gib is not None and args.kv_disk_gib <= 0:
+        raise ValueError(f"--kv-disk-gib must be > 0, got {args.kv_disk_gib}")
+
+
 def _check_kv_events(args: argparse.Namespace) -> None:
     """A bad KV events endpoint fails now, in one line, before the model loads."""
     if args.kv_events_endpoint is None:
@@ -250,6 +268,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
         memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
         enable_prefix_caching=not args.no_prefix_caching,
         dtype=args.kv_cache_dtype,
+        disk_path=args.kv_disk_path,
+        disk_bytes=int((args.kv_disk_gib or DEFAULT_DISK_GIB) * (1 << 30)),
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,

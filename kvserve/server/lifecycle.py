@@ -164,6 +164,9 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+            if self.llm.manager.disk is not None and self.engine.thread_done:
+                # The prefix cache outlives the process: what RAM still caches goes to the disk tier.
+                log.info("KV disk tier: %d cached blocks saved at shutdown", self.llm.offload_prefix_cache())
 
     # -- admission ------------------------------------------------------------------------
     @property
