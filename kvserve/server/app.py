@@ -31,9 +31,9 @@ from kvserve.server import (
     ollama_protocol,
     responses,
 )
-from kvserve.server.chat_completions import create_chat_completion
+from kvserve.server.chat_completions import ChatCompletion
 from kvserve.server.chat_render import ChatPrompt
-from kvserve.server.completions import create_completion
+from kvserve.server.completions import Completion
 from kvserve.server.context import ServerContext
 from kvserve.server.embeddings import create_embedding
 from kvserve.server.errors import APIError, from_invalid
@@ -147,11 +147,11 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(request, ctx)
+        return await Completion.handle(request, ctx)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(request, ctx)
+        return await ChatCompletion.handle(request, ctx)
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:

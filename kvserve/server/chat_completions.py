@@ -6,9 +6,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-from fastapi.responses import Response
-
 from kvserve.outputs import RequestOutput
 from kvserve.server import legacy_functions, openai_compat
 from kvserve.server.chat_render import ChatPrompt
@@ -18,42 +15,49 @@ from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.streaming import respond, sse
+from kvserve.server.serving import Serving
+from kvserve.server.streaming import sse
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
 
 # The engine speaks of "prompt"; here the prompt is the conversation.
 _RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
 
 
-async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, ChatCompletionRequest)
-    openai_compat.log_ignored(req)
-    reject_unsupported_extras(req)
-    legacy_functions.apply(req)  # functions / function_call: as tools / tool_choice from here on
-    reject(not req.messages, "messages", "must not be empty")
-    reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
-    check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    defaulted = max_tokens is None
-    if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
-        max_tokens = ctx.settings.max_tokens_default
-    renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
-    reject(max_tokens == 0, renames.get("max_tokens", "max_tokens"),
-           "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(lambda: req.sampling_params(
-        max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
-    prompt = ChatPrompt.of(req)
-    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt),
-        arrival=arrival, prefix="chatcmpl", renames=renames,
-        # a default the client never sent must not be the reason its request is refused
-        fit_within=ctx.client.max_model_len if defaulted else None)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals[0]), **timeline_extension(ctx, job, req.kvserve)})
+class ChatCompletion(Serving):
+    request_model = ChatCompletionRequest
+
+    async def start(self) -> tuple[Admission, Job]:
+        ctx, req = self.ctx, self.req
+        openai_compat.log_ignored(req)
+        reject_unsupported_extras(req)
+        legacy_functions.apply(req)  # functions / function_call: as tools / tool_choice from here on
+        reject(not req.messages, "messages", "must not be empty")
+        reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
+        check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        defaulted = max_tokens is None
+        if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
+            max_tokens = ctx.settings.max_tokens_default
+        renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
+        reject(max_tokens == 0, renames.get("max_tokens", "max_tokens"),
+               "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = sampling_params(lambda: req.sampling_params(
+            max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
+        prompt = ChatPrompt.of(req)
+        return await ctx.start_job(self.request, params, lambda: ctx.client.encode_chat_now(prompt),
+                                   arrival=self.arrival, prefix="chatcmpl", renames=renames,
+                                   # a default the client never sent must not be the reason its request is refused
+                                   fit_within=ctx.client.max_model_len if defaulted else None)
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return _stream(self.ctx, job, self.req)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return {**_response(self.ctx, job, self.req, finals[0]), **timeline_extension(self.ctx, job, self.req.kvserve)}
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:

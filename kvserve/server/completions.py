@@ -16,9 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from fastapi import Request
-from fastapi.responses import Response
-
 from kvserve.fim import fim_token_ids, no_fim_error
 from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat, request_id
@@ -28,47 +25,55 @@ from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.streaming import respond, sse
+from kvserve.server.serving import Serving
+from kvserve.server.streaming import sse
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
 
 
-async def create_completion(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, CompletionRequest)
-    openai_compat.log_ignored(req)
-    reject_unsupported_extras(req)
-    reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
-    check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-    params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
-                                                         openai_compat.constraint(req)))
-    if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
-        params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-    prompts = _prompts(req.prompt)
-    fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
-    if fim:
-        reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
-        if fim_token_ids(ctx.client.tokenizer) is None:
-            raise from_invalid(no_fim_error())
-    admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
-    try:
-        given = prompts  # echoed as the client sent them (not as FIM markers), once they are known valid
+class Completion(Serving):
+    request_model = CompletionRequest
+    echoes: list[str] | None = None  # each prompt's text, for `echo`
+
+    async def start(self) -> tuple[Admission, Job]:
+        ctx, req, request = self.ctx, self.req, self.request
+        openai_compat.log_ignored(req)
+        reject_unsupported_extras(req)
+        reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
+        check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
+        params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
+                                                             openai_compat.constraint(req)))
+        if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        prompts = _prompts(req.prompt)
+        fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
         if fim:
-            prompts = await ctx.client.encode_fim(prompts, req.suffix)
-        ids = await ctx.client.tokenize(prompts, params, request.receive)
-        echoes = await _echo_texts(ctx, given, req) if req.echo else None
-    except ValueError as e:
-        admission.release()
-        raise from_invalid(e) from None
-    except BaseException:
-        admission.release()
-        raise
-    job = Job(ids, params, arrival, request_id=request_id.name(request, "cmpl"))
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, echoes),
-                         lambda: ctx.client.finals(job),
-                         lambda finals: {**_response(ctx, job, req, finals, echoes), **timeline_extension(ctx, job, req.kvserve)})
+            reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
+            if fim_token_ids(ctx.client.tokenizer) is None:
+                raise from_invalid(no_fim_error())
+        admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
+        try:
+            given = prompts  # echoed as the client sent them (not as FIM markers), once they are known valid
+            if fim:
+                prompts = await ctx.client.encode_fim(prompts, req.suffix)
+            ids = await ctx.client.tokenize(prompts, params, request.receive)
+            self.echoes = await _echo_texts(ctx, given, req) if req.echo else None
+        except ValueError as e:
+            admission.release()
+            raise from_invalid(e) from None
+        except BaseException:
+            admission.release()
+            raise
+        return admission, Job(ids, params, self.arrival, request_id=request_id.name(request, "cmpl"))
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return _stream(self.ctx, job, self.req, self.echoes)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return {**_response(self.ctx, job, self.req, finals, self.echoes),
+                **timeline_extension(self.ctx, job, self.req.kvserve)}
 
 
 async def _echo_texts(ctx: ServerContext, prompts: list[str | list[int]], req: CompletionRequest) -> list[str]:
