@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import Response
 
 from kvserve.errors import InvalidParam
 from kvserve.outputs import CompletionOutput, RequestOutput
@@ -38,12 +36,13 @@ from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import ANTHROPIC, APIError, from_invalid
 from kvserve.server.generation import Job
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
-from kvserve.server.streaming import respond
+from kvserve.server.serving import Serving
 from kvserve.structured.spec import Constraint, json_schema
 from kvserve.structured.tools import forced_call_constraint
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
 
 log = logging.getLogger("kvserve.server")
 # The engine's names for what the client called otherwise.
@@ -94,24 +93,32 @@ async def count_tokens(request: Request, ctx: ServerContext) -> dict:
     return {"input_tokens": len(ids)}
 
 
-async def create_message(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, MessagesRequest)
-    _log_ignored(req)
-    try:
-        req.checked()
-        if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
-            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
-        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
-        params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
-                                constraint=_constraint(req), **{**ctx.settings.defaults, **given})
-    except ValueError as e:
-        raise from_invalid(e, _RENAMES) from None
-    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(_prompt(req)), arrival=arrival, prefix="msg",
-                                     fit_within=ctx.client.max_model_len, renames=_RENAMES)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
-                         lambda: ctx.client.finals(job), lambda finals: _message(ctx, job, req, finals[0]))
+class Message(Serving):
+    """POST /v1/messages."""
+
+    request_model = MessagesRequest
+
+    async def start(self) -> tuple[Admission, Job]:
+        ctx, req = self.ctx, self.req
+        _log_ignored(req)
+        try:
+            req.checked()
+            if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
+                raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
+            given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
+            params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
+                                    constraint=_constraint(req), **{**ctx.settings.defaults, **given})
+        except ValueError as e:
+            raise from_invalid(e, _RENAMES) from None
+        return await ctx.start_job(self.request, params, lambda: ctx.client.encode_chat_now(_prompt(req)),
+                                   arrival=self.arrival, prefix="msg", fit_within=ctx.client.max_model_len,
+                                   renames=_RENAMES)
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return _stream(self.ctx, job, self.req)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return _message(self.ctx, job, self.req, finals[0])
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:

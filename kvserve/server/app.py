@@ -167,7 +167,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await anthropic_messages.create_message(request, ctx)
+        return await anthropic_messages.Message.handle(request, ctx)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:
