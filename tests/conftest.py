@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# Two threads on this two-core machine; one per process when pytest-xdist runs two test processes.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 def _default_gguf() -> Path:
@@ -29,13 +31,32 @@ def hf_tokenizer(default_gguf: Path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(default_gguf: Path):
-    """transformers' own float32 load of the default GGUF (slow: ~40 s of dequantization)."""
-    from transformers import AutoModelForCausalLM
+def hf_model(default_gguf: Path, tmp_path_factory):
+    """transformers' own float32 load of the default GGUF (slow: ~40 s of dequantization). Done
+    once per run: the first test process to need it saves transformers' weights and config,
+    which the run's other processes (pytest-xdist workers) load in a second or two."""
+    from filelock import FileLock
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # this run's, shared by its workers
+    saved = shared / "hf-default-model"
+    with FileLock(str(shared / "hf-default-model.lock")):
+        if not (saved / "model.safetensors").is_file():
+            model = AutoModelForCausalLM.from_pretrained(
+                default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+            )
+            partial = saved.with_suffix(".partial")
+            partial.mkdir(exist_ok=True)
+            model.config.to_json_file(partial / "config.json")
+            save_model(model, str(partial / "model.safetensors"))  # (transformers will not save a GGUF load)
+            partial.rename(saved)
+            return model.eval()
+    config = AutoConfig.from_pretrained(saved)
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(model, str(saved / "model.safetensors"))
     return model.eval()
 
 
