@@ -72,9 +72,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8"),
                    help="the KV cache's element type (default: auto: float16 under quantized weights with float32 "
-                        "activations, else --dtype)")
+                        "activations, else --dtype; int8: a float16 scale per row, ~1.9x float16's tokens)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
     d = p.add_argument_group("chat and sampling defaults")
