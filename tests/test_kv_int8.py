@@ -10,8 +10,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from test_quant import HERE, PROMPTS, _greedy, _greedy_along, _logits, _perplexity
-
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.kernels import layer_ops, paged_attention
 from kvserve.kv.kv_size import kv_size
@@ -20,6 +18,7 @@ from kvserve.model import kv_int8
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, store_kv
 from kvserve.model.ops import LayerOps
 from server_harness import MODEL_NAME, start_server
+from test_quant import HERE, PROMPTS, _greedy, _greedy_along, _perplexity
 
 H, HKV, D, BS = 9, 3, 64, 16  # the default model's heads
 
@@ -138,40 +137,42 @@ def test_the_same_budget_holds_1_94x_the_blocks_of_float16() -> None:
 # --- the default model over an int8 cache ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llms():
+def _default_llm(kv_dtype: str):
     from kvserve import LLM
 
-    return tuple(LLM(cache=CacheConfig(num_blocks=64, dtype=dt)) for dt in ("int8", "float16"))
+    return LLM(cache=CacheConfig(num_blocks=64, dtype=kv_dtype))
+
+
+@pytest.fixture(scope="module")
+def i8():
+    return _default_llm("int8")
 
 
 @pytest.mark.slow
-def test_default_model_on_int8_keeps_perplexity_within_1_percent_and_greedy_agreement(llms) -> None:
+def test_default_model_on_int8_keeps_perplexity_within_1_percent_and_greedy_agreement(i8) -> None:
     """test_quant.py's measures, against the same model over a float16 cache."""
-    i8, f16 = llms
+    f16 = _default_llm("float16")
     assert i8.kv_dtype == torch.int8 and i8.runner.native is not None and i8.runner.kv_scales[0].shape == (2, 3, 64, 16)
     text = f16.tokenizer.encode((HERE / "data" / "gettysburg.txt").read_text())
     ppl_i8, ppl_f16 = _perplexity(i8, text), _perplexity(f16, text)
-    steps = agree = same = 0
-    for p in PROMPTS:
+    steps = agree = 0
+    for p in PROMPTS[:4]:  # half of test_quant.py's: the float16 cache's greedy tokens, fed to the int8 one
         ids = f16.encode_chat([{"role": "user", "content": p}])
         want = _greedy(f16, ids)
-        same += _greedy(i8, ids) == want
         steps += len(want)
         agree += sum(g == w for g, w in zip(_greedy_along(i8, ids, want), want))
-    print(f"perplexity on the Gettysburg Address ({len(text)} tokens): int8 {ppl_i8:.4f}, float16 {ppl_f16:.4f}; greedy agreement {agree}/{steps} "
-          f"fed the float16 cache's tokens, {same}/{len(PROMPTS)} prompts equal free-running")
+    print(f"perplexity on the Gettysburg Address ({len(text)} tokens): int8 {ppl_i8:.4f}, float16 {ppl_f16:.4f}; "
+          f"greedy agreement {agree}/{steps} steps fed the float16 cache's tokens")
     assert abs(ppl_i8 / ppl_f16 - 1) < 0.01
     assert agree >= 0.9 * steps
 
 
-def test_native_step_equals_the_per_op_path_over_an_int8_pool(llms) -> None:
+def test_native_step_equals_the_per_op_path_over_an_int8_pool(i8) -> None:
     from test_native_decode import _decode_both, _prompts
 
-    i8 = llms[0]
     saved = i8.runner.native
     try:
-        _decode_both(i8.runner, _prompts(3, seed=7), steps=4)
+        _decode_both(i8.runner, _prompts(3, seed=7), steps=3)
     finally:
         i8.runner.native = saved
 
