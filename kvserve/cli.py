@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "a 2-byte scale per K/V row) (default: float16)")
     kv.add_argument("--weight-dtype", default=None, help="weights' element type, int8 and int4 included (default: --dtype)")
     kv.add_argument("--memory", default=None, help="memory for weights + cache, e.g. 16GiB (default: this machine's available RAM)")
+    kv.add_argument("--kv-disk-gib", type=float, default=None,
+                    help="also show how many tokens a disk tier of this size holds (kvserve serve --kv-disk-gib)")
+    kv.add_argument("--block-size", type=int, default=16, help="tokens per KV block, for the disk tier (default: 16)")
     kv.add_argument("--json", action="store_true", help="print the figures as JSON")
 
     ex = sub.add_parser("explain", help="run one prompt and show each stage (tokens, prefill, decode, KV cache) with measured numbers")
@@ -66,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("prompt")
     ex.add_argument("--max-tokens", type=int, default=16)
     ex.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    ex.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                    help="a KV disk tier: the prompt's blocks are saved there at the end and read back by the next run")
+    ex.add_argument("--kv-disk-gib", type=float, default=4.0, help="the disk tier's bound (default: 4)")
 
 
     exp = sub.add_parser("export", help="write a .gguf model as a Hugging Face directory (dequantized safetensors)")

@@ -78,6 +78,10 @@ class CacheConfig:
     # K/V row beside the pool: ~1.9x float16's tokens in the same bytes). See kv/sizing.py and
     # model/kv_int8.py.
     dtype: str = "auto"
+    # The disk tier (kv/disk_tier.py): prefix blocks evicted from RAM are kept in this directory,
+    # at most disk_bytes of it, and read back by later lookups, after restarts too. None: off.
+    disk_path: str | None = None
+    disk_bytes: int = 4 << 30
 
 
 @dataclass(frozen=True)

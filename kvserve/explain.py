@@ -68,6 +68,13 @@ class Explanation:
     attn_flops_per_pair: int  # FLOPs of one query attending to one cached token, all layers
     steps: list[Step] = field(default_factory=list)
     ceilings: Ceilings | None = None
+    # The prefill's prefix-cache hits per tier (tokens) and each tier's blocks after it.
+    hit_tokens_ram: int = 0
+    hit_tokens_disk: int = 0
+    ram_blocks_used: int = 0
+    ram_blocks_cached: int = 0  # cached blocks in the pool that no sequence holds
+    disk_blocks: int | None = None  # block files in the disk tier; None: no tier
+    disk_bytes: int = 0
 
     @property
     def prefill(self) -> Step:
@@ -131,7 +138,7 @@ def explain(
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    ids = llm.engine.validate(prompt, params)
+    ids = llm.engine.inputs.process(prompt, params)
     cfg, model = llm.config, llm.model
     d, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, ffn = cfg.hidden_size, cfg.intermediate_size
@@ -153,10 +160,19 @@ def explain(
     # pool, kernel set-up) that would otherwise be counted as prefill. It fills no full block.
     warm, _ = llm.prefill(ids[:1], params)
     warm.close()
+    stats = llm.manager.prefix_stats
+    hits, disk_hits = stats.hits, stats.disk_hits
     t0 = time.perf_counter()
     cache, token = llm.prefill(ids, params)
     with cache:
         e.steps.append(_step(0, len(ids), time.perf_counter() - t0, token, cache, llm))
+        e.hit_tokens_disk = stats.disk_hits - disk_hits
+        e.hit_tokens_ram = stats.hits - hits - e.hit_tokens_disk
+        e.ram_blocks_used = llm.manager.pool.num_used_blocks
+        e.ram_blocks_cached = llm.manager.pool.num_cached_free_blocks
+        if llm.manager.disk is not None:
+            d = llm.manager.disk.stats()
+            e.disk_blocks, e.disk_bytes = d.blocks, d.bytes_used
         if on_step is not None:
             on_step(e.steps[-1], cache)
         for i in range(1, max_tokens):
@@ -196,12 +212,22 @@ def format_explanation(e: Explanation, max_rows: int = 24) -> str:
     out.append(f"1. Tokenize: the model reads {n} tokens, not characters")
     shown = " ".join(f"{t}:{piece!r}" for t, piece in zip(e.prompt_ids[:48], e.pieces[:48]))
     out.append(f"   {shown}" + (f" ... (+{n - 48})" if n > 48 else ""))
-    out += ["", f"2. Prefill: all {n} prompt tokens in one forward pass, {_ms(p.seconds)} = {n / p.seconds:,.0f} tokens/s"]
+    hit = e.hit_tokens_ram + e.hit_tokens_disk
+    if hit:
+        out += ["", f"2. Prefill: {n - hit} of {n} prompt tokens in one forward pass (the first {hit} from the prefix "
+                f"cache), {_ms(p.seconds)} = {n / p.seconds:,.0f} prompt tokens/s"]
+    else:
+        out += ["", f"2. Prefill: all {n} prompt tokens in one forward pass, {_ms(p.seconds)} = {n / p.seconds:,.0f} tokens/s"]
     out.append("   Each layer's attention needs every earlier token's K and V, so the prompt is computed")
     out.append("   in full before the first new token can exist; that wait is the time to first token.")
     out.append(f"   First token: {p.piece!r} (id {p.token_id})")
     out.append(f"   KV cache: {p.cache_tokens} tokens in {p.cache_blocks} block{'s' if p.cache_blocks != 1 else ''} of {e.block_size} = {human(p.cache_bytes)} "
                f"({human(e.kv_bytes_per_token)} per token, {human(e.block_bytes)} per block)")
+    if e.hit_tokens_ram or e.hit_tokens_disk or e.disk_blocks is not None:
+        tiers = f"{e.hit_tokens_ram} from RAM" + ("" if e.disk_blocks is None else f", {e.hit_tokens_disk} from disk")
+        held = f"RAM {e.ram_blocks_used} blocks in use, {e.ram_blocks_cached} cached" + (
+            "" if e.disk_blocks is None else f"; disk {e.disk_blocks} blocks ({human(e.disk_bytes)})")
+        out.append(f"   Prefix cache: {tiers} of {n} prompt tokens were not computed again; now {held}")
     dec = e.decode_steps
     out += ["", f"3. Decode: one token per step, each step a forward pass over 1 token ({len(dec)} steps)"]
     if dec:
@@ -252,9 +278,16 @@ def run_explain(args: Any) -> int:
 
     if args.max_tokens < 1:  # said before the model loads
         raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
-    llm = LLM(args.model, args.dtype)
+    from kvserve.config import CacheConfig
+
+    cache = CacheConfig()
+    if args.kv_disk_path is not None:
+        cache = CacheConfig(disk_path=args.kv_disk_path, disk_bytes=int(args.kv_disk_gib * (1 << 30)))
+    llm = LLM(args.model, args.dtype, cache=cache)
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}])
     print(format_explanation(explain(llm, prompt, args.max_tokens)))
+    if args.kv_disk_path is not None:  # the prompt's blocks stay for the next run
+        llm.offload_prefix_cache()
     return 0

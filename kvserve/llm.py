@@ -22,6 +22,8 @@ model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 `batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
 request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
 of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
+`CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
+pool evicts are saved there and read back by later prompts, after a restart too.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
 from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogitsError, OutOfBlocksError
 from kvserve.kv.block_pool import BlockPool
+from kvserve.kv.disk_tier import DiskTier, tier_fields
 from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, allocate_kv_scales, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
@@ -50,7 +53,6 @@ from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
 from kvserve.model.quant import QuantizedWeight
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured.grammar import GrammarCompiler
 from kvserve.tokenizer import Tokenizer
 
 log = logging.getLogger("kvserve")
@@ -180,11 +182,21 @@ class LLM:
             # A sequence holds its whole context: the pool bounds it (under a sliding window only the
             # window's blocks and a step's are held at once, and the pool need only hold those).
             self.max_model_len = min(self.max_model_len, self.kv_sizing.num_tokens)
+        kv_caches, kv_scales = allocate_kv_pool(self.kv_sizing), allocate_kv_scales(self.kv_sizing)
+        disk = None
+        if cache.disk_path is not None and cache.enable_prefix_caching:
+            if kv_scales is not None:  # its block files hold K/V only
+                raise ValueError("the KV disk tier does not store an int8 cache's row scales: use a float KV cache "
+                                 "dtype with a disk path (--kv-cache-dtype float16)")
+            s = self.kv_sizing
+            disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
+                ckpt.path, self.dtype, quantization, batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
+                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
-                                      self.config.sliding_window, scheduler.max_num_batched_tokens)
+                                      self.config.sliding_window, scheduler.max_num_batched_tokens, disk)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
-        self.runner = ModelRunner(self.model, allocate_kv_pool(self.kv_sizing), cache.block_size, self._sampler,
-                                  self.eos_token_ids, allocate_kv_scales(self.kv_sizing))
+        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self._sampler, self.eos_token_ids,
+                                  kv_scales)
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
@@ -199,13 +211,18 @@ class LLM:
                  str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)
         log.info(self.kv_sizing.describe())
 
+    def offload_prefix_cache(self) -> int:
+        """Move every cached prefix block no sequence holds out of RAM: to the disk tier (waiting
+        until the files are written), or nowhere without one. Returns the blocks saved."""
+        return self.manager.offload_cached()
+
     # -- prompts --------------------------------------------------------------------------
     def use_chat_template(self, source: str) -> None:
         """Render chats with `source` (Jinja) instead of the model's template; its end-of-turn
         tokens stop generation too."""
-        self.tokenizer = self.engine.tokenizer = self.tokenizer.with_chat_template(source)
-        self.eos_token_ids = self.engine.eos_token_ids = self.eos_token_ids | self.tokenizer.eos_token_ids
-        self.engine.grammars = GrammarCompiler(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
+        self.tokenizer = self.tokenizer.with_chat_template(source)
+        self.engine.use_tokenizer(self.tokenizer)
+        self.eos_token_ids = self.engine.eos_token_ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None) -> list[int]:
@@ -217,7 +234,7 @@ class LLM:
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[KVCache, int]:
         """Read the whole prompt once into a new KV cache; return it and the first token."""
         params = params or GREEDY
-        ids = self.engine.validate(prompt, params)
+        ids = self.engine.inputs.process(prompt, params)
         cache = KVCache(self, f"prefill-{next(self._ids)}", len(ids))
         self._live_caches.add(cache)
         if params.seed is not None:
@@ -225,7 +242,7 @@ class LLM:
         try:
             prefix = self.manager.find_prefix(ids)
             done = len(prefix) * self.manager.block_size
-            self.manager.record_prefix_query(len(ids), done)
+            self.manager.record_prefix_query(len(ids), prefix)
             step = self.scheduler_config.max_num_batched_tokens  # bounds attention memory
             # The whole prompt's blocks up front (a full pool fails before any work), or under a
             # sliding window each chunk's as it comes: blocks behind the window are freed meanwhile.
@@ -316,11 +333,12 @@ class LLM:
 
     def _run(self, prompts: Sequence[str | list[int]], plist: list[SamplingParams], use_tqdm: bool, what: str,
              pooling: bool = False) -> list[RequestOutput]:
-        ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
+        ids = [self.engine.inputs.process(p, sp) for p, sp in zip(prompts, plist)]  # all checked first
         base = next(self._ids)
         rids = [f"{what[:3]}-{base}-{i}" for i in range(len(prompts))]
         for rid, p, sp, tok in zip(rids, prompts, plist, ids):
-            self.engine.add_request(rid, p, sp, prompt_token_ids=tok, output_kind=OutputKind.FINAL_ONLY, pooling=pooling)
+            self.engine.add_request(rid, tok, sp, output_kind=OutputKind.FINAL_ONLY, pooling=pooling,
+                                    prompt=p if isinstance(p, str) else None)
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(prompts) > 1:

@@ -50,14 +50,15 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_llm(tiny_llama_dir):
-    """LLM factory on the tiny model; after each test every pool must be whole and consistent,
+    """LLM factory on the tiny model (`cache`: more CacheConfig fields); after each test every pool must be whole and consistent,
     with nothing left running."""
     from kvserve import LLM, CacheConfig, SchedulerConfig
 
     made: list = []
 
-    def make(num_blocks: int = 256, caching: bool = True, **sched):
-        llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching),
+    def make(num_blocks: int = 256, caching: bool = True, cache: dict | None = None, **sched):
+        llm = LLM(str(tiny_llama_dir), dtype="float32",
+                  cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching, **(cache or {})),
                   scheduler=SchedulerConfig(**sched))
         made.append(llm)
         return llm

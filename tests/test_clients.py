@@ -293,6 +293,38 @@ def test_requests_as_sglang_router_forwards_them(server) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+
+def test_requests_as_vllm_router_forwards_them(server) -> None:
+    """vllm-router (0.1.17) rewrites chat bodies as SGLang's router does, plus vLLM's include_reasoning
+    (captured from its output): kvserve accepts them."""
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Say hi."}], "stream": False, "max_tokens": 8,
+            "logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+            "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+            "return_hidden_states": False, "include_reasoning": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_render_gives_the_ids_a_chat_completion_prefills(server) -> None:
+    """POST /v1/chat/completions/render (what KV-aware gateways ask before routing) gives the prompt
+    ids /tokenize gives for the same messages, as many as the completion's usage counts."""
+    messages = [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Colour of snow?"}]
+    r = httpx.post(server.url + "/v1/chat/completions/render", json={"model": NAME, "messages": messages,
+                                                                      "max_tokens": 4, "include_reasoning": True})
+    assert r.status_code == 200, r.text
+    rendered = r.json()
+    assert rendered["model"] == NAME
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert rendered["token_ids"] == tokenized
+    done = httpx.post(server.url + "/v1/chat/completions", json={"model": NAME, "messages": messages, "max_tokens": 1},
+                      timeout=120).json()
+    assert done["usage"]["prompt_tokens"] == len(rendered["token_ids"])
+    r = httpx.post(server.url + "/v1/chat/completions/render", json={"model": NAME, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "messages must not be empty"
+    r = httpx.post(server.url + "/v1/chat/completions/render",
+                   json={"model": NAME, "messages": messages, "return_hidden_states": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states", r.text
+
 def test_endpoints(server, client) -> None:
     assert client.models.retrieve(NAME).id == NAME
     assert httpx.get(server.url + "/v1/models/nope").status_code == 404

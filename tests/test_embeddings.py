@@ -69,11 +69,11 @@ def test_embeddings_run_beside_generation_and_give_every_block_back(make_llm) ->
     vectors = [o.embedding for o in llm.embed(TEXTS, use_tqdm=False)]
     free = llm.manager.pool.num_free_blocks
     engine = llm.engine
-    engine.add_request("g", "Once upon a time", greedy, output_kind=OutputKind.FINAL_ONLY)
+    engine.add_request("g", engine.inputs.process("Once upon a time", greedy), greedy, output_kind=OutputKind.FINAL_ONLY)
     for _ in range(3):  # the generation is under way when the embeddings arrive
         engine.step()
     for i, text in enumerate(TEXTS):
-        engine.add_request(f"e{i}", text, SamplingParams(max_tokens=0), pooling=True)
+        engine.add_request(f"e{i}", llm.tokenizer.encode(text), SamplingParams(max_tokens=0), pooling=True)
     finals = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -103,7 +103,7 @@ def test_a_preempted_embedding_starts_its_pooling_over(make_llm, tiny_hf) -> Non
 def test_pooling_requires_max_tokens_zero(make_llm) -> None:
     llm = make_llm()
     with pytest.raises(ValueError, match="max_tokens must be 0"):
-        llm.engine.add_request("e", "hi", SamplingParams(max_tokens=1), pooling=True)
+        llm.engine.add_request("e", llm.tokenizer.encode("hi"), SamplingParams(max_tokens=1), pooling=True)
 
 
 def test_the_router_reads_an_embeddings_input() -> None:

@@ -252,11 +252,11 @@ def test_errors_are_typed_with_the_parameter(make_llm) -> None:
     cases = [
         (lambda: SamplingParams(temperature=3.0), "temperature", "temperature must be a finite number in"),
         (lambda: SamplingParams(min_tokens=5, max_tokens=4), "min_tokens", "min_tokens must be <= max_tokens"),
-        (lambda: llm.engine.validate([5, 6], SamplingParams(max_tokens=2048)), "max_tokens", "max_tokens is 2048"),
-        (lambda: llm.engine.validate([], SamplingParams()), "prompt", "prompt must not be empty"),
-        (lambda: llm.engine.validate([5, 10**6], SamplingParams()), "prompt", "prompt token id 1000000"),
+        (lambda: llm.engine.inputs.process([5, 6], SamplingParams(max_tokens=2048)), "max_tokens", "max_tokens is 2048"),
+        (lambda: llm.engine.inputs.process([], SamplingParams()), "prompt", "prompt must not be empty"),
+        (lambda: llm.engine.inputs.process([5, 10**6], SamplingParams()), "prompt", "prompt token id 1000000"),
         # min_tokens is bounded by the context like max_tokens (it was accepted unchecked).
-        (lambda: llm.engine.validate([5, 6], SamplingParams(max_tokens=None, min_tokens=10**12)), "min_tokens",
+        (lambda: llm.engine.inputs.process([5, 6], SamplingParams(max_tokens=None, min_tokens=10**12)), "min_tokens",
          r"min_tokens is 1000000000000 but the context holds 2048 tokens and the prompt takes 2: "
          r"min_tokens must be at most 2046"),
     ]
@@ -318,7 +318,7 @@ def test_async_engine_tells_bad_input_from_an_engine_failure(make_llm) -> None:
 
     try:
         with pytest.raises(InvalidParam) as e:  # validation: refused before it is submitted
-            engine.validate([5, 6], SamplingParams(max_tokens=2048))
+            engine.inputs.process([5, 6], SamplingParams(max_tokens=2048))
         assert e.value.param == "max_tokens" and engine.is_alive
 
         def broken(sched):

@@ -98,14 +98,14 @@ def test_a_vocabulary_without_fim_tokens_is_a_400_that_says_why(plain_server) ->
 def test_the_router_forwards_suffix_and_hashes_the_prompt_the_replica_sees(fim_server, fim_gguf) -> None:
     import json
 
-    from kvserve.router.kv_index import KVIndex, Renderer
+    from kvserve.router.kv_index import Renderer, encode_prompt
     from kvserve.router.request import parse_request
     from router_harness import RouterThread
 
     body = {"model": MODEL_NAME, "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     tok = Tokenizer.from_gguf(fim_gguf)
     routed = parse_request("/v1/completions", json.dumps(body).encode())
-    assert KVIndex._encode(routed, None, Renderer(tok)) == encode_fim(tok, PREFIX, SUFFIX)  # the precise source's token ids
+    assert encode_prompt(routed, None, Renderer(tok)) == encode_fim(tok, PREFIX, SUFFIX)  # the precise source's token ids
     router = RouterThread([fim_server.url])
     try:
         router.wait_for(lambda: router.admin()[fim_server.url]["state"] == "healthy")

@@ -28,6 +28,7 @@ from server_harness import MODEL_NAME, start_server
 pytestmark = pytest.mark.slow
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+          "/v1/chat/completions/render": ChatCompletionRequest,
           "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/messages": anthropic_protocol.MessagesRequest, "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
           "/api/chat": ollama_protocol.ChatRequest, "/api/generate": ollama_protocol.GenerateRequest,

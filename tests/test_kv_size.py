@@ -91,3 +91,15 @@ def test_cli_spells_out_the_formula_and_json() -> None:
     assert got["bytes_per_token"] == 524288 and got["context"] == 4096 and got["gqa_saving"] == 1.0
     r = _cli("nope")
     assert r.returncode == 2 and r.stderr.startswith("kvserve: error: 'nope' is neither a preset")
+
+
+def test_the_disk_tier_in_tokens() -> None:
+    # smollm2-135m in float16: 23,040 bytes per token; a 16-token block's file is its 368,640 bytes
+    # of K/V, 16 token ids (128 bytes) and a 68-byte header.
+    s = kv_size("smollm2-135m", dtype="float16", memory="24GiB", disk=4 << 30)
+    assert s.disk_block_file_bytes == 368_836 and s.disk_tokens == (4 << 30) // 368_836 * 16 == 186_304
+    assert kv_size("smollm2-135m", memory="24GiB").disk_tokens is None
+    r = _cli("smollm2-135m", "--memory", "24GiB", "--kv-disk-gib", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip().endswith("Disk tier (kvserve serve --kv-disk-gib): 4 GiB holds 186,304 tokens of KV cache "
+                                      "in block files of 360 KiB (11,644 blocks)")

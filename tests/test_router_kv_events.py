@@ -199,11 +199,13 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
     from kvserve.server.kv_events import add_kv_event_routes
 
     log = BlockEventLog(capacity=4)
-    pool = SimpleNamespace(enable_caching=True, events=log)
+    from kvserve.server.vllm_metrics import CacheInfo
+
     tokenizer = SimpleNamespace(fingerprint=lambda special: f"renderer-{special}")
-    llm = SimpleNamespace(model_path="/m.gguf", manager=SimpleNamespace(block_size=16, pool=pool), tokenizer=tokenizer)
+    client = SimpleNamespace(model_path="/m.gguf", tokenizer=tokenizer, kv_events=lambda: log,
+                             cache_info=lambda: CacheInfo(16, 64, "float16", True))
     app = FastAPI()
-    add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None, llm=llm),
+    add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None), client=client,
                                              settings=SimpleNamespace(special_tokens_in_messages=False),
                                              kv_publisher=None))
 

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.events import BlockEventLog
 from kvserve.kv.manager import KVCacheManager
-from kvserve.router.kv_index import ReplicaBlocks, block_hashes
+from kvserve.router.kv_index import KVIndex, ReplicaBlocks, block_hashes
 from kvserve.router.policies import CacheAware, LeastLoad, RoundRobin
 from kvserve.router.prefix_tree import PrefixTree
 from kvserve.router.proxy import retry_after_seconds
@@ -133,6 +133,36 @@ def test_cache_aware_prefers_the_prefix_until_loads_are_imbalanced_beyond_both_t
     fresh = parse_request("/v1/completions", b'{"prompt": "Something else entirely, never sent before"}')
     a.outstanding_work = b.outstanding_work = 0
     assert policy.choose([a, b], fresh).outcome == "no_match"
+
+
+
+def test_cache_aware_deals_new_prefixes_by_footprint_not_momentary_load():
+    """A prompt nobody holds goes to the replica this router has sent the least prompt text, not
+    the momentarily idlest: 4 prompts sent in turn end up 2 and 2 however the loads move — with
+    either source, and whatever the replicas' pools held before (a full pool says nothing)."""
+    prompts = [f"System prompt {i}: " + f"house rule {i} " * 40 for i in range(4)]
+    index = KVIndex(None, 0.1, None)  # type: ignore[arg-type]
+    index._renderers["r"] = object()  # type: ignore[assignment]
+    for source in ("approximate", "precise"):
+        policy = CacheAware(PolicySettings(cache_source=source, min_match_tokens=8), index)
+        a, b = _replicas(0, 0)
+        index.blocks[a] = ReplicaBlocks("m", 16, renderer="r", held={i.to_bytes(4, "big") for i in range(300)})  # full
+        index.blocks[b] = ReplicaBlocks("m", 16, renderer="r", held=set())
+        placed = []
+        for i, text in enumerate(prompts):
+            req = parse_request("/v1/completions", ('{"prompt": "%s"}' % text).encode())
+            a.outstanding_work, b.outstanding_work = (0, 500) if i % 2 else (0, 0)  # a always the idler
+            d = policy.choose([a, b], req)
+            assert d.outcome == "no_match"
+            policy.routed(d, req)
+            placed.append(d.replica.url)
+        assert placed == ["http://r0", "http://r1", "http://r0", "http://r1"], source
+        chunks = sum(len(t) // 64 for t in prompts[0::2])  # 64-character chunks of text, 4 characters a token
+        assert len(policy.tree(a)) == chunks and policy.footprint(a) == policy.footprint(b) == chunks * 16
+        policy.forget(a)  # a replica that left, or came back empty, gets the next new prefix
+        a.outstanding_work, b.outstanding_work = 900, 0
+        fresh = parse_request("/v1/completions", b'{"prompt": "Something never sent before, anywhere at all"}')
+        assert policy.choose([a, b], fresh).replica is a
 
 
 def test_a_request_counts_its_uncached_prompt_and_output_as_work_until_released():

@@ -1,4 +1,4 @@
-"""The soak's short form (`make soak` runs it for 30 minutes): ~75 s of mixed load through a real
+"""The soak's short form (`make soak` runs it for 30 minutes): ~50 s of mixed load through a real
 router to two real replicas of the default model, one SIGKILLed twice, one drained with SIGTERM."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_soak_short(tmp_path):
-    rc = main(["--duration", "75", "--kill-every", "30", "--drain-at", "0.1", "--sample-every", "1",
+    rc = main(["--duration", "50", "--kill-every", "20", "--drain-at", "0.1", "--sample-every", "1",
                "--rss-warmup", "10", "--port", "0", "--out", str(tmp_path)])
     r = json.loads((tmp_path / "soak.json").read_text())
     assert (tmp_path / "soak.md").is_file()

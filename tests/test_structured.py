@@ -43,9 +43,9 @@ def test_vllm_forms_take_one_constraint() -> None:
 def test_bad_schema_is_a_value_error_naming_the_field(tiny) -> None:
     bad = SamplingParams(constraint=json_schema({"type": "object", "properties": {"a": {"type": "nope"}}}, "guided_json"))
     with pytest.raises(ValueError, match=r"^guided_json is not a valid JSON schema"):
-        tiny.engine.validate("hi", bad)
+        tiny.engine.inputs.process("hi", bad)
     with pytest.raises(ValueError, match=r"^guided_regex is not a valid regular expression"):
-        tiny.engine.validate("hi", SamplingParams(constraint=Constraint("regex", "(unclosed", "guided_regex")))
+        tiny.engine.inputs.process("hi", SamplingParams(constraint=Constraint("regex", "(unclosed", "guided_regex")))
 
 
 # -- the engine obeys the grammar, whatever the (random) model prefers -------------------------

@@ -183,6 +183,45 @@ async def synthetic_overhead(direct: str, routed: str, n: int) -> dict:
     return {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in out.items()} | {"n": n}
 
 
+GATEWAYS = ("sglang", "smg", "vllm-router")
+
+
+def kv_events_port(args: argparse.Namespace, replica: int) -> int:
+    """Replica i publishes its KV events on this port and replays them on the next."""
+    return args.port + 30 + 2 * replica
+
+
+def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace, k: int) -> tuple[str, list[str], dict]:
+    """(table name, command line, environment) of the k-th run's gateway on args.port in front of urls."""
+    source = source or "cache_aware"
+    port, metrics_port = str(args.port), str(args.port + 60 + k)  # each binds a Prometheus port of its own
+    if policy == "sglang":
+        from kvserve.bench.peers import SGLANG_ROUTER, setup_sglang_router
+
+        return (f"SGLang router {SGLANG_ROUTER} ({source})",
+                [str(setup_sglang_router()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", port,
+                 "--policy", source, "--worker-urls", *urls], {})
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version(policy)
+    except PackageNotFoundError:
+        raise SystemExit(f"{policy} is not installed: pip install -e '.[bench]'") from None
+    exe = str(Path(sys.executable).parent / policy)
+    if policy == "smg":  # its cache_aware over HTTP workers: a radix tree of the request text
+        return (f"smg {release} ({source})",
+                [exe, "launch", "--host", "127.0.0.1", "--port", port, "--prometheus-port", metrics_port,
+                 "--policy", source, "--worker-urls", *urls], {})
+    argv = [exe, "--host", "127.0.0.1", "--port", port, "--prometheus-port", metrics_port, "--policy", source,
+            "--worker-urls", *urls]
+    if source == "kv_aware":  # the replicas' KV events over ZMQ; prompts rendered by POST /v1/chat/completions/render
+        for i, url in enumerate(urls):
+            argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i)}",
+                     "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i) + 1}"]
+        argv += ["--kv-event-block-size", "16", "--kv-event-model", args.served_name]
+    return f"vllm-router {release} ({source})", argv, {}
+
+
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
     from kvserve.router.up import _die_with_parent
 
@@ -256,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--policies", default="round_robin,cache_aware:approximate,cache_aware:precise",
-                   help="comma-separated; sglang:cache_aware runs SGLang's router (installed once in a cached venv)")
+                   help="comma-separated; sglang:cache_aware runs SGLang's router (installed once in a cached venv), "
+                        "smg:cache_aware and vllm-router:cache_aware|kv_aware the gateways of the bench extra")
     p.add_argument("--overhead-requests", type=int, default=40)
     p.add_argument("--synthetic-requests", type=int, default=200,
                    help="router overhead against a model-free upstream (0: skip)")
@@ -265,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8700, help="first of the ports used")
     p.add_argument("--logs", type=Path, default=Path("/tmp/kvserve-bench-router"))
     p.add_argument("--write", type=Path, default=None, help="put the results in this markdown file")
+    p.add_argument("--section", default="bench-router",
+                   help="the name of its markers in that file (another name keeps a full run's table beside a short one's)")
     args = p.parse_args(argv)
     if args.synthetic_upstream:
         synthetic_upstream(args.synthetic_upstream)
@@ -285,8 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.load(resolve_model_path(args.model))
     threads = max(1, args.threads // args.replicas)
     urls = [f"http://127.0.0.1:{args.port + 1 + i}" for i in range(args.replicas)]
+    events = any(spec.startswith("vllm-router:kv_aware") for spec in args.policies.split(","))
     procs = [spawn(["serve", "--model", args.model, "--served-model-name", args.served_name, "--port", str(args.port + 1 + i),
-                    "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log"],
+                    "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log",
+                    *(["--kv-events-endpoint", f"tcp://*:{kv_events_port(args, i)}",
+                       "--kv-events-replay-endpoint", f"tcp://*:{kv_events_port(args, i) + 1}"] if events else [])],
                    {"OMP_NUM_THREADS": str(threads)}, args.logs / f"replica{i}.log") for i in range(args.replicas)]
     results, over, synth = [], None, None
     try:
@@ -296,14 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, spec in enumerate(args.policies.split(",")):
             policy, _, source = spec.partition(":")
             prompts = system_prompts(args.prompts, args.prompt_tokens, seed=1000 + k, count_tokens=lambda t: len(tok.encode(t)))
-            if policy == "sglang":  # SGLang's router in kvserve's place, same replicas and load
-                from kvserve.bench.peers import SGLANG_ROUTER, setup_sglang_router
-
-                name = f"SGLang router {SGLANG_ROUTER} ({source or 'cache_aware'})"
-                router = subprocess.Popen(
-                    [str(setup_sglang_router()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-                     str(args.port), "--policy", source or "cache_aware", "--worker-urls", *urls],
-                    stdout=open(args.logs / f"router-{k}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            if policy in GATEWAYS:  # another gateway in kvserve's place, same replicas and load
+                name, gw_argv, env = gateway(policy, source, urls, args, k)
+                router = subprocess.Popen(gw_argv, env={**os.environ, **env}, stdout=open(args.logs / f"router-{k}.log", "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True)
             else:
                 name = f"{policy} ({source})" if source else policy
                 cmd = ["route", "--port", str(args.port), "--policy", policy, "--no-access-log"]
@@ -356,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     section = "\n".join(lines)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, section, args.section)
     return 0
 
 

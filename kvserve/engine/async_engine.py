@@ -23,10 +23,11 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.snapshot import engine_state
 from kvserve.errors import KVServeError, shown
 from kvserve.outputs import CompletionOutput, OutputKind, RequestOutput
@@ -57,7 +58,6 @@ class EngineTimeouts:
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
@@ -169,6 +169,11 @@ class AsyncEngine:
         return self._thread.is_alive() and self.error is None
 
     @property
+    def thread_done(self) -> bool:
+        """The engine thread has ended: another thread may touch the engine now."""
+        return not self._thread.is_alive()
+
+    @property
     def stalled(self) -> bool:
         """True while one step (or command) has run for longer than stall_timeout."""
         since = self._busy_since
@@ -184,14 +189,10 @@ class AsyncEngine:
         """Counters as of the last step (read without touching the engine thread)."""
         return self._stats
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Token ids of prompt, checked against the context and the pool's size; InvalidParam
-        if not. Safe on any thread (reads only the tokenizer and fixed sizes)."""
-        return self.engine.validate(prompt, params)
-
-    async def validate_all(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> list[list[int]]:
-        """validate() each prompt on a worker thread, so a long prompt never holds up the event loop."""
-        return await asyncio.to_thread(lambda: [self.validate(p, params) for p in prompts])
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's input checks (kvserve/engine/input_processor.py), safe on any thread."""
+        return self.engine.inputs
 
     async def generate(
         self,
@@ -203,7 +204,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after every step that changed it; the last is finished.
 
-        `prompt_token_ids` come from validate(). Leaving the iteration early (the client went
+        `prompt_token_ids` come from `inputs.process`. Leaving the iteration early (the client went
         away, the task was cancelled) aborts the request and frees its blocks. `pooling`: an
         embedding request (params with max_tokens=0); its final output carries the embedding.
         """
@@ -217,7 +218,7 @@ class AsyncEngine:
                 raise ValueError(f"request id {shown(rid)} is already in use")
             self._mailboxes[rid] = box
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._inbox.put(_Add(rid, prompt_token_ids, prompt_token_ids, params, arrival, time.monotonic(), pooling))
+        self._inbox.put(_Add(rid, prompt_token_ids, params, arrival, time.monotonic(), pooling))
         limit = self.timeouts.request_timeout
         deadline = None if limit is None else arrival + limit
         finished = False
@@ -274,7 +275,7 @@ class AsyncEngine:
             try:
                 # Deltas: a step's work for a stream does not grow with its output; the merge of
                 # unread outputs joins deltas, and the final output carries the whole.
-                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.prompt_token_ids,
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.arrival_time,
                                         output_kind=OutputKind.DELTA, pooling=cmd.pooling)
                 self.engine.timeline.mark(cmd.request_id, "tokenized", cmd.tokenized_time)
             except ValueError as e:  # e.g. an id still held by an abort not yet applied

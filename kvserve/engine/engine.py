@@ -1,7 +1,7 @@
 """LLMEngine: add requests, step (schedule -> run -> update), read outputs.
 
 Everything about a request is checked in add_request() before any block is allocated (an
-InvalidParam naming the parameter); a step then never fails on a request's account, so an
+InvalidParam naming the parameter: kvserve/engine/input_processor.py); a step then never fails on a request's account, so an
 exception out of step() is the engine's own failure. A step that can schedule nothing while
 requests wait, with nothing running that could free blocks, raises EngineStalledError instead
 of returning nothing forever. Not thread-safe: AsyncEngine owns it from one thread.
@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, SeqStatus, Sequence
 from kvserve.engine.runner import ModelRunner, RunnerOutput
@@ -19,11 +20,12 @@ from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.errors import EngineStalledError, InvalidParam, shown
+from kvserve.kv.disk_tier import DiskStats
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import OutputKind, RequestMetrics, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured import grammar
-from kvserve.tokenizer import IncrementalDetokenizer, PromptTooLong, Tokenizer
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -37,6 +39,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens (prefix hits excluded)
     generation_tokens: int
+    prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens read from the disk tier
+    disk: DiskStats | None = None  # the disk tier's counters; None without one
 
     @property
     def kv_usage(self) -> float:
@@ -61,84 +65,47 @@ class LLMEngine:
         self.sampler = runner.sampler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        # Said in context-length errors when the pool, not the model, sets the limit.
-        self.context_note = ""
-        if max_model_len == manager.pool.num_blocks * manager.block_size:
-            self.context_note = " (all the KV pool can hold)"
         self.eos_token_ids = eos_token_ids
         self.grammars = grammar.GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.inputs = InputProcessor(tokenizer, vocab_size, max_model_len, manager, self.grammars)
         self.requests: dict[str, Request] = {}
         self._generation_tokens = 0
         self.timeline = TimelineRecorder()  # read from other threads through its lock
 
-    # -- admission ------------------------------------------------------------------------
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Token ids of prompt, or an InvalidParam (a ValueError) naming what is wrong. Allocates nothing."""
-        params.validate()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParam("prompt", "prompt must not be empty")
-            try:
-                ids = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
-            except PromptTooLong:
-                raise InvalidParam(
-                    "prompt", f"prompt is more than {self.max_model_len} tokens but the context holds "
-                    f"{self.max_model_len}{self.context_note}: shorten the prompt"
-                ) from None
-        else:
-            ids = list(prompt)
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidParam("prompt", f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if not ids:
-            raise InvalidParam("prompt", "prompt must not be empty")
-        outside = next((t for t in (params.logit_bias or ()) if t >= self.vocab_size), None)
-        if outside is not None:
-            raise InvalidParam("logit_bias", f"logit_bias: token id {outside} is outside the vocabulary "
-                               f"[0, {self.vocab_size}): use ids from POST /tokenize")
-        n = len(ids)
-        if n > self.max_model_len or (n == self.max_model_len and params.max_tokens != 0):  # room for one token
-            raise InvalidParam(
-                "prompt", f"prompt is {n} tokens but the context holds {self.max_model_len}{self.context_note}: "
-                "shorten the prompt")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise InvalidParam(
-                "max_tokens", f"max_tokens is {params.max_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
-                f"and the prompt takes {n}: max_tokens must be at most {self.max_model_len - n}")
-        if n + params.min_tokens > self.max_model_len:  # bounded like max_tokens
-            raise InvalidParam(
-                "min_tokens", f"min_tokens is {params.min_tokens} but the context holds {self.max_model_len} tokens{self.context_note} "
-                f"and the prompt takes {n}: min_tokens must be at most {self.max_model_len - n}")
-        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        blocks = self.manager.blocks_held_at_most(total)
-        if blocks > self.manager.pool.num_blocks:
-            raise InvalidParam(
-                "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
-                f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt")
-        if params.constraint is not None:
-            self.grammars.compile(params.constraint)  # a bad schema fails here; cached for add_request
-        return ids
+    def use_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Tokenize and detokenize with `tokenizer` (another chat template); its end-of-turn tokens
+        stop generation too."""
+        self.tokenizer = tokenizer
+        self.eos_token_ids = self.eos_token_ids | tokenizer.eos_token_ids
+        self.grammars = grammar.GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        self.inputs = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.manager, self.grammars)
 
+    # -- admission ------------------------------------------------------------------------
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-        prompt_token_ids: list[int] | None = None,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         pooling: bool = False,
+        prompt: str | None = None,
     ) -> None:
-        """Queue a request. `pooling`: an embedding request (pass params with max_tokens=0): its
-        output's `embedding` is the mean of the prompt's final hidden states, L2-normalised."""
+        """Queue a request: its prompt's token ids (text goes through `self.inputs.process` first),
+        checked again here (`InputProcessor.check`: cheap on ids). `prompt`: the text they came
+        from, if any, for the outputs. `pooling`: an embedding request (pass params with
+        max_tokens=0): its output's `embedding` is the mean of the prompt's final hidden states,
+        L2-normalised."""
+        if isinstance(prompt_token_ids, str):
+            raise TypeError("add_request takes token ids: tokenize text with engine.inputs.process(text, params)")
         if pooling and params.max_tokens != 0:
             raise InvalidParam("max_tokens", "an embedding request generates nothing: max_tokens must be 0")
         if request_id in self.requests:
             raise InvalidParam("request_id", f"request id {shown(request_id)} is already in the engine")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+        ids = self.inputs.check(list(prompt_token_ids), params)
         req = Request(
             request_id=request_id,
-            prompt=prompt if isinstance(prompt, str) else None,
+            prompt=prompt,
             prompt_token_ids=ids,
             params=params,
             metrics=RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic()),
@@ -261,4 +228,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.scheduler.num_prompt_tokens_computed,
             generation_tokens=self._generation_tokens,
+            prefix_cache_disk_hits=ps.disk_hits,
+            disk=self.manager.disk.stats() if self.manager.disk is not None else None,
         )

@@ -128,7 +128,7 @@ class Scheduler:
             if not self.manager.allocate(seq.seq_id, computed + n, prefix):
                 break
             if not seq.wants_prompt_outputs:  # (a lookup was made)
-                self.manager.record_prefix_query(len(seq.token_ids), len(prefix) * bs)
+                self.manager.record_prefix_query(len(seq.token_ids), prefix)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = len(prefix) * bs
             seq.num_computed_tokens = computed

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvserve.engine.engine import LLMEngine
     from kvserve.engine.request import Sequence
+    from kvserve.kv.disk_tier import DiskStats
 
 MAX_CELLS = 8192
 MAX_REQUESTS = 64
@@ -24,6 +25,15 @@ def _seq_row(seq: Sequence, state: str, blocks: int) -> dict[str, Any]:
             "prompt_tokens": seq.num_prompt_tokens, "output_tokens": seq.num_output_tokens,
             "computed_tokens": seq.num_computed_tokens, "cached_tokens": seq.num_cached_tokens,
             "preemptions": seq.num_preemptions, "blocks": blocks}
+
+
+def _disk(d: DiskStats | None) -> dict[str, Any] | None:
+    """The KV disk tier beside the pool (None: no tier)."""
+    if d is None:
+        return None
+    return {"blocks": d.blocks, "bytes_used": d.bytes_used, "capacity_bytes": d.capacity_bytes,
+            "blocks_written": d.blocks_written, "writes_dropped": d.writes_dropped, "hit_blocks": d.hit_blocks,
+            "hit_tokens": d.hit_tokens, "load_errors": d.load_errors}
 
 
 def engine_state(engine: LLMEngine) -> dict[str, Any]:
@@ -63,7 +73,10 @@ def engine_state(engine: LLMEngine) -> dict[str, Any]:
         "requests": requests,
         "num_running": stats.num_running,
         "num_waiting": stats.num_waiting,
+        "disk": _disk(stats.disk),
         "prefix_cache": {"queries": stats.prefix_cache_queries, "hits": stats.prefix_cache_hits,
+                         "hits_by_tier": {"ram": stats.prefix_cache_hits - stats.prefix_cache_disk_hits,
+                                          "disk": stats.prefix_cache_disk_hits},
                          "hit_rate": stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0},
         "totals": {"prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
                    "preemptions": stats.num_preemptions},

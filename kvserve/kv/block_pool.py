@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.errors import OutOfBlocksError
@@ -48,6 +48,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # kept with the hash so a hit is verified, not trusted
+    from_disk: bool = False  # loaded by a prefix lookup and not yet counted as a hit
 
 
 class BlockPool:
@@ -64,6 +65,8 @@ class BlockPool:
         self._num_cached_free = 0
         self._cached: dict[bytes, KVBlock] = {}
         self.events = BlockEventLog()  # what a router follows to know which prefixes are here
+        # Called with a cached block about to be reused, while its K/V are still valid (the disk tier).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     # -- counts ---------------------------------------------------------------------------
     @property
@@ -158,14 +161,21 @@ class BlockPool:
         self._cached[block_hash] = block
         self.events.record(STORED, block_hash, parent, block.token_ids)
 
-    def _evict(self, block: KVBlock) -> None:
+    def _evict(self, block: KVBlock, offload: bool = True) -> None:
         if block.block_hash is not None:
+            if offload and self.on_evict is not None:
+                self.on_evict(block)
             del self._cached[block.block_hash]
             self.events.record(REMOVED, block.block_hash)
             block.block_hash = block.token_ids = None
+            block.from_disk = False
+
+    def cached_free_blocks(self) -> list[KVBlock]:
+        """Cached blocks no sequence holds, least recently used first."""
+        return [self.blocks[i] for i in self._free if self.blocks[i].block_hash is not None]
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence holds."""
+        """Forget every cached block that no sequence holds (the disk tier is not told)."""
         for i in self._free:
-            self._evict(self.blocks[i])
+            self._evict(self.blocks[i], offload=False)
         self._num_cached_free = 0

@@ -88,6 +88,11 @@ class BlockEventLog:
         with self._lock:
             return self._changed.wait_for(lambda: self.seq > seq, timeout)
 
+    def held(self) -> list[bytes]:
+        """Every hash held now."""
+        with self._lock:
+            return list(self._held)
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvserve.kv.disk_store import block_file_bytes
 from kvserve.kv.sizing import available_memory, kv_bytes_per_token, scale_bytes
 
 # Bytes per element of the names --dtype accepts (fp8: vLLM-style 8-bit KV caches).
@@ -152,6 +153,9 @@ class KVSize:
     memory_bytes: int
     free_for_cache_bytes: int  # memory left after the weights
     max_tokens_in_memory: int
+    disk_bytes: int | None = None  # the disk tier's bound (kvserve serve --kv-disk-gib)
+    disk_block_file_bytes: int | None = None  # one block's file: its K/V, token ids and header
+    disk_tokens: int | None = None  # tokens the disk tier holds (whole blocks)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,10 +168,13 @@ def kv_size(
     dtype: str = "float16",
     memory: int | str | None = None,
     weight_dtype: str | None = None,
+    disk: int | str | None = None,
+    block_size: int = 16,
 ) -> KVSize:
     """The KV cache of `model`: per token, at `context` tokens (default: the model's context),
     against full multi-head attention, and how many tokens fit in `memory` bytes (default: this
-    machine's available RAM) after the weights (stored as `weight_dtype`, default `dtype`)."""
+    machine's available RAM) after the weights (stored as `weight_dtype`, default `dtype`), and
+    with `disk` bytes how many tokens the KV disk tier holds in files of `block_size` tokens."""
     arch = model if isinstance(model, Architecture) else read_architecture(model)
     if dtype not in KV_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
@@ -187,6 +194,14 @@ def kv_size(
     mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem, scale)
     weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
     free = max(0, memory - weights)
+    disk_fields = {}
+    if disk is not None:
+        disk = parse_bytes(disk) if isinstance(disk, str) else disk
+        if block_size < 1:
+            raise ValueError(f"block size must be at least 1 token, got {block_size}")
+        file_bytes = block_file_bytes(per_token * block_size, block_size)
+        disk_fields = dict(disk_bytes=disk, disk_block_file_bytes=file_bytes,
+                           disk_tokens=disk // file_bytes * block_size)
     return KVSize(
         model=arch.name, source=arch.source, dtype=dtype, dtype_bytes=elem, scale_bytes=scale,
         num_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
@@ -194,7 +209,7 @@ def kv_size(
         bytes_per_token=per_token, context=context, cache_bytes=per_token * context,
         mha_bytes_per_token=mha, gqa_saving=mha / per_token,
         num_parameters=arch.parameters, weight_dtype=weight_dtype, weight_bytes=weights,
-        memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token,
+        memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token, **disk_fields,
     )
 
 
@@ -248,11 +263,19 @@ def format_report(s: KVSize) -> str:
             f"{s.max_tokens_in_memory:,} tokens of KV cache"
             + (f" ({s.max_tokens_in_memory / s.context:.3g} sequences of {s.context:,})" if s.context else "")
         )
+    if s.disk_bytes is not None:
+        lines += [
+            "",
+            f"Disk tier (kvserve serve --kv-disk-gib): {human(s.disk_bytes)} holds {s.disk_tokens:,} tokens of KV cache "
+            f"in block files of {human(s.disk_block_file_bytes)} ({s.disk_bytes // s.disk_block_file_bytes:,} blocks)",
+        ]
     return "\n".join(lines)
 
 
 def run_kv_size(args: Any) -> int:
     """`kvserve kv-size` (arguments from cli.py)."""
-    s = kv_size(args.model, context=args.context, dtype=args.dtype, memory=args.memory, weight_dtype=args.weight_dtype)
+    disk = int(args.kv_disk_gib * (1 << 30)) if args.kv_disk_gib is not None else None
+    s = kv_size(args.model, context=args.context, dtype=args.dtype, memory=args.memory, weight_dtype=args.weight_dtype,
+                disk=disk, block_size=args.block_size)
     print(json.dumps(s.to_json(), indent=2) if args.json else format_report(s))
     return 0

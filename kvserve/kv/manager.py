@@ -11,13 +11,22 @@ before it is freed (it is full and computed), and freeing keeps its hash: its K/
 until the pool hands the block out again, which drops the hash (BlockPool._evict). So a later
 prefix hit on it reads what it stored, and a prefix lookup, which walks the chain from block 0,
 stops at the first block already reused.
+
+With a disk tier (kv/disk_tier.py), a cached block the pool reuses is saved to disk first, and a
+lookup that misses in RAM continues the chain on disk: those blocks are read into newly allocated
+pool blocks and published, so they are hits like any other (counted per tier).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain, takewhile
+from typing import TYPE_CHECKING
 
 from kvserve.kv.block_pool import BlockPool, KVBlock, hash_block, prefix_block_hashes
+
+if TYPE_CHECKING:
+    from kvserve.kv.disk_tier import DiskTier
 
 
 def peak_blocks(sliding_window: int | None, block_size: int, step_tokens: int) -> int | None:
@@ -31,12 +40,13 @@ def peak_blocks(sliding_window: int | None, block_size: int, step_tokens: int) -
 @dataclass
 class PrefixStats:
     queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # of which found in the cache
+    hits: int = 0  # of which found in the cache (either tier)
+    disk_hits: int = 0  # of which read from the disk tier
 
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None,
-                 step_tokens: int = 512) -> None:
+                 step_tokens: int = 512, disk: DiskTier | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.sliding_window = sliding_window  # keys each query sees; None: the whole context
@@ -44,6 +54,9 @@ class KVCacheManager:
         self.tables: dict[str, list[KVBlock | None]] = {}  # None: a block slid out of the window
         self._hashes: dict[str, list[bytes]] = {}  # chained hashes of each table's full blocks
         self.prefix_stats = PrefixStats()
+        self.disk = disk
+        if disk is not None:
+            pool.on_evict = lambda b: disk.save(b.block_id, b.block_hash, b.token_ids)  # type: ignore[arg-type]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -69,18 +82,64 @@ class KVCacheManager:
         computed, since its logits choose the first output token.
         """
         hits: list[KVBlock] = []
-        if self.pool.enable_caching:
-            for h, ids in prefix_block_hashes(token_ids, self.block_size):
-                block = self.pool.lookup(h, ids)
-                if block is None:
-                    break
-                hits.append(block)
+        if not self.pool.enable_caching:
+            return hits
+        walk = prefix_block_hashes(token_ids, self.block_size)
+        for h, ids in walk:
+            block = self.pool.lookup(h, ids)
+            if block is None:
+                if self.disk is not None:
+                    hits += self._load_from_disk(hits, chain([(h, ids)], walk))
+                break
+            hits.append(block)
         return hits
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Counted once per admission (a refused admission looks up again later)."""
-        self.prefix_stats.queries += num_tokens
-        self.prefix_stats.hits += num_hit_tokens
+    def _load_from_disk(self, hits: list[KVBlock], rest: Iterable[tuple[bytes, Sequence[int]]]) -> list[KVBlock]:
+        """The chain's next blocks from disk, read into new pool blocks and published (ref 0, as
+        any cached block a lookup returns). Stops at a block RAM holds after all."""
+        assert self.disk is not None
+        self.pool.touch(hits)  # held meanwhile: the allocation below must not reuse them
+        try:
+            room = self.pool.num_free_blocks - 1  # one left for the block of the last prompt token
+            run = self.disk.read_run(takewhile(lambda item: self.pool.lookup(*item) is None, rest), room)
+            if not run:
+                return []
+            blocks = self.pool.allocate(len(run))
+            self.disk.copy_in([b.block_id for b in blocks], [payload for _, _, payload in run])
+            parent = hits[-1].block_hash if hits else None
+            for b, (h, ids, _) in zip(blocks, run):
+                self.pool.cache(b, h, ids, parent)
+                b.from_disk = True
+                parent = h
+            self.pool.free(reversed(blocks))
+            return blocks
+        finally:
+            self.pool.free(reversed(hits))
+
+    def record_prefix_query(self, num_tokens: int, hits: Sequence[KVBlock]) -> None:
+        """Counted once per admission (a refused admission looks up again later): a block loaded
+        from disk counts as a disk hit the first time a lookup's result is taken."""
+        stats = self.prefix_stats
+        stats.queries += num_tokens
+        stats.hits += len(hits) * self.block_size
+        from_disk = sum(1 for b in hits if b.from_disk)
+        for b in hits:
+            b.from_disk = False
+        stats.disk_hits += from_disk * self.block_size
+        if self.disk is not None:
+            self.disk.hit_blocks += from_disk
+            self.disk.hit_tokens += from_disk * self.block_size
+
+    def offload_cached(self) -> int:
+        """Save every cached block no sequence holds to the disk tier and drop it from RAM, waiting
+        for the writes (a restart or test hook). Returns how many blocks were saved or on disk."""
+        blocks = self.pool.cached_free_blocks()
+        if self.disk is not None:
+            for b in blocks:
+                self.disk.save(b.block_id, b.block_hash, b.token_ids, wait=True)  # type: ignore[arg-type]
+            self.disk.flush()
+        self.pool.reset_prefix_cache()
+        return len(blocks) if self.disk is not None else 0
 
     def _behind_window(self, num_computed: int, num_blocks: int) -> int:
         """How many of the first num_blocks blocks no query from num_computed on can see."""

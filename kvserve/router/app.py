@@ -17,7 +17,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,6 +31,7 @@ from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
 from kvserve.web.errors import APIError, install_handlers
 from kvserve.web.framing import FramingCheck
+from kvserve.web.draining import DrainingServer
 from kvserve.web.hosts import host_error
 
 log = logging.getLogger("kvserve.router")
@@ -120,26 +120,20 @@ def build_router_app(settings: RouterSettings) -> RouterApp:
     return RouterApp(app, state)
 
 
-class RouterServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains: new requests get 503 while those in flight
-    finish (up to the drain timeout). A second signal exits at once."""
+class RouterServer(DrainingServer):
+    """The router's uvicorn: a drain lets the requests in flight finish, up to the drain timeout
+    (kvserve/web/draining.py)."""
 
     def __init__(self, config: uvicorn.Config, state: RouterState) -> None:
         super().__init__(config)
         self.router = state
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self.on_drained = None  # called (on the loop) once the router's own requests are done
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or self._loop is None or not self.started:
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
+    async def drain(self, signal_name: str) -> None:
+        self.router.draining = True
+        log.info("%s: draining, %d request(s) in flight, up to %g s", signal_name, self.router.active,
+                 self.router.settings.drain_timeout)
+        if not await self.router.wait_idle(self.router.settings.drain_timeout):
+            log.warning("drain timeout: %d request(s) still in flight are cut off", self.router.active)
             return
         self._draining = True
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))

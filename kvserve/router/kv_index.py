@@ -234,30 +234,7 @@ class KVIndex:
             await asyncio.to_thread(self._prepare, req, keys)
 
     def _prepare(self, req: RoutedRequest, keys: set[tuple[str, int]]) -> None:
-        chat = req.chat_prompt or (ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None)
-        for renderer, block_size in keys:
-            if renderer not in req.token_ids:
-                req.token_ids[renderer] = self._encode(req, chat, self._renderers[renderer])
-            req.hashes[(renderer, block_size)] = block_hashes(req.token_ids[renderer], block_size)
-
-    @staticmethod
-    def _encode(req: RoutedRequest, chat: ChatPrompt | None, renderer: Renderer) -> list[int]:
-        """The prompt's token ids as the replica will see them."""
-        if isinstance(req.prompt, list):
-            return req.prompt
-        if isinstance(req.prompt, str) and req.suffix:
-            try:
-                return encode_fim(renderer.tokenizer, req.prompt, req.suffix)
-            except ValueError:  # no FIM markers: the replica answers this one with its own 400
-                return []
-        if isinstance(req.prompt, str):
-            return renderer.tokenizer.encode(req.prompt)
-        if chat is not None:
-            try:
-                return chat.encode(renderer.tokenizer, renderer.special_tokens_in_content)
-            except ValueError:  # the replica answers this one with its own 400
-                return []
-        return []
+        prepare_hashes(req, {renderer: self._renderers[renderer] for renderer, _ in keys}, keys)
 
     def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
         """The prompt's block hashes for this replica's renderer (None: not prepared for it)."""
@@ -283,3 +260,32 @@ class KVIndex:
             if p is not None:
                 p[0] -= 1
                 p[1] = expiry
+
+
+def prepare_hashes(req: RoutedRequest, renderers: dict[str, Renderer], keys: set[tuple[str, int]]) -> None:
+    """req's prompt ids per renderer and block hashes per (renderer, block size), as each replica
+    will see them; what a request already has is kept (it may be routed again)."""
+    chat = req.chat_prompt or (ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None)
+    for renderer, block_size in keys:
+        if renderer not in req.token_ids:
+            req.token_ids[renderer] = encode_prompt(req, chat, renderers[renderer])
+        req.hashes[(renderer, block_size)] = block_hashes(req.token_ids[renderer], block_size)
+
+
+def encode_prompt(req: RoutedRequest, chat: ChatPrompt | None, renderer: Renderer) -> list[int]:
+    """The prompt's token ids as the replica will see them."""
+    if isinstance(req.prompt, list):
+        return req.prompt
+    if isinstance(req.prompt, str) and req.suffix:
+        try:
+            return encode_fim(renderer.tokenizer, req.prompt, req.suffix)
+        except ValueError:  # no FIM markers: the replica answers this one with its own 400
+            return []
+    if isinstance(req.prompt, str):
+        return renderer.tokenizer.encode(req.prompt)
+    if chat is not None:
+        try:
+            return chat.encode(renderer.tokenizer, renderer.special_tokens_in_content)
+        except ValueError:  # the replica answers this one with its own 400
+            return []
+    return []

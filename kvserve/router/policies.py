@@ -9,6 +9,11 @@ cache_aware   the replica holding the longest prefix of the prompt, unless the l
               replica's published block hashes) or approximate (a prefix tree of the text sent).
               Its load is outstanding work: the tokens a replica must still compute, so prompt
               tokens it was expected to find cached do not count (a hit costs almost nothing).
+              A prompt no replica holds goes to the replica this router has sent the least
+              prompt text (then the least loaded): new prefixes are dealt out by footprint, so
+              each replica keeps an even share of the prefixes in its cache and, prefixes being
+              equally popular, of the requests. Dealing them out by momentary load instead left
+              one replica with more prefixes than it could cache and more of the requests.
 """
 from __future__ import annotations
 
@@ -135,12 +140,20 @@ class CacheAware(Policy):
         best = max(candidates, key=lambda r: (matches[r][0] if matches else 0, r is least, -r.outstanding_work))
         tokens, source, hashes = matches.get(best, (0, None, None))
         if tokens < max(1, self.settings.min_match_tokens):
-            m = matches.get(least, (0, None, None))
-            return Decision(least, "no_match", m[0], m[1], m[2])
+            emptiest = min(candidates, key=lambda r: (self.footprint(r), r is not least))
+            m = matches.get(emptiest, (0, None, None))
+            return Decision(emptiest, "no_match", m[0], m[1], m[2])
         return Decision(best, "prefix_hit", tokens, source, hashes)
 
+    def footprint(self, r: Replica) -> int:
+        """Tokens of prompt text this router has sent r (its text tree, least recently used
+        dropped first), to deal new prefixes out evenly. Not the blocks r publishes: a replica's
+        pool is full of whatever it cached last, so after a while every pool looks as full as
+        the next."""
+        return len(self.tree(r)) * self.settings.tree_chunk_chars // APPROX_CHARS_PER_TOKEN
+
     def routed(self, decision: Decision, req: RoutedRequest) -> None:
-        if self.settings.cache_source != "precise" and req.text:
+        if req.text:  # the approximate source's match, and every source's footprint
             self.tree(decision.replica).insert(req.text)
         if self.index is not None and decision.hashes:
             self.index.mark_pending(decision.replica, decision.hashes)

@@ -109,7 +109,7 @@ async def create_message(request: Request, ctx: ServerContext) -> Response:
     except ValueError as e:
         raise from_invalid(e, _RENAMES) from None
     admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(_prompt(req)), arrival=arrival, prefix="msg",
-                                     fit_within=ctx.state.llm.max_model_len, renames=_RENAMES)
+                                     fit_within=ctx.client.max_model_len, renames=_RENAMES)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: ctx.client.finals(job), lambda finals: _message(ctx, job, req, finals[0]))
 

@@ -46,6 +46,7 @@ from kvserve.server.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from kvserve.server.render import add_render_routes
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
 from kvserve.web.errors import install_handlers
@@ -173,6 +174,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await anthropic_messages.count_tokens(request, ctx)
 
     ollama_api.add_routes(app, ctx)
+    add_render_routes(app, ctx)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
@@ -181,9 +183,10 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     def card() -> dict:
         state.require_ready()
         return {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
-                "max_model_len": state.llm.max_model_len}
+                "max_model_len": ctx.client.max_model_len}
 
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                        ("/v1/chat/completions/render", ChatCompletionRequest),
                         ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
                         ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
                         ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
@@ -217,7 +220,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         req = await ctx.parse(request, TokenizeRequest)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
-        limit = state.llm.max_model_len
+        limit = ctx.client.max_model_len
         try:
             if req.messages is not None:
                 ids = await ctx.client.encode_chat(
@@ -232,14 +235,14 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def detokenize(request: Request) -> dict:
         state.require_ready()
         req = await ctx.parse(request, DetokenizeRequest)
-        vocab, limit = state.llm.config.vocab_size, state.llm.max_model_len
+        vocab, limit = ctx.client.model_config.vocab_size, ctx.client.max_model_len
         if len(req.tokens) > limit:
             raise APIError(400, f"tokens: at most {limit} ids (the context length), got {len(req.tokens)}",
                            param="tokens")
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(state.llm.tokenizer.decode, req.tokens)}
+        return {"prompt": await asyncio.to_thread(ctx.client.tokenizer.decode, req.tokens)}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:

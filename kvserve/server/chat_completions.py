@@ -51,7 +51,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt),
         arrival=arrival, prefix="chatcmpl", renames=renames,
         # a default the client never sent must not be the reason its request is refused
-        fit_within=ctx.state.llm.max_model_len if defaulted else None)
+        fit_within=ctx.client.max_model_len if defaulted else None)
     return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req),
                          lambda: ctx.client.finals(job), lambda finals: {**_response(ctx, job, req, finals[0]), **timeline_extension(ctx, job, req.kvserve)})
 

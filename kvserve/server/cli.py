@@ -8,8 +8,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
+    from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
+DEFAULT_DISK_GIB = 4.0  # --kv-disk-gib
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,6 +78,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="the KV cache's element type (default: auto: float16 under quantized weights with float32 "
                         "activations, else --dtype; int8: a float16 scale per row, ~1.9x float16's tokens)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    e.add_argument("--kv-disk-path", default=None, metavar="DIR",
+                   help="keep prefix KV blocks evicted from RAM in this directory and read them back on later hits, "
+                        "across restarts (default: off)")
+    e.add_argument("--kv-disk-gib", type=float, default=None,
+                   help="the disk tier's bound; the least recently used blocks are deleted past it (default: 4)")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
     d = p.add_argument_group("chat and sampling defaults")
     d.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead of the model's")
@@ -105,10 +112,60 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
+
+    from kvserve.server.app import build_app
+    from kvserve.web.protocols import h11_protocol
+    from kvserve.server.lifecycle import EngineServer, exit_now
+
+    settings = settings_from_args(args)
+    failure: list[BaseException] = []
+    server = None
+
+    def on_load_failure(e: BaseException) -> None:
+        failure.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(settings, load=lambda: load_llm(args), on_load_failure=on_load_failure)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
+                            timeout_graceful_shutdown=2, server_header=False,
+                            http=h11_protocol(settings.header_timeout, settings.max_connections,
+                                                 logging.getLogger("kvserve.server")))
+    server = EngineServer(config, app.state.ctx.state, settings.drain_timeout)
+    if args.join:
+        from kvserve.server.join import Joiner, advertised_url
+
+        own = advertised_url(args.host, args.port, args.advertise_url)
+        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
+        Joiner(args.join, own, local, args.join_key).attach(server)
+    log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
+             settings.model_name, settings.url)
+    server.run()
+    if failure:
+        raise ValueError(f"the model failed to load: {failure[0]}")
+    loader = app.state.loader
+    if loader is not None and loader.is_alive():  # stopped while loading: torch's threads must not be torn down
+        exit_now("stopped while the model was loading")
+    return 0
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The checked arguments of `kvserve serve` as the server's settings (a bad one fails here, in
+    one line, before the model loads); sets torch's threads from --threads."""
+    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
+    from kvserve.model.loader import resolve_model_path
+    from kvserve.server.settings import ServerSettings
+    from kvserve.web.hosts import parse_allowed_hosts
+
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
     _check_limits(args)
+    _check_kv_disk(args)
     _check_kv_events(args)
     if args.threads is not None:
         if args.threads < 1:
@@ -116,17 +173,6 @@ def run_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    try:
-        import uvicorn
-    except ImportError:
-        raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
-
-    from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
-    from kvserve.model.loader import resolve_model_path
-    from kvserve.server.app import ServerSettings, build_app
-    from kvserve.server.http import guarded_protocol
-    from kvserve.server.lifecycle import DrainingServer, exit_now
-    from kvserve.web.hosts import parse_allowed_hosts
 
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     if args.chat_template is not None:
@@ -165,34 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
     )
-    failure: list[BaseException] = []
-    server = None
-
-    def on_load_failure(e: BaseException) -> None:
-        failure.append(e)
-        if server is not None:
-            server.should_exit = True
-
-    app = build_app(settings, load=lambda: _load(args), on_load_failure=on_load_failure)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
-                            timeout_graceful_shutdown=2, server_header=False,
-                            http=guarded_protocol(settings.header_timeout, settings.max_connections))
-    server = DrainingServer(config, app.state.ctx.state, settings.drain_timeout)
-    if args.join:
-        from kvserve.server.join import Joiner, advertised_url
-
-        own = advertised_url(args.host, args.port, args.advertise_url)
-        local = f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "::") else settings.url
-        Joiner(args.join, own, local, args.join_key).attach(server)
-    log.info("kvserve serve: %s at %s/v1 (loading the model; /health answers 503 until ready)",
-             settings.model_name, settings.url)
-    server.run()
-    if failure:
-        raise ValueError(f"the model failed to load: {failure[0]}")
-    loader = app.state.loader
-    if loader is not None and loader.is_alive():  # stopped while loading: torch's threads must not be torn down
-        exit_now("stopped while the model was loading")
-    return 0
+    return settings
 
 
 def _check_limits(args: argparse.Namespace) -> None:
@@ -214,6 +233,20 @@ def _check_limits(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
 
 
+def _check_kv_disk(args: argparse.Namespace) -> None:
+    if args.kv_disk_path is None:
+        if args.kv_disk_gib is not None:
+            raise ValueError("--kv-disk-gib bounds the disk tier: give --kv-disk-path DIR to turn it on")
+        return
+    if args.no_prefix_caching:
+        raise ValueError("the disk tier keeps prefix blocks: drop --no-prefix-caching or --kv-disk-path")
+    if args.kv_cache_dtype == "int8":
+        raise ValueError("the disk tier does not store an int8 cache's row scales: drop --kv-disk-path or use "
+                         "--kv-cache-dtype float16")
+    if args.kv_disk_gib is not None and args.kv_disk_gib <= 0:
+        raise ValueError(f"--kv-disk-gib must be > 0, got {args.kv_disk_gib}")
+
+
 def _check_kv_events(args: argparse.Namespace) -> None:
     """A bad KV events endpoint fails now, in one line, before the model loads."""
     if args.kv_events_endpoint is None:
@@ -230,7 +263,7 @@ def _check_kv_events(args: argparse.Namespace) -> None:
                              f"{args.kv_events_replay_endpoint!r}")
 
 
-def _load(args: argparse.Namespace) -> LLM:
+def load_llm(args: argparse.Namespace) -> LLM:
     from kvserve.config import CacheConfig, SchedulerConfig
     from kvserve.llm import LLM
 
@@ -238,6 +271,8 @@ def _load(args: argparse.Namespace) -> LLM:
         memory_bytes=int(args.kv_cache_gib * (1 << 30)) if args.kv_cache_gib else None,
         enable_prefix_caching=not args.no_prefix_caching,
         dtype=args.kv_cache_dtype,
+        disk_path=args.kv_disk_path,
+        disk_bytes=int((args.kv_disk_gib or DEFAULT_DISK_GIB) * (1 << 30)),
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,

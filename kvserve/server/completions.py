@@ -50,7 +50,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
     if fim:
         reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
-        if fim_token_ids(ctx.state.llm.tokenizer) is None:
+        if fim_token_ids(ctx.client.tokenizer) is None:
             raise from_invalid(no_fim_error())
     admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
     try:
@@ -74,7 +74,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
 async def _echo_texts(ctx: ServerContext, prompts: list[str | list[int]], req: CompletionRequest) -> list[str]:
     """Each prompt as text, for echo: as sent, or its token ids decoded (special tokens as the
     completion's text shows them)."""
-    tok = ctx.state.llm.tokenizer
+    tok = ctx.client.tokenizer
     return await asyncio.to_thread(lambda: [p if isinstance(p, str) else tok.decode(p, req.skip_special_tokens)
                                             for p in prompts])
 

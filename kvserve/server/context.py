@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping
 from fastapi import Request
 
 from kvserve import __version__
-from kvserve.engine.engine import EngineStats
 from kvserve.kv.events import BlockEventLog
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import request_id
@@ -24,7 +23,6 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import parse
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
-from kvserve.server.vllm_metrics import CacheInfo
 
 
 class ServerContext:
@@ -34,8 +32,9 @@ class ServerContext:
         self.settings = settings
         self.state = ServerState(settings)
         self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
-        self.metrics = ServerMetrics(self._stats, lambda: self.state.num_admitted_requests, self._grammar_stats,
-                                     settings.model_name, self._cache_info)
+        # The metrics read the engine through the client, which is made after them (it observes into them).
+        self.metrics = ServerMetrics(lambda: self.client.stats(), lambda: self.state.num_admitted_requests,
+                                     self._grammar_stats, settings.model_name, lambda: self.client.cache_info())
         self.client = EngineClient(self.state, self.metrics, self.grammars)
         self.responses = ResponseStore(settings.responses_store_size)
         self.kv_publisher = None  # the ZMQ KV events publisher (kvserve/server/kv_publisher.py), if asked for
@@ -46,25 +45,14 @@ class ServerContext:
                                                  settings.kv_events_topic)
             self.kv_publisher.start(self._kv_events)
 
-    def _stats(self) -> EngineStats | None:
-        return self.state.engine.stats() if self.state.engine is not None else None
-
-    def _cache_info(self) -> CacheInfo | None:
-        llm = self.state.llm
-        if llm is None:
-            return None
-        pool = llm.manager.pool
-        return CacheInfo(llm.manager.block_size, pool.num_blocks, str(llm.kv_dtype).removeprefix("torch."),
-                         pool.enable_caching)
-
     def _kv_events(self) -> tuple[BlockEventLog, int] | None:
-        llm = self.state.llm
-        return None if llm is None else (llm.manager.pool.events, llm.manager.block_size)
+        log, info = self.client.kv_events(), self.client.cache_info()
+        return None if log is None or info is None else (log, info.block_size)
 
     def _grammar_stats(self) -> dict[str, float] | None:
-        if self.state.llm is None:
+        cache = self.client.grammar_cache()
+        if cache is None:
             return None
-        cache = self.state.llm.engine.grammars.cache
         return {"hits": cache.hits, "misses": cache.misses, "evictions": cache.evictions, "bytes": cache.bytes,
                 "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
@@ -87,7 +75,7 @@ class ServerContext:
             if fit_within is not None:
                 room = fit_within - len(ids)
                 p = dataclasses.replace(p, max_tokens=max(1, room if p.max_tokens is None else min(p.max_tokens, room)))
-            return self.state.engine.validate(ids, p), p
+            return self.client.validate(ids, p), p
 
         try:
             ids, params = await asyncio.to_thread(prepare)
@@ -106,15 +94,15 @@ class ServerContext:
     @functools.cached_property
     def texts(self) -> TokenTexts:
         """Token texts for logprobs (made once the model is loaded)."""
-        return TokenTexts(self.state.llm.tokenizer)
+        return TokenTexts(self.client.tokenizer)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
         """OpenAI's `system_fingerprint`: changes when kvserve's version or the model served does."""
-        llm = self.state.llm
-        model = f"{self.settings.model_name}|{getattr(llm, 'model_path', '')}|{llm.config.vocab_size}"
+        c = self.client
+        model = f"{self.settings.model_name}|{c.model_path}|{c.model_config.vocab_size}"
         return "fp_" + hashlib.sha256(f"kvserve {__version__}|{model}".encode()).hexdigest()[:12]
 
     @property
     def special_token_ids(self) -> frozenset[int]:
-        return self.state.llm.tokenizer.special_token_ids
+        return self.client.tokenizer.special_token_ids

@@ -42,7 +42,7 @@ async def create_embedding(request: Request, ctx: ServerContext) -> Response:
     arrival = time.monotonic()
     ctx.state.require_ready()
     req = await ctx.parse(request, EmbeddingRequest)
-    size = ctx.state.llm.config.hidden_size
+    size = ctx.client.model_config.hidden_size
     reject(req.dimensions is not None and req.dimensions != size, "dimensions",
            f"is not supported: the embedding is the model's hidden state, {size} numbers (a shorter one would need a "
            f"model trained to be cut); leave dimensions out or send {size}")

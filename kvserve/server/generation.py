@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 from starlette.types import Receive
 
+from kvserve.config import ModelConfig
 from kvserve.engine.async_engine import EngineDeadError, RequestTimeoutError, StreamStalledError
+from kvserve.engine.engine import EngineStats
 from kvserve.errors import InvalidParam
 from kvserve.fim import encode_fim
+from kvserve.kv.events import BlockEventLog
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_render import ChatPrompt
@@ -25,7 +28,9 @@ from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import ServerState
 from kvserve.server.metrics import ServerMetrics
-from kvserve.tokenizer import PromptTooLong
+from kvserve.server.vllm_metrics import CacheInfo
+from kvserve.structured.grammar_cache import GrammarCache
+from kvserve.tokenizer import PromptTooLong, Tokenizer
 
 
 
@@ -50,10 +55,67 @@ class Job:
 
 
 class EngineClient:
+    """The server's one handle on the model and its engine: tokenizer, model config, KV pool and
+    its events, encoding and checking prompts, running jobs. Handlers go through it, never to the
+    loaded LLM (kvserve/server/lifecycle.py loads it and owns its lifetime)."""
+
     def __init__(self, state: ServerState, metrics: ServerMetrics, grammars: GrammarPool) -> None:
         self.state = state
         self.metrics = metrics
         self.grammars = grammars
+
+    # -- what the model is (valid once the server is ready) ---------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.state.llm.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.state.llm.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.state.llm.max_model_len
+
+    @property
+    def model_path(self) -> str:
+        return str(self.state.llm.model_path)
+
+    @property
+    def quantization(self) -> str:
+        """How the weights are held: none, or the kernel format of quantized matrices."""
+        return str(self.state.llm.quantization)
+
+    def cache_info(self) -> CacheInfo | None:
+        """The KV pool's shape (None before the model is loaded)."""
+        llm = self.state.llm
+        if llm is None:
+            return None
+        pool = llm.manager.pool
+        return CacheInfo(llm.manager.block_size, pool.num_blocks, str(llm.kv_dtype).removeprefix("torch."),
+                         pool.enable_caching)
+
+    def kv_events(self) -> BlockEventLog | None:
+        """The pool's block events (None before the model is loaded)."""
+        return None if self.state.llm is None else self.state.llm.manager.pool.events
+
+    def grammar_cache(self) -> GrammarCache | None:
+        """The engine's compiled grammars (None before the model is loaded)."""
+        return None if self.state.llm is None else self.state.llm.engine.grammars.cache
+
+    def stats(self) -> EngineStats | None:
+        return self.state.engine.stats() if self.state.engine is not None else None
+
+    def timeline(self, engine_request_id: str) -> dict | None:
+        return None if self.state.engine is None else self.state.engine.timeline(engine_request_id)
+
+    async def engine_state(self) -> dict:
+        """The engine as JSON for the live page (a snapshot taken on the engine thread)."""
+        return await self.state.engine.state()
+
+    def validate(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """The engine's checks of a prompt's ids and its parameters (on the calling thread)."""
+        return self.state.engine.inputs.check(ids, params)
 
     async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                        receive: Receive | None = None) -> list[list[int]]:
@@ -63,12 +125,13 @@ class EngineClient:
         given up if the client leaves (`receive`: the request's, its body read)."""
         if params.constraint is not None:
             await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
-        return await self.state.engine.validate_all(prompts, params)
+        inputs = self.state.engine.inputs
+        return await asyncio.to_thread(lambda: [inputs.process(p, params) for p in prompts])
 
     def encode_chat_now(self, prompt: ChatPrompt) -> list[int]:
         """The conversation's prompt ids by the model's chat template, content kept as text (on the
         calling thread: a worker's, never the event loop's)."""
-        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        tok, limit = self.tokenizer, self.max_model_len
         try:
             return prompt.encode(tok, self.state.settings.special_tokens_in_messages, limit)
         except PromptTooLong:
@@ -86,7 +149,7 @@ class EngineClient:
 
     async def encode_fim(self, prompts: Sequence[str], suffix: str) -> list[list[int]]:
         """Each prompt with the suffix as a fill-in-the-middle prompt (kvserve/fim.py), off the loop."""
-        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        tok, limit = self.tokenizer, self.max_model_len
         try:
             return await asyncio.to_thread(lambda: [encode_fim(tok, p, suffix, limit) for p in prompts])
         except PromptTooLong:
@@ -94,7 +157,7 @@ class EngineClient:
                                "shorten them") from None
 
     def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tok, limit = self.state.llm.tokenizer, self.state.llm.max_model_len
+        tok, limit = self.tokenizer, self.max_model_len
         try:
             return tok.encode(text, add_special_tokens, limit)
         except PromptTooLong:

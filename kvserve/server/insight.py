@@ -32,11 +32,8 @@ if TYPE_CHECKING:
 
 def timeline(ctx: ServerContext, request_id: str) -> dict[str, Any] | None:
     """Every prompt's timeline of one HTTP request (engine ids are `<id>-<prompt index>`)."""
-    engine = ctx.state.engine
-    if engine is None:
-        return None
     prompts = []
-    while (tl := engine.timeline(f"{request_id}-{len(prompts)}")) is not None:
+    while (tl := ctx.client.timeline(f"{request_id}-{len(prompts)}")) is not None:
         prompts.append(tl)
     return {"id": request_id, "object": "kvserve.timeline", "prompts": prompts} if prompts else None
 
@@ -65,7 +62,7 @@ class StateCache:
     async def get(self, ctx: ServerContext) -> dict[str, Any]:
         if self._pending is None or (self._pending.done() and time.monotonic() - self._at > STATE_MIN_INTERVAL):
             self._at = time.monotonic()
-            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.state.engine.state(), STATE_TIMEOUT))
+            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.client.engine_state(), STATE_TIMEOUT))
         return await asyncio.shield(self._pending)
 
 
@@ -97,7 +94,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             state = await cache.get(ctx)
         except (EngineDeadError, TimeoutError):
             raise APIError(503, "the engine is not answering: see /health", code="dead") from None
-        return {"model": ctx.settings.model_name, "max_model_len": ctx.state.llm.max_model_len, **state}
+        return {"model": ctx.settings.model_name, "max_model_len": ctx.client.max_model_len, **state}
 
     add_static_page(app, "kvserve.server")
 

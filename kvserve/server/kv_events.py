@@ -30,7 +30,7 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
     fingerprints: dict[int, str] = {}  # id(tokenizer) -> its fingerprint (hashing the vocabulary takes ~0.2 s)
 
     async def renderer_fingerprint() -> str:
-        tok, special = ctx.state.llm.tokenizer, ctx.settings.special_tokens_in_messages
+        tok, special = ctx.client.tokenizer, ctx.settings.special_tokens_in_messages
         if id(tok) not in fingerprints:
             fingerprints.clear()
             fingerprints[id(tok)] = await asyncio.to_thread(tok.fingerprint, special)
@@ -39,13 +39,12 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/kv/events")
     async def kv_events(since: int = Query(0, ge=0), head: bool = Query(False)) -> dict:
         ctx.state.require_ready()
-        llm = ctx.state.llm
         publisher = ctx.kv_publisher
         zmq_seq = publisher.last_seq() if publisher is not None else None  # read before the log: see above
-        log = llm.manager.pool.events
+        log, cache = ctx.client.kv_events(), ctx.client.cache_info()
         page = EventsPage(log.seq, None, None) if head else log.since(since)  # head: the fields only
-        out = {"model": str(llm.model_path), "block_size": llm.manager.block_size,
-               "caching": llm.manager.pool.enable_caching, "instance": llm.manager.pool.events.instance,
+        out = {"model": ctx.client.model_path, "block_size": cache.block_size,
+               "caching": cache.prefix_caching, "instance": log.instance,
                "seq": page.seq, "renderer": await renderer_fingerprint()}
         if publisher is not None and publisher.bound:
             out.update(kv_events_endpoint=publisher.endpoint, kv_events_topic=publisher.topic, kv_events_seq=zmq_seq)
@@ -61,5 +60,5 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def kv_renderer() -> dict:
         """What a router needs to render chats into this server's prompt ids, besides the model file."""
         ctx.state.require_ready()
-        return {"fingerprint": await renderer_fingerprint(), "chat_template": ctx.state.llm.tokenizer.chat_template.source,
+        return {"fingerprint": await renderer_fingerprint(), "chat_template": ctx.client.tokenizer.chat_template.source,
                 "special_tokens_in_messages": ctx.settings.special_tokens_in_messages}

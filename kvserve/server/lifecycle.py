@@ -19,19 +19,18 @@ import asyncio
 import enum
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
 
 from kvserve.engine.async_engine import AsyncEngine, EngineTimeouts
 from kvserve.server.errors import APIError
+from kvserve.web.draining import DrainingServer
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
@@ -165,6 +164,9 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+            if self.llm.manager.disk is not None and self.engine.thread_done:
+                # The prefix cache outlives the process: what RAM still caches goes to the disk tier.
+                log.info("KV disk tier: %d cached blocks saved at shutdown", self.llm.offload_prefix_cache())
 
     # -- admission ------------------------------------------------------------------------
     @property
@@ -209,47 +211,30 @@ class ServerState:
             self._idle.set()
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains: new requests get 503 while the admitted ones
-    finish (up to drain_timeout), then the server exits. A second signal exits at once.
-
-    uvicorn alone would close the listening socket at once (new clients see "connection refused"
-    instead of a 503 they can act on) and re-raise the signal after shutdown."""
+class EngineServer(DrainingServer):
+    """The server's uvicorn: a drain lets the admitted requests finish (up to drain_timeout), a
+    second signal cuts their streams off with an error event, and a signal while starting exits
+    at once (kvserve/web/draining.py)."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
-        self._forced = False
 
-    async def serve(self, sockets=None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+    def exit_early(self, signal_name: str) -> None:
+        exit_now(f"{signal_name} while starting")
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        name = signal.Signals(sig).name
-        if self._loop is None or not self.started:
-            exit_now(f"{name} while starting")
-        if self._draining:  # cut the streams off with an error event, then go
-            self._loop.call_soon_threadsafe(self._cut_off_and_exit, name)
-            return
-        self._draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain(name)))
-
-    def _cut_off_and_exit(self, name: str) -> None:
-        self._forced = True  # the drain must not start uvicorn's slower shutdown meanwhile
+    def exit_during_drain(self, signal_name: str) -> None:
+        self.forced = True
         self.state.cancel_work()  # each stream gets its error event and [DONE] on this loop's next turns
-        asyncio.get_running_loop().call_later(0.2, exit_now, f"second {name} during the drain")
+        asyncio.get_running_loop().call_later(0.2, exit_now, f"second {signal_name} during the drain")
 
-    async def _drain(self, name: str) -> None:
+    async def drain(self, signal_name: str) -> None:
         self.state.begin_draining()
         n = self.state.num_admitted_requests
-        log.info("%s: draining, %d request(s) in flight, up to %g s; new requests get 503", name, n, self.drain_timeout)
+        log.info("%s: draining, %d request(s) in flight, up to %g s; new requests get 503", signal_name, n,
+                 self.drain_timeout)
         if not await self.state.wait_idle(self.drain_timeout):
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.state.num_admitted_requests)
             self.state.cancel_work()
             await self.state.wait_idle(2.0)
-        if not self._forced:
-            self.should_exit = True

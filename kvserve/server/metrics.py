@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvserve.engine.engine import EngineStats
+from kvserve.kv.disk_tier import DiskStats
 from kvserve.outputs import RequestMetrics
 from kvserve.server.vllm_metrics import CacheInfo, vllm_families
 
@@ -46,14 +47,34 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "kvserve_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            "kvserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "kvserve_prefix_cache_hits": ("Prompt tokens found in the prefix cache (RAM or disk).", s.prefix_cache_hits),
             "kvserve_prompt_tokens": ("Prompt tokens computed (prefix cache hits excluded).", s.prompt_tokens),
             "kvserve_generation_tokens": ("Tokens generated.", s.generation_tokens),
             "kvserve_num_preemptions": ("Sequences preempted for lack of KV blocks.", s.num_preemptions),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        if s.disk is not None:
+            yield from _disk_families(s.disk)
         yield from vllm_families(s, self._model_name, self._cache())  # the same snapshot, vLLM's names
+
+
+def _disk_families(d: DiskStats) -> Iterator[Metric]:
+    """The KV disk tier (--kv-disk-path): what it holds, wrote, served and refused."""
+    for name, doc, value in (
+            ("kvserve_kv_disk_bytes_used", "Bytes of KV block files in the disk tier.", d.bytes_used),
+            ("kvserve_kv_disk_bytes_capacity", "The disk tier's bound in bytes (--kv-disk-gib).", d.capacity_bytes),
+            ("kvserve_kv_disk_blocks", "KV block files in the disk tier.", d.blocks)):
+        yield GaugeMetricFamily(name, doc, value=value)
+    for name, doc, value in (
+            ("kvserve_kv_disk_blocks_written", "KV blocks evicted from RAM and written to disk.", d.blocks_written),
+            ("kvserve_kv_disk_writes_dropped", "Evicted KV blocks not saved: the writer's queue was full.",
+             d.writes_dropped),
+            ("kvserve_kv_disk_hit_blocks", "Prefix cache hits read from the disk tier, in blocks.", d.hit_blocks),
+            ("kvserve_kv_disk_hit_tokens", "Prefix cache hits read from the disk tier, in tokens.", d.hit_tokens),
+            ("kvserve_kv_disk_load_errors", "KV block files that failed their checks on read (deleted, not served).",
+             d.load_errors)):
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class _GrammarCollector(Collector):

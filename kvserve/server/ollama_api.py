@@ -73,7 +73,7 @@ def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
     req.checked()
     options = req.options
     sampling = options.sampling() if options is not None else {}
-    limit = ctx.state.llm.max_model_len
+    limit = ctx.client.max_model_len
     if options is not None and options.num_ctx is not None and options.num_ctx > limit:
         raise APIError(400, f"options.num_ctx {options.num_ctx} is more than this server's context of {limit} tokens; "
                        "kvserve does not widen it: send at most that, or leave it out", param="options.num_ctx")
@@ -259,12 +259,12 @@ def _human(n: int) -> str:
 
 
 def _card(ctx: ServerContext) -> dict[str, Any]:
-    llm = ctx.state.llm
-    path = Path(str(getattr(llm, "model_path", "") or ""))
+    c = ctx.client
+    path = Path(c.model_path)
     modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, timezone.utc)
     details = {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-               "family": llm.config.architecture, "families": [llm.config.architecture],
-               "parameter_size": _human(_parameter_count(llm.config)), "quantization_level": str(llm.quantization)}
+               "family": c.model_config.architecture, "families": [c.model_config.architecture],
+               "parameter_size": _human(_parameter_count(c.model_config)), "quantization_level": c.quantization}
     name = _tagged(ctx.settings.model_name)
     return {"name": name, "model": name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
             "size": _size(path), "digest": ctx.system_fingerprint.removeprefix("fp_").ljust(64, "0"), "details": details}
@@ -296,7 +296,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         card = _card(ctx)
         return {"models": [{**{k: card[k] for k in ("name", "model", "size", "digest", "details")},
                             "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                            "context_length": state.llm.max_model_len}]}
+                            "context_length": ctx.client.max_model_len}]}
 
     @app.post("/api/show")
     async def api_show(request: Request) -> dict:
@@ -307,14 +307,14 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             raise APIError(400, "model is required", param="model")
         if given.removesuffix(":latest") != ctx.settings.model_name:
             raise APIError(404, f"model {given!r} not found: GET /api/tags lists the one served here", param="model")
-        llm, card = state.llm, _card(ctx)
-        cfg, arch = llm.config, llm.config.architecture
+        c, card = ctx.client, _card(ctx)
+        cfg, arch = c.model_config, c.model_config.architecture
         parameters = "\n".join(f"{k} {json.dumps(v)}" for k, v in ctx.settings.defaults.items())
-        return {"modelfile": f"# served by kvserve {__version__}\nFROM {getattr(llm, 'model_path', '')}\n",
-                "parameters": parameters, "template": llm.tokenizer.chat_template.source,
+        return {"modelfile": f"# served by kvserve {__version__}\nFROM {c.model_path}\n",
+                "parameters": parameters, "template": c.tokenizer.chat_template.source,
                 "details": card["details"], "modified_at": card["modified_at"],
                 "model_info": {"general.architecture": arch, "general.parameter_count": _parameter_count(cfg),
-                               f"{arch}.context_length": llm.max_model_len,
+                               f"{arch}.context_length": c.max_model_len,
                                f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
                                f"{arch}.attention.head_count": cfg.num_attention_heads,
                                f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,

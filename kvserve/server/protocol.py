@@ -103,6 +103,7 @@ class _Sampling(_Strict):
     return_hidden_states: bool = False
     separate_reasoning: bool = True  # kvserve has no reasoning parser: there is nothing to separate
     stream_reasoning: bool = True
+    include_reasoning: bool = True  # vLLM's, which vllm-router writes likewise: no reasoning parser, nothing to include
     # OpenAI's, accepted and ignored (logged): kvserve has no use for them.
     store: Any = None
     metadata: Any = None

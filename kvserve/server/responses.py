@@ -303,7 +303,7 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
     admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt), arrival=arrival,
                                          prefix="resp", sep="_", renames=_RENAMES,
                                          # a default the client never sent must not be why it is refused
-                                         fit_within=ctx.state.llm.max_model_len if defaulted else None)
+                                         fit_within=ctx.client.max_model_len if defaulted else None)
     run = _Run(ctx, job, req, items,
                tools, choice, mode, want_logprobs)
     return await respond(request, ctx.state, admission, req.stream, run.events, run.collect, run.render)

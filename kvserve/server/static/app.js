@@ -110,13 +110,16 @@ function drawHistogram(id, hist) {
 function render(st) {
   view.snapshots++;
   drawPool(st.pool);
+  if (st.disk) $("pool-summary").textContent += ` · disk: ${fmt(st.disk.blocks)} blocks, ` +
+    `${(st.disk.bytes_used / 2 ** 30).toFixed(2)} of ${(st.disk.capacity_bytes / 2 ** 30).toFixed(2)} GiB`;
   drawQueues(st);
   drawSteps(st);
   drawHistogram("ttft", st.ttft);
   drawHistogram("itl", st.itl);
   const pc = st.prefix_cache;
   $("stat-hit").textContent = pc.queries ? (pc.hit_rate * 100).toFixed(1) + "%" : "–";
-  $("stat-hit-detail").textContent = `${fmt(pc.hits)} of ${fmt(pc.queries)} prompt tokens`;
+  $("stat-hit-detail").textContent = `${fmt(pc.hits)} of ${fmt(pc.queries)} prompt tokens` +
+    (st.disk ? ` (RAM ${fmt(pc.hits_by_tier.ram)}, disk ${fmt(pc.hits_by_tier.disk)})` : "");
   $("stat-steps").textContent = st.num_steps;
   $("stat-gen").textContent = st.totals.generation_tokens;
   $("stat-preempt").textContent = st.totals.preemptions;

@@ -1,13 +1,12 @@
-"""The router's HTTP/1.1 server protocol: uvicorn's httptools one (C parser), with connection
-hygiene shared with the server (kvserve/web/guards.py: a header timeout, so that clients
-trickling header bytes cannot hold the router's connections, and a connection cap answered with
-the OpenAI error body), and a request head larger than `max_head_bytes` answered 400 and closed.
+"""uvicorn's HTTP/1.1 protocols with kvserve's connection guards (kvserve/web/guards.py: a header
+timeout, a connection cap answered with the OpenAI error body, malformed HTTP answered 400), for
+the server (h11) and the router (httptools). Each says what only its parser can tell: when a
+request head is complete.
 
-httptools makes uvicorn's send() per streamed chunk a few bytes of Python where h11's is a
-state machine in Python (about a sixth of the router's CPU per token); the router's client to
-replicas parses with it too (kvserve/router/upstream.py), so it is a dependency. uvicorn's
-httptools protocol has no bound on a head (its h11 one has) nor a header timeout, and its
-`limit_concurrency` answers plain text, so BoundedHttpTools adds them.
+The router runs httptools (C parser): uvicorn's send() per streamed chunk is then a few bytes of
+Python where h11's is a state machine in Python (about a sixth of the router's CPU per token); its
+client to replicas parses with it too (kvserve/router/upstream.py), so it is a dependency.
+uvicorn's httptools protocol has no bound on a head (its h11 one has), so the router's adds one.
 """
 from __future__ import annotations
 
@@ -17,8 +16,37 @@ from typing import Any
 from kvserve.web.guards import ConnectionGuards
 
 
-def http_options(max_head_bytes: int, header_timeout: float, max_connections: int) -> dict[str, Any]:
-    """The uvicorn.Config arguments that choose the protocol."""
+def h11_protocol(header_timeout: float, max_connections: int, guard_log: logging.Logger) -> type:
+    """The server's: an H11Protocol class with these limits, for `uvicorn.Config(http=...)`."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(ConnectionGuards, H11Protocol):
+        who = "server"
+
+        def _head_pending(self) -> bool:
+            # IDLE: h11 has not yet read a whole request head on this cycle (uvicorn keeps the
+            # previous cycle object around on keep-alive connections, so it cannot tell).
+            return self.conn.their_state is h11.IDLE
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the request head is in
+                self._disarm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():  # a keep-alive connection: the next request's clock
+                self._arm_header_timer()
+
+    GuardedH11Protocol.header_timeout, GuardedH11Protocol.max_connections = header_timeout, max_connections
+    GuardedH11Protocol.guard_log = guard_log
+    return GuardedH11Protocol
+
+
+def httptools_options(max_head_bytes: int, header_timeout: float, max_connections: int) -> dict[str, Any]:
+    """The router's: the uvicorn.Config arguments that choose httptools with these limits, and a
+    request head larger than `max_head_bytes` answered 400 and closed."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # a dependency, but an install may have lost it
