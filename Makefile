@@ -40,7 +40,7 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
-KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py
+KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py
 test-isa: setup
 	KVSERVE_ISA=avx2 $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
 	KVSERVE_ISA=portable $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv = sub.add_parser("kv-size", help="KV cache bytes per token, at a context, and in a memory budget (no weights loaded)")
     kv.add_argument("model", help="a preset (llama-2-7b, llama-3-8b, ...), a config.json or its directory, or a .gguf file")
     kv.add_argument("--context", type=int, default=None, help="tokens of context (default: the model's)")
-    kv.add_argument("--dtype", default="float16", help="KV cache element type: float32, bfloat16, float16, fp8 (default: float16)")
+    kv.add_argument("--dtype", "--kv-cache-dtype", dest="dtype", default="float16",
+                    help="KV cache element type: float32, bfloat16, float16, fp8, int8 (kvserve's: 1 byte per value and "
+                         "a 2-byte scale per K/V row) (default: float16)")
     kv.add_argument("--weight-dtype", default=None, help="weights' element type, int8 and int4 included (default: --dtype)")
     kv.add_argument("--memory", default=None, help="memory for weights + cache, e.g. 16GiB (default: this machine's available RAM)")
     kv.add_argument("--kv-disk-gib", type=float, default=None,

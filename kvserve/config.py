@@ -74,7 +74,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides memory_bytes when set (tests use tiny pools)
     enable_prefix_caching: bool = True
     # The pool's element type: "auto" (float16 under quantized weights with float32 activations,
-    # else the model's dtype), "float32", "bfloat16" or "float16". See kv/sizing.py.
+    # else the model's dtype), "float32", "bfloat16", "float16" or "int8" (a float16 scale per
+    # K/V row beside the pool: ~1.9x float16's tokens in the same bytes). See kv/sizing.py and
+    # model/kv_int8.py.
     dtype: str = "auto"
     # The disk tier (kv/disk_tier.py): prefix blocks evicted from RAM are kept in this directory,
     # at most disk_bytes of it, and read back by later lookups, after restarts too. None: off.

@@ -46,7 +46,7 @@ from kvserve.errors import CacheClosedError, EngineStalledError, NonFiniteLogits
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.disk_tier import DiskTier, tier_fields
 from kvserve.kv.manager import KVCacheManager, peak_blocks
-from kvserve.kv.sizing import allocate_kv_pool, auto_kv_dtype, size_kv_pool
+from kvserve.kv.sizing import allocate_kv_pool, allocate_kv_scales, auto_kv_dtype, size_kv_pool
 from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
@@ -70,12 +70,14 @@ def default_dtype() -> torch.dtype:
     return torch.bfloat16 if cpu.has_native_bf16() else torch.float32
 
 
-def parse_dtype(dtype: str | torch.dtype, what: str = "dtype") -> torch.dtype:
-    """A dtype by name ("auto": default_dtype()); `what` names the setting in the error."""
+def parse_dtype(dtype: str | torch.dtype, what: str = "dtype", int8: bool = False) -> torch.dtype:
+    """A dtype by name ("auto": default_dtype()); `what` names the setting in the error; int8:
+    "int8" is a choice too (the KV cache's)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             **({"int8": torch.int8} if int8 else {})}
     if dtype not in names:
         raise ValueError(f"{what} must be one of {', '.join(names)}, got {dtype!r}")
     return names[dtype] or default_dtype()
@@ -172,7 +174,7 @@ class LLM:
         # time to first token, so sgemm past the crossover stays the default.
         self.model.set_batch_invariant(batch_invariant)
         self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
-                         else parse_dtype(cache.dtype, "KV cache dtype"))
+                         else parse_dtype(cache.dtype, "KV cache dtype", int8=True))
         self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         window_blocks = peak_blocks(self.config.sliding_window, cache.block_size, scheduler.max_num_batched_tokens)
@@ -180,9 +182,12 @@ class LLM:
             # A sequence holds its whole context: the pool bounds it (under a sliding window only the
             # window's blocks and a step's are held at once, and the pool need only hold those).
             self.max_model_len = min(self.max_model_len, self.kv_sizing.num_tokens)
-        kv_caches = allocate_kv_pool(self.kv_sizing)
+        kv_caches, kv_scales = allocate_kv_pool(self.kv_sizing), allocate_kv_scales(self.kv_sizing)
         disk = None
         if cache.disk_path is not None and cache.enable_prefix_caching:
+            if kv_scales is not None:  # its block files hold K/V only
+                raise ValueError("the KV disk tier does not store an int8 cache's row scales: use a float KV cache "
+                                 "dtype with a disk path (--kv-cache-dtype float16)")
             s = self.kv_sizing
             disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
                 ckpt.path, self.dtype, quantization, batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
@@ -190,7 +195,8 @@ class LLM:
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
                                       self.config.sliding_window, scheduler.max_num_batched_tokens, disk)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)
-        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self._sampler, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self._sampler, self.eos_token_ids,
+                                  kv_scales)
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,

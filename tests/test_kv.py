@@ -157,8 +157,8 @@ def test_a_named_kv_cache_dtype_is_the_pools_and_a_bad_one_is_refused(tiny_llama
 
     llm = LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="bfloat16"))
     assert llm.kv_dtype == torch.bfloat16 and llm.runner.kv_caches[0].dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="^KV cache dtype must be one of auto, .*, got 'int8'$"):
-        LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="int8"))
+    with pytest.raises(ValueError, match="^KV cache dtype must be one of auto, .*, fp16, int8, got 'fp8'$"):
+        LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=4, dtype="fp8"))
 
 
 def test_sliding_window_frees_blocks_wholly_before_the_window() -> None:

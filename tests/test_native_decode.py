@@ -133,15 +133,17 @@ def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype) -> None:
     _decode_both(runner, _prompts(4, seed=6), steps=6, window=8)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir, kv_dtype) -> None:
     # q in Q8_0 beside k/v in Q4_0: three parts in one fused projection, as K-quant files mix types.
     model = _tiny_quantized(tiny_llama_dir, {"k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "up_proj": Q.Q4_0}, bias=True)
     assert isinstance(model.layers[0].qkv, ConcatLinear) and len(model.layers[0].qkv.parts) == 3
     c = model.config
     pools = [torch.zeros(2, c.num_key_value_heads, 64, BS, c.head_dim, dtype=kv_dtype) for _ in model.layers]
-    runner = ModelRunner(model, pools, BS)
-    assert runner.native is not None
+    # an int8 pool's row scales (model/kv_int8.py), one float16 per pool row
+    scales = [torch.zeros(pool.shape[:-1], dtype=torch.float16) for pool in pools] if kv_dtype == torch.int8 else None
+    runner = ModelRunner(model, pools, BS, kv_scales=scales)
+    assert runner.native is not None and (runner.native._layers[0].kv_scale is not None) == (scales is not None)
     _decode_both(runner, _prompts(3, seed=3), steps=5)
 
 

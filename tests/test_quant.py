@@ -265,7 +265,8 @@ def _logits(llm, ids: list[int], chunk: int = 32) -> torch.Tensor:
                     slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in pos]),
                     query_lens=[len(pos)], seq_lens=[pos[-1] + 1], block_tables=[table], block_size=bs,
                 )
-                hidden = llm.model.forward(torch.tensor(ids[s : pos[-1] + 1]), torch.tensor(pos), llm.runner.kv_caches, meta)
+                hidden = llm.model.forward(torch.tensor(ids[s : pos[-1] + 1]), torch.tensor(pos), llm.runner.kv_caches, meta,
+                                           llm.runner.kv_scales)
                 logits.append(llm.model.logits(hidden))
     finally:
         llm.manager.free("logits")

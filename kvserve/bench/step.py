@@ -15,6 +15,8 @@ dispatch, packing the batch, sampling) is worth measuring on its own. This print
 Timings on a shared machine are noisy: compare figures taken in the same run. `--clock cpu`
 times with the process's CPU time instead of the wall clock: on a machine busy with other work
 that is the steadier figure (with --threads 1, it is the work the step does).
+`--kv-cache-dtype float16,int8 --prompt-len 4096` times the same steps over each KV cache format
+in turn, at a long context where reading the cache is a large share of the step.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig
 from kvserve.model import quant
 
 
@@ -73,6 +76,7 @@ def breakdown(llm: LLM, batch: int, context: int, reps: int) -> dict[str, float]
 
     model, c = llm.model, llm.config
     kv = llm.runner.kv_caches
+    scales = llm.runner.kv_scales or [None] * len(kv)  # an int8 pool's row scales
     bs = llm.manager.block_size
     nblk = -(-context // bs)
     tables = [list(range(i * nblk, (i + 1) * nblk)) for i in range(batch)]
@@ -84,29 +88,31 @@ def breakdown(llm: LLM, batch: int, context: int, reps: int) -> dict[str, float]
     lw = model.layers[0]
     qkv = lw.qkv(x)
     cos, sin = model.rope(torch.full((batch,), context - 1))
-    q, k, v = model.ops.rope_and_store(qkv, cos, sin, kv[0], slots, H)
-    o = model.attention.forward(q, k, v, kv[0], meta, model.scale)
+    q, k, v = model.ops.rope_and_store(qkv, cos, sin, kv[0], slots, H, kv_scale=scales[0])
+    o = model.attention.forward(q, k, v, kv[0], meta, model.scale, kv_scale=scales[0])
     gu = lw.gate_up(x)
     act = model.ops.silu_mul(gu)
     ids = torch.zeros(batch, dtype=torch.long)
     logits = model.logits(x)
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(batch)]
-    layers = list(zip(model.layers, kv))
+    layers = list(zip(model.layers, kv, scales))
 
     def each_layer(fn: Callable) -> Callable[[], None]:
         # Every layer's own weights and KV pool, as a step reads them: a loop over one layer
         # would time weights that stay in the cache.
-        return lambda: [fn(lw, cache) for lw, cache in layers]
+        return lambda: [fn(lw, (cache, scale)) for lw, cache, scale in layers]
 
     parts = {
         "linears (qkv, o, gate_up, down)": each_layer(
             lambda lw, cache: (lw.qkv(x), lw.o(o.reshape(batch, H * D)), lw.gate_up(x), lw.down(act))),
         "attention (paged decode)": each_layer(
-            lambda lw, cache: model.attention.forward(q, k, v, cache, dict_meta(meta), model.scale)),
+            lambda lw, cache: model.attention.forward(q, k, v, cache[0], dict_meta(meta), model.scale,
+                                                      kv_scale=cache[1])),
         "add + RMSNorm (x2)": each_layer(
             lambda lw, cache: (model.ops.add_rms_norm(x.clone(), x, lw.input_norm, 1e-5),
                                model.ops.add_rms_norm(x.clone(), x, lw.post_norm, 1e-5))),
-        "RoPE + KV store": each_layer(lambda lw, cache: model.ops.rope_and_store(qkv, cos, sin, cache, slots, H)),
+        "RoPE + KV store": each_layer(
+            lambda lw, cache: model.ops.rope_and_store(qkv, cos, sin, cache[0], slots, H, kv_scale=cache[1])),
         "SiLU * up": each_layer(lambda lw, cache: model.ops.silu_mul(gu.clone())),
         "embedding + RoPE tables + final norm": lambda: (quant.embedding(ids, model.embed, model.dtype),
                                                          model.rope(torch.full((batch,), context - 1)),
@@ -225,7 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--context", type=int, default=64, help="context of the parts timed alone (default: 64)")
+    ap.add_argument("--prompt-len", type=int, default=32,
+                    help="tokens each decoding sequence has read before the timed steps (default: 32)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the KV cache's element type, or several separated by commas, timed in turn "
+                         "(auto, float32, bfloat16, float16, int8; default: auto)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--no-breakdown", action="store_true")
@@ -236,13 +247,19 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype)
-    print(f"model {args.model}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{args.clock} clock")
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
-    print(f"sampling: temperature {args.temperature:g}, top_p {args.top_p:g}")
+    for kv_dtype in args.kv_cache_dtype.split(","):
+        llm = LLM(args.model, dtype=args.dtype, cache=CacheConfig(dtype=kv_dtype.strip()))
+        print(f"model {args.model}, {args.dtype}, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
+              f"{torch.get_num_threads()} threads, torch {torch.__version__}, {args.clock} clock")
+        print(f"sampling: temperature {args.temperature:g}, top_p {args.top_p:g}; context {args.prompt_len} tokens")
+        run(llm, args, sampling)
+        del llm
+
+
+def run(llm: LLM, args: argparse.Namespace, sampling: dict) -> None:
     for b in (int(s) for s in args.batches.split(",")):
-        ms = engine_step_ms(llm, b, args.steps, sampling=sampling)
+        ms = engine_step_ms(llm, b, args.steps, prompt_len=args.prompt_len, sampling=sampling)
         print(f"\nbatch {b}: engine decode step {ms:.2f} ms ({b * 1e3 / ms:.1f} tok/s), "
               f"{op_count(llm, b)} torch ops per step")
         for name, v in phases(llm, b, args.steps, sampling).items():

@@ -66,9 +66,12 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        kv_scales: list[torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        # An int8 pool's row scales, per layer [2, Hkv, num_blocks, block_size] (model/kv_int8.py).
+        self.kv_scales = kv_scales
         self.block_size = block_size
         self.sampler = sampler or Sampler(model.config.vocab_size)
         self.eos_token_ids = eos_token_ids  # banned while a sequence is short of min_tokens
@@ -77,7 +80,7 @@ class ModelRunner:
         # block the first time it is written; later its stale contents are finite, and masked.
         self._never_written = bytearray(b"\x01") * kv_caches[0].shape[2]
         # Decode steps in one native call where the model allows it (None: the per-op forward).
-        self.native = NativeDecode.build(model, kv_caches, block_size)
+        self.native = NativeDecode.build(model, kv_caches, block_size, kv_scales)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens and sample a token for each sequence that reached its end
@@ -196,7 +199,7 @@ class ModelRunner:
             for b in fresh:
                 self._never_written[b] = 0
             idx = torch.tensor(fresh, dtype=torch.long)
-            for kv in self.kv_caches:
+            for kv in [*self.kv_caches, *(self.kv_scales or [])]:
                 kv.index_fill_(2, idx, 0)
         if self.native is not None and len(ids) == len(chunks) and not keep_hidden:  # a decode step, in one call
             hidden, logits = self.native(ids, positions, slots, [c.block_ids for c in chunks], last_rows is None)
@@ -211,7 +214,7 @@ class ModelRunner:
             block_tables=[c.block_ids for c in chunks],
             block_size=bs,
         )
-        hidden = self.model.forward(step[0], step[1], self.kv_caches, meta)
+        hidden = self.model.forward(step[0], step[1], self.kv_caches, meta, self.kv_scales)
         return self._logits(hidden, last_rows), (hidden if keep_hidden else None)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int] | None) -> torch.Tensor:

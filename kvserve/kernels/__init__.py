@@ -87,9 +87,22 @@ def _compile(name: str) -> Path:
 
 
 # Tensor dtypes the kernels take, as the integer flag they are passed: activations and weights
-# in DTYPES; a KV pool in any of KV_DTYPES (its format need not be the activations').
+# in DTYPES; a KV pool in any of KV_DTYPES (its format need not be the activations'; an int8
+# pool comes with its row scales, model/kv_int8.py).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-KV_DTYPES = {**DTYPES, torch.float16: 2}
+KV_DTYPES = {**DTYPES, torch.float16: 2, torch.int8: 3}
+
+
+def scales_ptr(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> int | None:
+    """The scales' address for the kernels: an int8 pool's own [2, Hkv, num_blocks, block_size]
+    float16 contiguous tensor, else None (a float pool has none)."""
+    if kv_cache.dtype != torch.int8:
+        return None
+    if kv_scale is None or kv_scale.dtype != torch.float16 or tuple(kv_scale.shape) != tuple(kv_cache.shape[:-1]) \
+            or not kv_scale.is_contiguous():
+        raise ValueError(f"an int8 KV pool {tuple(kv_cache.shape)} needs its float16 row scales "
+                         f"{tuple(kv_cache.shape[:-1])}, got {None if kv_scale is None else tuple(kv_scale.shape)}")
+    return kv_scale.data_ptr()
 
 
 @lru_cache(maxsize=None)

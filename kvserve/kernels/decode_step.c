@@ -39,11 +39,12 @@ typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     kv_linear qkv, o, gate_up, down;
     void *kv; /* this layer's pool [2, Hkv, num_blocks * block_size, D] */
+    void *kv_scale; /* an int8 pool's row scales [2, Hkv, num_blocks * block_size] float16, else NULL */
 } kv_layer;
 
 typedef struct {
     int n_layers, hidden, H, Hkv, D, ffn;
-    int kv_fmt; /* the pool's format: FMT_F32, FMT_BF16, FMT_F16 */
+    int kv_fmt; /* the pool's format: FMT_F32, FMT_BF16, FMT_F16, FMT_I8 */
     int block_size;
     long num_blocks;
     float eps, scale;
@@ -123,7 +124,8 @@ int kvserve_decode_check(const kv_model *m) {
     for (int l = 0; l < m->n_layers; l++) {
         const kv_layer *L = &m->layers[l];
         if (!linear_ok(&L->qkv, m->hidden, qkv_rows) || !linear_ok(&L->o, (long)m->H * m->D, m->hidden) ||
-            !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden) || !L->kv)
+            !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden) || !L->kv ||
+            (m->kv_fmt == FMT_I8 && (!L->kv_scale || m->D > MAX_I8_D)))
             return -1;
     }
     if (m->lm_head.nparts && !linear_ok(&m->lm_head, m->hidden, m->vocab)) return -1;
@@ -177,17 +179,20 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
             /* q, k rotated; k and v into their slots (a literal pool format per copy) */
 #pragma omp for schedule(static)
             for (int t = 0; t < B; t++) {
+                uint16_t *sc = L->kv_scale;
                 if (m->kv_fmt == FMT_F16)
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_F16);
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_F16);
+                else if (m->kv_fmt == FMT_I8)
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_I8);
                 else if (m->kv_fmt == FMT_F32)
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_F32);
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_F32);
                 else
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, slots, t, H, Hkv, D, num_slots, 0, FMT_BF16);
+                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_BF16);
             }
 #pragma omp for schedule(static)
             for (int item = 0; item < B * Hkv; item++) {
                 const int b = item / Hkv, h = item % Hkv;
-                attend_item(ws->q, L->kv, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h, H, Hkv,
+                attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h, H, Hkv,
                             (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
             }
             linear_in_region(&L->o, ws->att, B, ws->o, ws->acts);

@@ -92,11 +92,46 @@ __attribute__((always_inline)) static inline void rope_head(const void *x, size_
     }
 }
 
+/* The widest head an int8 pool row is quantized for (the attention kernel's limit too). */
+#define MAX_I8_D 256
+
+/* A row of D float32 values as int8 with one float16 scale s = absmax / 127: q = round(x / s),
+ * clamped to +-127, with s as stored (so q * s is what attention reads back); round half to
+ * even, as torch.round. A row of zeros stores scale 0 and zeros. kvserve/model/kv_int8.py is
+ * the torch reference, and gives the same bytes. */
+static inline void quantize_row_i8(const float *restrict x, int D, int8_t *restrict q, uint16_t *restrict scale) {
+    float amax = 0.f;
+    for (int i = 0; i < D; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+    }
+    const uint16_t h = f32_to_fp16(amax / 127.f);
+    const float s = fp16_to_f32(h);
+    *scale = h;
+    if (s == 0.f) {
+        memset(q, 0, (size_t)D);
+        return;
+    }
+#pragma omp simd
+    for (int i = 0; i < D; i++) {
+        float v = x[i] / s;
+        v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+        q[i] = (int8_t)(int)((v + 12582912.f) - 12582912.f); /* 1.5 * 2^23: round to nearest even */
+    }
+}
+
 /* A row of D values in the model's dtype, stored into a pool slot in the pool's format: a copy
- * when they are the same, else converted through float32 (float32 activations, a 16-bit pool). */
-static inline void store_row(char *dst, const char *src, int D, const int bf16, const int kv_fmt) {
+ * when they are the same, else converted through float32 (float32 activations, a 16-bit pool;
+ * an int8 pool quantizes the row and writes its scale into *scale). */
+static inline void store_row(char *dst, uint16_t *scale, const char *src, int D, const int bf16, const int kv_fmt) {
     if (kv_fmt == bf16) { /* FMT_F32 = 0 and FMT_BF16 = 1: the bf16 flag is the model dtype's format */
         memcpy(dst, src, (size_t)D * (bf16 ? 2 : 4));
+        return;
+    }
+    if (kv_fmt == FMT_I8) {
+        float row[MAX_I8_D];
+        for (int i = 0; i < D; i++) row[i] = get(src, i, bf16);
+        quantize_row_i8(row, D, (int8_t *)dst, scale);
         return;
     }
     for (int i = 0; i < D; i++) {
@@ -109,41 +144,48 @@ static inline void store_row(char *dst, const char *src, int D, const int bf16, 
 }
 
 __attribute__((always_inline)) static inline void rope_store_row(const void *qkv, const void *cs, const void *sn,
-                                                                void *q_out, void *k_out, void *kv, const int64_t *slots,
-                                                                int t, int H, int Hkv, int D, long num_slots,
-                                                                const int bf16, const int kv_fmt) {
-    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4, kv_esize = kv_fmt ? 2 : 4;
+                                                                void *q_out, void *k_out, void *kv, uint16_t *kv_scale,
+                                                                const int64_t *slots, int t, int H, int Hkv, int D,
+                                                                long num_slots, const int bf16, const int kv_fmt) {
+    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4;
+    const size_t kv_esize = kv_fmt == FMT_I8 ? 1 : (kv_fmt ? 2 : 4);
     const size_t row = (size_t)t * width, co = (size_t)t * D;
     for (int h = 0; h < H; h++) rope_head(qkv, row + (size_t)h * D, cs, sn, co, q_out, ((size_t)t * H + h) * D, D, bf16);
     for (int h = 0; h < Hkv; h++) {
         const size_t ko = ((size_t)t * Hkv + h) * D;
         rope_head(qkv, row + (size_t)(H + h) * D, cs, sn, co, k_out, ko, D, bf16);
-        char *kslot = (char *)kv + (((size_t)h * num_slots + slots[t]) * D) * kv_esize;
-        char *vslot = (char *)kv + (((size_t)(Hkv + h) * num_slots + slots[t]) * D) * kv_esize;
-        store_row(kslot, (const char *)k_out + ko * esize, D, bf16, kv_fmt);
-        store_row(vslot, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize, D, bf16, kv_fmt);
+        const size_t krow = (size_t)h * num_slots + slots[t], vrow = (size_t)(Hkv + h) * num_slots + slots[t];
+        char *kslot = (char *)kv + krow * D * kv_esize, *vslot = (char *)kv + vrow * D * kv_esize;
+        /* an int8 pool's scales: one per pool row, at the row's own index */
+        store_row(kslot, kv_scale ? kv_scale + krow : NULL, (const char *)k_out + ko * esize, D, bf16, kv_fmt);
+        store_row(vslot, kv_scale ? kv_scale + vrow : NULL, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize,
+                  D, bf16, kv_fmt);
     }
 }
 
 /* qkv [T, (H + 2 Hkv) * D] from the fused projection; cos, sin [T, D] in the model dtype.
  * Writes q_out [T, H, D] and k_out [T, Hkv, D] rotated, and each token's rotated k and its v into
  * slot slots[t] of the pool [2, Hkv, num_slots, D], whose format kv_fmt (0 float32, 1 bfloat16,
- * 2 float16) need not be the model's. Returns 0; -1 for a format it does not take; -3 (and writes
- * nothing) when a slot lies outside the pool. */
+ * 2 float16, 3 int8) need not be the model's; an int8 pool's row scales go into kv_scale
+ * [2, Hkv, num_slots] (float16; NULL for the float formats). Returns 0; -1 for a format or head
+ * size it does not take; -3 (and writes nothing) when a slot lies outside the pool. */
 int kvserve_rope_store(const void *qkv, const void *cs, const void *sn, void *q_out, void *k_out, void *kv,
-                       const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16, int kv_fmt,
-                       int nthreads) {
-    if (kv_fmt < FMT_F32 || kv_fmt > FMT_F16) return -1;
+                       void *kv_scale, const int64_t *slots, int T, int H, int Hkv, int D, long num_slots, int bf16,
+                       int kv_fmt, int nthreads) {
+    if (kv_fmt < FMT_F32 || kv_fmt > FMT_I8 || (kv_fmt == FMT_I8 && (!kv_scale || D > MAX_I8_D))) return -1;
     for (int t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -3; /* would write outside the pool: write nothing */
     const long work = (long)T * (H + 2 * Hkv) * D;
 #define ROWS(BF16, KVF) \
-    PARALLEL_ROWS for (int t = 0; t < T; t++) rope_store_row(qkv, cs, sn, q_out, k_out, kv, slots, t, H, Hkv, D, num_slots, BF16, KVF)
+    PARALLEL_ROWS for (int t = 0; t < T; t++) \
+        rope_store_row(qkv, cs, sn, q_out, k_out, kv, kv_scale, slots, t, H, Hkv, D, num_slots, BF16, KVF)
     /* The pairs the models run with get their own copies; any other pair works, slower. */
     if (!bf16 && kv_fmt == FMT_F32) {
         ROWS(0, FMT_F32);
     } else if (!bf16 && kv_fmt == FMT_F16) {
         ROWS(0, FMT_F16);
+    } else if (!bf16 && kv_fmt == FMT_I8) {
+        ROWS(0, FMT_I8);
     } else if (bf16 && kv_fmt == FMT_BF16) {
         ROWS(1, FMT_BF16);
     } else {

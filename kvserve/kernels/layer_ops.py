@@ -13,7 +13,7 @@ from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
-    "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i, _i],
+    "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i, _i],
     "kvserve_silu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_rope_table": [_p, _p, _i, _i, _p, _p, _i],
 }
@@ -44,8 +44,10 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 
 def supports_pool(kv_cache: torch.Tensor) -> bool:
-    """A KV pool rope_store writes into: CPU, contiguous, float32, bfloat16 or float16."""
-    return kv_cache.dtype in _KV_DTYPES and kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+    """A KV pool rope_store writes into: CPU, contiguous, float32, bfloat16, float16 or int8
+    (head_dim <= 256; its scales are checked by rope_store)."""
+    return kv_cache.dtype in _KV_DTYPES and kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and (
+        kv_cache.dtype != torch.int8 or kv_cache.shape[-1] <= 256)
 
 
 def add_rms_norm(
@@ -67,10 +69,11 @@ def add_rms_norm(
 
 def rope_store(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
-    num_heads: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_heads: int, out: tuple[torch.Tensor, torch.Tensor] | None = None, kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated q [T, H, D] and k [T, Hkv, D] (into out's two tensors if given); k and v written
-    into their slots of the pool, converted to the pool's dtype."""
+    into their slots of the pool, converted to the pool's dtype (an int8 pool: quantized, each
+    row's scale into kv_scale [2, Hkv, num_blocks, block_size] float16)."""
     T = qkv.shape[0]
     _, hkv, nb, bs, d = kv_cache.shape
     if qkv.shape[1] != (num_heads + 2 * hkv) * d or cos.shape != (T, d) or sin.shape != (T, d) or slots.shape != (T,):
@@ -86,8 +89,9 @@ def rope_store(
             raise ValueError(f"rope_store: out {tuple(q.shape)}, {tuple(k.shape)} do not fit {T} tokens")
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         slots = slots.to(torch.int64).contiguous()
+    scale_ptr = kernels.scales_ptr(kv_cache, kv_scale)
     rc = _lib().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                   kv_cache.data_ptr(), slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
+                                   kv_cache.data_ptr(), scale_ptr, slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
                                    _DTYPES[qkv.dtype], _KV_DTYPES[kv_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"KV slots outside the pool of {nb * bs} slots: {slots.min().item()}..{slots.max().item()}")

@@ -7,8 +7,11 @@
  * The loops are plain C that gcc -O3 -march=native vectorizes; work items are spread over
  * OpenMP threads (the libgomp torch has already loaded, so torch and kvserve share one pool).
  *
- * One layer's pool: [2, Hkv, num_blocks, block_size, D] (K then V), float32, bfloat16 or
- * float16 (the 16-bit formats passed as uint16). q and out: [B, H, D] contiguous, float32 or
+ * One layer's pool: [2, Hkv, num_blocks, block_size, D] (K then V), float32, bfloat16,
+ * float16 (the 16-bit formats passed as uint16) or int8 with a float16 scale per row in a
+ * second array [2, Hkv, num_blocks, block_size] (kv_scale). An int8 row is widened to float32
+ * in a row buffer and its scale folded into the score (K) or the softmax weight (V), so the
+ * dequantized row is never stored. q and out: [B, H, D] contiguous, float32 or
  * bfloat16 (the model's dtype, which the pool's need not be: float32 activations over a
  * float16 pool read half the bytes per context token).
  *
@@ -27,9 +30,15 @@
 #define MAX_G 16
 
 /* Row `index` (of D values) of an array in format fmt, as float32: a pointer into the array
- * itself for float32, else into buf. */
+ * itself for float32, else into buf; an int8 row unscaled (the caller applies its scale). */
 static inline const float *row_f32(const void *base, size_t index, int D, int fmt, float *restrict buf) {
     if (fmt == FMT_F32) return (const float *)base + index * D;
+    if (fmt == FMT_I8) {
+        const int8_t *src = (const int8_t *)base + index * D;
+#pragma omp simd
+        for (int i = 0; i < D; i++) buf[i] = (float)src[i];
+        return buf;
+    }
     const uint16_t *src = (const uint16_t *)base + index * D;
     if (fmt == FMT_F16) {
         fp16_row_to_f32(src, buf, D);
@@ -44,7 +53,8 @@ static inline const float *row_f32(const void *base, size_t index, int D, int fm
 static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
 
 /* Inlined per head size so that D is a constant the loops are unrolled for. Keys t0 .. L - 1. */
-static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv, void *out,
+static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv,
+                                                             const uint16_t *kv_scale, void *out,
                                                              const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
                                                              size_t head_rows, int bs, int D, float scale, int q_fmt,
                                                              int kv_fmt, float *restrict scores) {
@@ -58,12 +68,14 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     const int n = L - t0; /* keys seen; scores[g][t - t0] */
 
     for (int t = t0; t < L; t++) { /* scores[g][t] = q_g . k_t */
-        const float *k = row_f32(kv, k_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
+        const size_t r = k_head + (size_t)table[t / bs] * bs + t % bs;
+        const float *k = row_f32(kv, r, D, kv_fmt, buf);
+        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
         for (int g = 0; g < G; g++) {
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int i = 0; i < D; i++) s += qf[g][i] * k[i];
-            scores[(size_t)g * n + t - t0] = s;
+            scores[(size_t)g * n + t - t0] = kv_fmt == FMT_I8 ? s * ks : s;
         }
     }
     for (int g = 0; g < G; g++) { /* softmax over the context */
@@ -79,9 +91,11 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
         memset(acc[g], 0, sizeof(float) * D);
     }
     for (int t = t0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
-        const float *v = row_f32(kv, v_head + (size_t)table[t / bs] * bs + t % bs, D, kv_fmt, buf);
+        const size_t r = v_head + (size_t)table[t / bs] * bs + t % bs;
+        const float *v = row_f32(kv, r, D, kv_fmt, buf);
+        const float vs = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
         for (int g = 0; g < G; g++) {
-            const float p = scores[(size_t)g * n + t - t0];
+            const float p = kv_fmt == FMT_I8 ? scores[(size_t)g * n + t - t0] * vs : scores[(size_t)g * n + t - t0];
 #pragma omp simd
             for (int i = 0; i < D; i++) acc[g][i] += p * v[i];
         }
@@ -99,11 +113,12 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
  * inlined copy has them as constants (a format read at run time leaves gcc vectorizing every
  * branch with slow masked loads). The pairs the models run with get their own copies; any other
  * pair works, slower. Also called by decode_step.c, inside its own parallel region. */
-static void attend_item(const void *q, const void *kv, void *out, const int32_t *table, int L, int window, int b,
+static void attend_item(const void *q, const void *kv, const uint16_t *kv_scale, void *out, const int32_t *table,
+                        int L, int window, int b,
                         int h, int H, int Hkv, size_t head_rows, int bs, int D, float scale, int q_fmt, int kv_fmt,
                         float *restrict scores) {
     const int t0 = window_start(L, window);
-#define ATTEND(DIM, QF, KVF) attend_one(q, kv, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+#define ATTEND(DIM, QF, KVF) attend_one(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
 #define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
     if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
         ATTEND_D(FMT_F32, FMT_F32);
@@ -111,8 +126,12 @@ static void attend_item(const void *q, const void *kv, void *out, const int32_t 
         ATTEND_D(FMT_F32, FMT_F16);
     } else if (q_fmt == FMT_F32 && kv_fmt == FMT_BF16) {
         ATTEND_D(FMT_F32, FMT_BF16);
+    } else if (q_fmt == FMT_F32 && kv_fmt == FMT_I8) {
+        ATTEND_D(FMT_F32, FMT_I8);
     } else if (q_fmt == FMT_BF16 && kv_fmt == FMT_BF16) {
         ATTEND_D(FMT_BF16, FMT_BF16);
+    } else if (q_fmt == FMT_BF16 && kv_fmt == FMT_I8) {
+        ATTEND_D(FMT_BF16, FMT_I8);
     } else {
         ATTEND(D, q_fmt, kv_fmt);
     }
@@ -123,7 +142,7 @@ static void attend_item(const void *q, const void *kv, void *out, const int32_t 
 /* 0 for shapes and formats the kernel takes, else -1. */
 static int attention_shapes_check(int H, int Hkv, int D, int q_fmt, int kv_fmt) {
     return D > MAX_D || Hkv <= 0 || H % Hkv != 0 || H / Hkv > MAX_G || (q_fmt != FMT_F32 && q_fmt != FMT_BF16) ||
-                   kv_fmt < FMT_F32 || kv_fmt > FMT_F16
+                   kv_fmt < FMT_F32 || kv_fmt > FMT_I8
                ? -1
                : 0;
 }
@@ -143,13 +162,14 @@ static int attention_tables_ok(const int32_t *tables, int max_blocks, const int3
     return max_len;
 }
 
-/* window: 0, or the sliding window (keys seen per query). Returns 0; -1 for shapes this kernel
- * does not take; -3 when a context length or block id would read outside the tables or the pool
- * (nothing is read then); -2 when out of memory. */
-int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t *tables, int max_blocks,
-                         const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
+/* window: 0, or the sliding window (keys seen per query); kv_scale: an int8 pool's row scales
+ * (NULL for the float formats). Returns 0; -1 for shapes this kernel does not take; -3 when a
+ * context length or block id would read outside the tables or the pool (nothing is read then);
+ * -2 when out of memory. */
+int kvserve_paged_decode(const void *q, const void *kv, const void *kv_scale, void *out, const int32_t *tables,
+                         int max_blocks, const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
                          float scale, int q_fmt, int kv_fmt, int window, int nthreads) {
-    if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt) || window < 0) return -1;
+    if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt) || window < 0 || (kv_fmt == FMT_I8 && !kv_scale)) return -1;
     const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs, window);
     if (max_len < 0) return max_len;
     const size_t head_rows = (size_t)num_blocks * bs;
@@ -165,7 +185,7 @@ int kvserve_paged_decode(const void *q, const void *kv, void *out, const int32_t
         for (int item = 0; item < B * Hkv; item++) {
             const int b = item / Hkv, h = item % Hkv;
             if (scores)
-                attend_item(q, kv, out, tables + (size_t)b * max_blocks, seq_lens[b], window, b, h, H, Hkv, head_rows,
+                attend_item(q, kv, kv_scale, out, tables + (size_t)b * max_blocks, seq_lens[b], window, b, h, H, Hkv, head_rows,
                             bs, D, scale, q_fmt, kv_fmt, scores);
         }
         free(scores);

@@ -10,7 +10,8 @@ from kvserve.kernels import DTYPES as _DTYPES
 from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
-_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i, _i, _i]}
+_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, ctypes.c_float, _i, _i, _i,
+                                         _i]}
 
 
 def available() -> bool:
@@ -28,7 +29,7 @@ def _lib() -> ctypes.CDLL | None:
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the kernel takes these tensors (CPU, contiguous, head_dim ≤ 256; q float32 or
-    bfloat16, the pool float32, bfloat16 or float16)."""
+    bfloat16, the pool float32, bfloat16, float16 or int8 with its row scales)."""
     return (
         q.device.type == "cpu"
         and kv_cache.device.type == "cpu"
@@ -48,6 +49,7 @@ def paged_decode(
     scale: float,
     checked: bool = False,  # the caller has checked supports(q, kv_cache) for this step
     window: int = 0,  # sliding window: each query sees its last `window` keys (0: all)
+    kv_scale: torch.Tensor | None = None,  # an int8 pool's [2, Hkv, num_blocks, block_size] float16
 ) -> torch.Tensor:  # [B, H, D]
     lib = _lib()
     assert lib is not None and (checked or supports(q, kv_cache))
@@ -62,7 +64,7 @@ def paged_decode(
     assert block_tables.shape[0] == B and seq_lens.shape == (B,)
     out = torch.empty_like(q)
     rc = lib.kvserve_paged_decode(
-        q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        q.data_ptr(), kv_cache.data_ptr(), kernels.scales_ptr(kv_cache, kv_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, _DTYPES[q.dtype], _KV_DTYPES[kv_cache.dtype],
         window, torch.get_num_threads(),
     )

@@ -4,6 +4,8 @@ Every token a model has read leaves one key and one value vector per layer and p
 
     bytes per token = 2 (K and V) x layers x kv-heads x head-dim x bytes per element
 
+(kvserve's int8 cache adds a 2-byte float16 scale to each K or V row of head-dim values)
+
 so the cache grows linearly with context, and grouped-query attention (fewer KV heads than
 query heads) shrinks it by heads / kv-heads against the same model with full multi-head
 attention. `kvserve kv-size MODEL` prints these figures for a built-in preset, a Hugging Face
@@ -17,8 +19,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvserve.kv.disk_store import block_file_bytes
-from kvserve.kv.sizing import available_memory, kv_bytes_per_token
+from kvserve.kv.sizing import available_memory, kv_bytes_per_token, scale_bytes
 
 # Bytes per element of the names --dtype accepts (fp8: vLLM-style 8-bit KV caches).
 DTYPE_BYTES: dict[str, float] = {
@@ -133,6 +137,7 @@ class KVSize:
     source: str
     dtype: str
     dtype_bytes: float
+    scale_bytes: int  # per K or V row (int8: a float16 scale), 0 for the float formats
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
@@ -184,8 +189,9 @@ def kv_size(
     elif isinstance(memory, str):
         memory = parse_bytes(memory)
     elem = DTYPE_BYTES[dtype]
-    per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, elem)
-    mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem)
+    scale = scale_bytes(torch.int8) if dtype == "int8" else 0  # kvserve's int8 pool: one scale per row
+    per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, elem, scale)
+    mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem, scale)
     weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
     free = max(0, memory - weights)
     disk_fields = {}
@@ -197,7 +203,7 @@ def kv_size(
         disk_fields = dict(disk_bytes=disk, disk_block_file_bytes=file_bytes,
                            disk_tokens=disk // file_bytes * block_size)
     return KVSize(
-        model=arch.name, source=arch.source, dtype=dtype, dtype_bytes=elem,
+        model=arch.name, source=arch.source, dtype=dtype, dtype_bytes=elem, scale_bytes=scale,
         num_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
         num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
         bytes_per_token=per_token, context=context, cache_bytes=per_token * context,
@@ -230,8 +236,10 @@ def format_report(s: KVSize) -> str:
         f"{s.num_kv_heads} KV heads ({attn}), head dim {s.head_dim}",
         "",
         f"KV cache per token ({s.dtype}):",
-        f"  2 (K and V) x {s.num_layers} layers x {s.num_kv_heads} kv-heads x {s.head_dim} head-dim "
-        f"x {_elem(s.dtype_bytes)} bytes = {s.bytes_per_token:,} bytes = {human(s.bytes_per_token)}",
+        f"  2 (K and V) x {s.num_layers} layers x {s.num_kv_heads} kv-heads x "
+        + (f"({s.head_dim} head-dim x {_elem(s.dtype_bytes)} bytes + {s.scale_bytes} bytes of scale)" if s.scale_bytes
+           else f"{s.head_dim} head-dim x {_elem(s.dtype_bytes)} bytes")
+        + f" = {s.bytes_per_token:,} bytes = {human(s.bytes_per_token)}",
         f"At {s.context:,} tokens: {s.cache_bytes:,} bytes = {human(s.cache_bytes)} per sequence",
     ]
     if s.num_kv_heads == s.num_attention_heads:

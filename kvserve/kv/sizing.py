@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
+from kvserve.model.kv_int8 import SCALE_DTYPE, scales_shape
 
 DEFAULT_BUDGET_FRACTION = 0.2  # of available RAM, when no budget is given
 DEFAULT_BUDGET_CAP = 4 << 30  # the pool's pages are touched lazily, but stay modest by default
@@ -23,9 +24,16 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: float) -> int:
-    """One key and one value vector per layer and KV head: what each token adds to the cache."""
-    return int(2 * num_layers * num_kv_heads * head_dim * element_bytes)
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: float,
+                       scale_bytes: int = 0) -> int:
+    """One key and one value vector per layer and KV head: what each token adds to the cache;
+    scale_bytes per vector where the pool is quantized (int8: one float16 scale, 2 bytes)."""
+    return int(2 * num_layers * num_kv_heads * (head_dim * element_bytes + scale_bytes))
+
+
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of scale each K or V row carries in a pool of `dtype`: 2 for int8, else 0."""
+    return torch.empty((), dtype=SCALE_DTYPE).element_size() if dtype == torch.int8 else 0
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class KVSizing:
     @property
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, elem, scale_bytes(self.dtype))
 
     @property
     def block_bytes(self) -> int:
@@ -51,11 +59,12 @@ class KVSizing:
         return self.num_blocks * self.block_size
 
     def describe(self) -> str:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem, sb = torch.empty((), dtype=self.dtype).element_size(), scale_bytes(self.dtype)
+        row = f"({self.head_dim} dims x {elem} byte + {sb} bytes of scale)" if sb else f"{self.head_dim} dims x {elem} bytes"
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
             f"{self.bytes_per_token / 1024:.1f} KiB/token (2 x {self.num_layers} layers x "
-            f"{self.num_kv_heads} kv-heads x {self.head_dim} dims x {elem} bytes)"
+            f"{self.num_kv_heads} kv-heads x {row})"
         )
 
 
@@ -92,3 +101,12 @@ def allocate_kv_pool(s: KVSizing) -> list[torch.Tensor]:
     untouched until written, so a large budget costs RAM only as it fills."""
     shape = (2, s.num_kv_heads, s.num_blocks, s.block_size, s.head_dim)
     return [torch.empty(shape, dtype=s.dtype) for _ in range(s.num_layers)]
+
+
+def allocate_kv_scales(s: KVSizing) -> list[torch.Tensor] | None:
+    """An int8 pool's row scales (model/kv_int8.py): one [2, Hkv, num_blocks, block_size] float16
+    tensor per layer, block b at [:, :, b] as in the pool; None for a float pool."""
+    if s.dtype != torch.int8:
+        return None
+    shape = scales_shape((2, s.num_kv_heads, s.num_blocks, s.block_size, s.head_dim))
+    return [torch.empty(shape, dtype=SCALE_DTYPE) for _ in range(s.num_layers)]

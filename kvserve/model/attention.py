@@ -7,7 +7,9 @@ sequence's blocks yields [Hkv, L, D] rows ready for batched matmuls, with no tra
 A step's tokens from many sequences are packed into one flat batch; AttentionMetadata says
 which tokens belong to which sequence. The pool's dtype may be narrower than the activations'
 (float16 under float32): K/V are rounded when stored and widened when read, and a prefill that
-attends to its own fresh K/V rounds them alike, so a prefix-cache hit changes no result.
+attends to its own fresh K/V rounds them alike, so a prefix-cache hit changes no result. An int8
+pool comes with a second per-layer tensor of row scales, `kv_scale` [2, Hkv, num_blocks,
+block_size] float16 (model/kv_int8.py): rows are quantized when stored and dequantized when read.
 
 Sliding-window attention (Mistral, Qwen2 with use_sliding_window): with `window` > 0 the query
 at position p sees keys p - window + 1 .. p only (transformers' mask: key > query - window).
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import paged_attention
+from kvserve.model import kv_int8
 
 
 @dataclass
@@ -63,6 +66,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,  # sliding window: keys per query (0: the whole context)
+        kv_scale: torch.Tensor | None = None,  # an int8 pool's row scales [2, Hkv, num_blocks, block_size]
     ) -> torch.Tensor:  # [T, H, D]
         """Each new token attends to its sequence's context (itself included) in the pool."""
 
@@ -72,17 +76,33 @@ def first_key(pos: int, window: int) -> int:
     return max(0, pos - window + 1) if window else 0
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write the new tokens' K/V ([T, Hkv, D]) into their slots of the pool."""
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+             kv_scale: torch.Tensor | None = None) -> None:
+    """Write the new tokens' K/V ([T, Hkv, D]) into their slots of the pool (an int8 pool:
+    quantized, each row's scale into kv_scale)."""
     _, hkv, nb, bs, d = kv_cache.shape
     flat = kv_cache.view(2, hkv, nb * bs, d)
+    if kv_cache.dtype == torch.int8:
+        flat_scale = kv_scale.view(2, hkv, nb * bs)
+        for i, x in enumerate((k, v)):
+            q, s = kv_int8.quantize(x.transpose(0, 1))  # [Hkv, T, D], [Hkv, T]
+            flat[i].index_copy_(1, slots, q)
+            flat_scale[i].index_copy_(1, slots, s)
+        return
     flat[0].index_copy_(1, slots, k.transpose(0, 1).to(flat.dtype))
     flat[1].index_copy_(1, slots, v.transpose(0, 1).to(flat.dtype))
 
 
 def _as_stored(x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
     """x rounded to the pool's dtype and back: what attention over the pool would read."""
+    if kv_cache.dtype == torch.int8:
+        return kv_int8.round_trip(x)
     return x.to(kv_cache.dtype).to(x.dtype)
+
+
+def _widened(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Pool rows [..., D] (and, for int8, their scales [...]) in the activations' dtype."""
+    return kv.to(dtype) if scale is None else kv_int8.dequantize(kv, scale, dtype)
 
 
 class TorchAttention(AttentionBackend):
@@ -93,9 +113,9 @@ class TorchAttention(AttentionBackend):
     The gather copies the context out of the pool; CpuPagedAttention's kernel reads it in place.
     """
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=0):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=0, kv_scale=None):
         if meta.decode_only:  # a pure decode step: one batched call
-            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window)
+            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window, kv_scale)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -103,15 +123,15 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + n)
         if decode:
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
-            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale, window)
+            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale, window, kv_scale)
         for i, n in enumerate(meta.query_lens):
             if n > 1:
                 s = starts[i]
                 out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale,
-                                               window)
+                                               window, kv_scale)
         return out
 
-    def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0):
+    def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0, kv_scale=None):
         n, L = meta.query_lens[i], meta.seq_lens[i]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n == L and not (window and L > window):  # the whole context, causal: its own K/V, no gather
@@ -125,7 +145,9 @@ class TorchAttention(AttentionBackend):
             first = first_key(L - n, window) // bs  # the first block any query of the chunk sees
             blocks = meta.block_tables[i][first : -(-L // bs)]
             base = first * bs  # position of the gathered keys' first row
-            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, : L - base].to(q.dtype)  # [2, Hkv, L', D]
+            kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, : L - base]  # [2, Hkv, L', D]
+            sc = None if kv_scale is None else kv_scale[:, :, blocks].view(2, hkv, len(blocks) * bs)[:, :, : L - base]
+            kv = _widened(kv, sc, q.dtype)
             # Query j sits at position L - n + j and sees keys 0 (or, in a window, L - n + j - window + 1) .. L - n + j.
             qpos = torch.arange(L - n, L).unsqueeze(1)
             kpos = torch.arange(base, L).unsqueeze(0)
@@ -136,9 +158,9 @@ class TorchAttention(AttentionBackend):
                                                scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
-    def _gather(self, kv_cache, meta, seqs, firsts=None) -> torch.Tensor:
+    def _gather(self, kv_cache, meta, seqs, firsts=None, kv_scale=None, dtype=None) -> torch.Tensor:
         """The sequences' contexts out of the pool (from block firsts[b] on, under a window),
-        padded: [2, Hkv, B, max_blocks * bs, D]."""
+        padded, in `dtype`: [2, Hkv, B, max_blocks * bs, D]."""
         _, hkv, _, bs, d = kv_cache.shape
         firsts = firsts or [0] * len(seqs)
         max_blocks = max(-(-meta.seq_lens[i] // bs) - f for i, f in zip(seqs, firsts))
@@ -148,16 +170,19 @@ class TorchAttention(AttentionBackend):
             rows.append(blocks + [blocks[0]] * (max_blocks - len(blocks)))
         table = torch.tensor(rows, dtype=torch.long).flatten()
         pool = kv_cache.view(2 * hkv, -1, bs * d)  # [2 Hkv, num_blocks, bs * D]
-        return pool.index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs, d)
+        kv = pool.index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs, d)
+        sc = None if kv_scale is None else \
+            kv_scale.view(2 * hkv, -1, bs).index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs)
+        return _widened(kv, sc, dtype or kv.dtype)
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None):
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
         starts = firsts = None
         if window and max(lens) > window:  # each query's first key, and its block: gathered rows begin there
             starts = [first_key(n - 1, window) for n in lens]
             firsts = [s // kv_cache.shape[3] for s in starts]
-        kv = self._gather(kv_cache, meta, seqs, firsts).to(q.dtype)  # [2, Hkv, B, L, D]
+        kv = self._gather(kv_cache, meta, seqs, firsts, kv_scale, q.dtype)  # [2, Hkv, B, L, D]
         hkv, L, d = kv.shape[1], kv.shape[3], kv.shape[4]
         # Grouped-query attention without repeating K/V: a KV head's G query heads are rows.
         qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
@@ -183,7 +208,7 @@ class CpuPagedAttention(TorchAttention):
     depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch.
     """
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None):
         # Everything but the kernel call is worked out once per step (the same in every layer).
         key = ("paged_decode", seqs if isinstance(seqs, range) else tuple(seqs))
         step = meta.scratch.get(key)
@@ -199,9 +224,10 @@ class CpuPagedAttention(TorchAttention):
                 step = False
             meta.scratch[key] = step
         if step is False:
-            return super()._decode(q, kv_cache, meta, list(seqs), scale, window)
+            return super()._decode(q, kv_cache, meta, list(seqs), scale, window, kv_scale)
         tables, lens = step
-        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True, window=window)
+        return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True, window=window,
+                                            kv_scale=kv_scale)
 
 
 def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:

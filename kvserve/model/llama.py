@@ -146,6 +146,7 @@ class LlamaModel:
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
+        kv_scales: list[torch.Tensor] | None = None,  # an int8 pool's per layer [2, Hkv, num_blocks, block_size]
     ) -> torch.Tensor:  # [T, hidden]
         c = self.config
         T, H, D, eps = input_ids.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
@@ -157,10 +158,10 @@ class LlamaModel:
         h_buf = torch.empty_like(x)
         qk_buf = (torch.empty(T, H, D, dtype=x.dtype), torch.empty(T, c.num_key_value_heads, D, dtype=x.dtype))
         delta = None  # the previous layer's MLP output, added to x with the next norm
-        for lw, kv_cache in zip(self.layers, kv_caches):
+        for lw, kv_cache, kv_scale in zip(self.layers, kv_caches, kv_scales or [None] * len(kv_caches)):
             x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
-            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H, qk_buf)
-            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, self.window)  # [T, H, D]
+            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
+            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, self.window, kv_scale)  # [T, H, D]
             x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, eps, h_buf)
             delta = lw.down(ops.silu_mul(lw.gate_up(h)))
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step

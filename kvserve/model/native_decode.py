@@ -9,7 +9,7 @@ batch's index tables and the sampling.
 
 It takes a model whose matrices are all GGML blocks the kernels multiply (the quantized
 default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load), float32 activations and
-a CPU KV pool; any other model keeps the per-op path (`build()` returns None and says why at
+a CPU KV pool (an int8 one with its row scales); any other model keeps the per-op path (`build()` returns None and says why at
 debug level). Prefill chunks always take the per-op path: they are matmul-bound, and BLAS
 does them better. The matmuls and attention are the per-op path's own kernels, so the two agree
 to float rounding (SiLU's exp and RoPE's cos/sin are computed in C; tests/test_native_decode.py
@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from kvserve import kernels
 from kvserve.kernels import KV_DTYPES, decode_step
 from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.llama import LlamaModel
@@ -78,7 +79,8 @@ def _f32(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
 class NativeDecode:
     """The decode forward of `model` over `kv_caches` in one call; see the module docstring."""
 
-    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> None:
+    def __init__(self, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+                 kv_scales: list[torch.Tensor] | None = None) -> None:
         lib = decode_step.library() if enabled() else None
         if lib is None:
             raise Unsupported("the native kernels are off or did not build")
@@ -91,8 +93,11 @@ class NativeDecode:
         if pool.device.type != "cpu" or pool.dtype not in KV_DTYPES or \
                 any(kv.shape != pool.shape or kv.dtype != pool.dtype or not kv.is_contiguous() for kv in kv_caches):
             raise Unsupported("the KV pool is not a contiguous CPU pool of one format")
+        scales = kv_scales or [None] * len(kv_caches)
+        if pool.dtype == torch.int8 and kv_scales is None:
+            raise Unsupported("an int8 KV pool without its row scales")
         self._lib, self._keep = lib, []  # _keep: every tensor the structs point into
-        self.model, self.kv_caches = model, kv_caches
+        self.model, self.kv_caches, self.kv_scales = model, kv_caches, kv_scales
         m = decode_step.Model()
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                                         c.num_key_value_heads, c.head_dim, c.intermediate_size)
@@ -117,11 +122,12 @@ class NativeDecode:
             m.lm_head = _linear(model.lm_head, self._keep)
             self.head_rows = model.lm_head._blas_from
         layers = (decode_step.Layer * c.num_hidden_layers)()
-        for lw, kv, out in zip(model.layers, kv_caches, layers):
+        for lw, kv, sc, out in zip(model.layers, kv_caches, scales, layers):
             out.input_norm, out.post_norm = _f32(lw.input_norm, self._keep), _f32(lw.post_norm, self._keep)
             out.qkv, out.o, out.gate_up, out.down = (_linear(lw.qkv, self._keep), _linear(lw.o, self._keep),
                                                      _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep))
             out.kv = kv.data_ptr()
+            out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
         m.layers = layers
         self._layers, self._model = layers, m
         if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
@@ -132,10 +138,11 @@ class NativeDecode:
         self._grow(1, 256, torch.get_num_threads())
 
     @classmethod
-    def build(cls, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int) -> NativeDecode | None:
+    def build(cls, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+              kv_scales: list[torch.Tensor] | None = None) -> NativeDecode | None:
         """The native step for this model, or None (with the reason logged) where it does not apply."""
         try:
-            return cls(model, kv_caches, block_size)
+            return cls(model, kv_caches, block_size, kv_scales)
         except Unsupported as e:
             log.debug("decode keeps the per-op path: %s", e)
             return None

@@ -78,6 +78,7 @@ class LayerOps:
         slots: torch.Tensor,  # [T]
         num_heads: int,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_scale: torch.Tensor | None = None,  # an int8 pool's row scales [2, Hkv, num_blocks, block_size]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k rotated ([T, H, D], [T, Hkv, D], into out's buffers where the kernel runs) and v;
         the new tokens' k and v stored in the pool."""
@@ -86,7 +87,7 @@ class LayerOps:
         v = qkv[:, (num_heads + hkv) * d :].view(T, hkv, d)
         if self.checked and _like(qkv, cos) or \
                 self.native and layer_ops.supports(qkv, cos, sin) and layer_ops.supports_pool(kv_cache):
-            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads, out)
+            q, k = layer_ops.rope_store(qkv, cos, sin, kv_cache, slots, num_heads, out, kv_scale)
             return q, k, v
         q, k, _ = qkv.split([num_heads * d, hkv * d, hkv * d], dim=-1)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
@@ -94,7 +95,7 @@ class LayerOps:
         k = k.view(T, hkv, d)
         q = q * c + rotate_half(q) * s
         k = k * c + rotate_half(k) * s
-        store_kv(k, v, kv_cache, slots)
+        store_kv(k, v, kv_cache, slots, kv_scale)
         return q, k, v
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype

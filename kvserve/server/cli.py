@@ -74,9 +74,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    e.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8"),
                    help="the KV cache's element type (default: auto: float16 under quantized weights with float32 "
-                        "activations, else --dtype)")
+                        "activations, else --dtype; int8: a float16 scale per row, ~1.9x float16's tokens)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     e.add_argument("--kv-disk-path", default=None, metavar="DIR",
                    help="keep prefix KV blocks evicted from RAM in this directory and read them back on later hits, "
@@ -240,6 +240,9 @@ def _check_kv_disk(args: argparse.Namespace) -> None:
         return
     if args.no_prefix_caching:
         raise ValueError("the disk tier keeps prefix blocks: drop --no-prefix-caching or --kv-disk-path")
+    if args.kv_cache_dtype == "int8":
+        raise ValueError("the disk tier does not store an int8 cache's row scales: drop --kv-disk-path or use "
+                         "--kv-cache-dtype float16")
     if args.kv_disk_gib is not None and args.kv_disk_gib <= 0:
         raise ValueError(f"--kv-disk-gib must be > 0, got {args.kv_disk_gib}")
 
