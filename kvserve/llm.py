@@ -22,6 +22,8 @@ model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 `batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
 request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
 of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
+`speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch
+(engine/speculative.py): greedy output is unchanged, sampled output keeps its distribution.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve import cpu
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
@@ -149,6 +151,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         batch_invariant: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         t0 = time.perf_counter()
         # "auto" under weights kept quantized: float32 activations. The integer kernels widen
@@ -186,7 +189,7 @@ class LLM:
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
-            self.max_model_len, self.eos_token_ids,
+            self.max_model_len, self.eos_token_ids, speculative,
         )
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, SeqStatus, Sequence
 from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.speculative import Speculator
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.errors import EngineStalledError, InvalidParam, shown
 from kvserve.kv.manager import KVCacheManager
@@ -37,6 +38,12 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # computed prompt tokens (prefix hits excluded)
     generation_tokens: int
+    spec_draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -53,11 +60,14 @@ class LLMEngine:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.runner = runner
         self.manager = manager
-        self.scheduler = Scheduler(scheduler_config, manager)
+        # Drafts verified in the batch (engine/speculative.py); None: one token per sequence per step.
+        self.speculator = Speculator(speculative, max_model_len) if speculative else None
+        self.scheduler = Scheduler(scheduler_config, manager, self.speculator)
         self.sampler = runner.sampler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -187,8 +197,9 @@ class LLMEngine:
             return []
         started = time.monotonic()
         result = self.runner.execute(sched)
-        self.timeline.step(sched, started, time.monotonic())
-        self.scheduler.update(sched)
+        accepted = {seq: v.num_accepted for seq, v in zip(result.spec_seqs, result.verified)}
+        self.timeline.step(sched, started, time.monotonic(), accepted)
+        self.scheduler.update(sched, accepted)
         return self._update(result, sched)
 
     def _update(self, result: RunnerOutput, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -209,6 +220,18 @@ class LLMEngine:
                 seq.text += seq.detokenizer.flush()
                 self._finish(seq)
                 touched.setdefault(req.request_id, {})[seq] = 0
+        for seq, v in zip(result.spec_seqs, result.verified):
+            self.speculator.observe(seq, len(sched.drafts[seq]), v.num_accepted)
+            got = 0
+            for token, lp in zip(v.token_ids, v.logprobs):  # one at a time: a stop ends the run there
+                append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
+                got += int(token != NO_TOKEN)
+                if seq.finish_reason:
+                    break
+            self._generation_tokens += got
+            if seq.finish_reason:
+                self._finish(seq)
+            touched.setdefault(seq.request.request_id, {})[seq] = got
         for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
             got = 0  # none when the logits were not finite, or the grammar refused the token
             if token == NO_TOKEN or grammar.advance(seq, token):
@@ -247,6 +270,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
 
     def stats(self) -> EngineStats:
         pool = self.manager.pool
@@ -261,4 +286,6 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.scheduler.num_prompt_tokens_computed,
             generation_tokens=self._generation_tokens,
+            spec_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,
         )
