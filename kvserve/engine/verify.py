@@ -64,16 +64,24 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], draf
                 a += 1
             result[i] = Verified(d[:a] + [target[a]], out.logprobs[at : at + a + 1], a)
             at += n
-    for i in sampled:
-        a0, b0 = starts[i], starts[i + 1]
-        result[i] = _verify_sampled(sampler, logits[a0:b0], rows[a0:b0], drafts[i])
+    if sampled:  # bans, bias and penalties over all their rows at once
+        idx = [r for i in sampled for r in range(starts[i], starts[i + 1])]
+        raw = logits[idx].float()
+        sub = [rows[r] for r in idx]
+        x = adjust(raw, sub).detach().to("cpu", torch.float32).numpy()
+        finite = raw.amax(dim=-1).isfinite().tolist()
+        at = 0
+        for i in sampled:
+            n = len(drafts[i]) + 1
+            result[i] = _verify_sampled(sampler, raw[at : at + n], x[at : at + n], finite[at : at + n],
+                                        sub[at : at + n], drafts[i])
+            at += n
     return result  # type: ignore[return-value]
 
 
-def _verify_sampled(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], draft: list[int]) -> Verified:
-    raw = logits.float()
-    x = adjust(raw, rows).detach().to("cpu", torch.float32).numpy()
-    finite = raw.amax(dim=-1).isfinite().tolist()
+def _verify_sampled(sampler: Sampler, raw: torch.Tensor, x: np.ndarray, finite: list[bool], rows: list[SamplingRow],
+                    draft: list[int]) -> Verified:
+    """One sequence's draft against its rows: raw logits [1 + k, V] float32, x the same processed."""
     gen = rows[0].generator or sampler.shared_generator()
     tokens: list[int] = []
     for j, row in enumerate(rows):
