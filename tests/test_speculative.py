@@ -204,3 +204,28 @@ def test_default_model_greedy_is_the_same_with_and_without_drafts() -> None:
     assert llm.engine.stats().spec_accepted_tokens > 0
     llm.manager.pool.check_invariant()
     assert llm.manager.pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_server_speculates_with_the_flag_and_a_request_may_opt_out(tmp_path_factory) -> None:
+    from server_harness import MODEL_NAME, start_server
+
+    server = start_server(tmp_path_factory, "--speculative", "ngram", "--num-speculative-tokens", "3")
+    try:
+        body = {"model": MODEL_NAME, "prompt": copy_heavy(7), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        with server.client() as c:
+            plain = c.post("/v1/completions", json=body | {"speculative": False})
+            assert plain.status_code == 200, plain.text
+            assert server.metric("kvserve_spec_decode_num_draft_tokens_total") == 0
+            spec = c.post("/v1/completions", json=body)
+            assert spec.status_code == 200, spec.text
+            assert spec.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+            chat = c.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 4, "speculative": False,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 200, chat.text
+        accepted = server.metric("kvserve_spec_decode_num_accepted_tokens_total")
+        drafted = server.metric("kvserve_spec_decode_num_draft_tokens_total")
+        assert drafted >= accepted > 0
+        assert server.metric("kvserve_spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+    finally:
+        server.stop()
