@@ -40,6 +40,30 @@ def test_lookup_proposes_what_followed_the_most_recent_longest_match() -> None:
     assert lookup(np.array([1, 2, 3], dtype=np.int32), 4, 1, 3) == []
 
 
+def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
+    from kvserve.engine.speculative import PROBE_EVERY, PROBE_TOKENS, SpecState
+
+    st = SpecState()
+    assert st.k(4) == 4  # optimistic at first
+    ks = []
+    for _ in range(4):  # every draft rejected outright
+        st.observe(ks[-1] if ks else 4, 0)
+        ks.append(st.k(4))
+    assert ks == sorted(ks, reverse=True) and ks[-1] == 0
+    waits = []
+    for _ in range(3):  # idle until a probe, which fails: the next one comes twice as late
+        n = 1
+        while (k := st.k(4)) == 0:
+            n += 1
+        assert k == PROBE_TOKENS
+        waits.append(n)
+        st.observe(k, 0)
+    assert waits[0] <= PROBE_EVERY and waits[1:] == [2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    for _ in range(6):  # drafts accepted again: back to full length
+        st.observe(2, 2)
+    assert st.k(4) == 4 and st.k(1) == 1
+
+
 def test_greedy_output_is_identical_with_speculation_in_mixed_batches(make_llm) -> None:
     off = make_llm(caching=False, max_num_batched_tokens=32, max_num_seqs=16)
     on = make_llm(caching=False, speculative=SPEC, max_num_batched_tokens=32, max_num_seqs=16)
