@@ -14,7 +14,7 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.verify import rows_for, verify
 from kvserve.kv.block_pool import prefix_block_hashes
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, max_step_rows=128)  # every sequence may draft
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -62,6 +62,31 @@ def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
     for _ in range(6):  # drafts accepted again: back to full length
         st.observe(2, 2)
     assert st.k(4) == 4 and st.k(1) == 1
+
+
+class FixedDrafter:
+    """A stand-in drafter (any Drafter plugs in): always proposes k tokens of 7."""
+
+    def propose(self, requests):
+        return [[7] * k for _, k in requests]
+
+
+def test_drafted_rows_per_step_are_capped_best_acceptance_first(make_llm) -> None:
+    from kvserve.engine.speculative import Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", random_prompts([5], seed=i)[0], SamplingParams(max_tokens=10, **GREEDY))
+    eng.step()  # the prompts are computed: three decoding sequences
+    seqs = list(eng.scheduler.running)
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=8), 1000, FixedDrafter())
+    assert [len(d) for d in sp.plan(seqs).values()] == [4, 1]  # 3 decode rows + 5 drafted = 8
+    sp.observe(seqs[0], 4, 1)  # the first sequence's record falls below the others' (untried)
+    drafts = sp.plan(seqs)
+    assert [len(drafts.get(s, [])) for s in seqs] == [0, 4, 1]
+    for rid in ("r0", "r1", "r2"):
+        eng.abort_request(rid)
 
 
 def test_greedy_output_is_identical_with_speculation_in_mixed_batches(make_llm) -> None:

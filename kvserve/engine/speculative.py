@@ -9,7 +9,10 @@ weights, but not nothing, so each sequence drafts only as far as its own record 
           tokens tried, a try ending at the first rejection), starting optimistic;
   k     = the largest k with alpha^k >= MIN_GAIN (the k-th drafted token is emitted with
           probability alpha^k; MIN_GAIN is what one more row must bring to be worth it),
-          capped by num_speculative_tokens, max_tokens and the model length (never drafted past).
+          capped by num_speculative_tokens, max_tokens and the model length (never drafted past);
+  and per step: drafted rows stop when the step's decode rows and drafts reach max_step_rows,
+  the sequences with the best acceptance drafting first (past a few rows a CPU step costs each
+  row its share, and a draft that is rejected costs a whole row).
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step.
@@ -86,17 +89,27 @@ class Speculator:
 
     def plan(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
         """Drafts for those of seqs that draft this step (non-empty lists only)."""
-        asks: list[tuple[Sequence, int]] = []
+        wants: list[tuple[float, Sequence, int]] = []
+        decoding = 0
         for seq in seqs:
+            decoding += seq.num_uncomputed == 1
             if not self.eligible(seq):
                 continue
             room = min(seq.request.max_output_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             limit = min(self.config.num_speculative_tokens, room)
             if limit <= 0:
                 continue
-            k = self._state.setdefault(seq.seq_id, SpecState()).k(limit)
+            state = self._state.setdefault(seq.seq_id, SpecState())
+            k = state.k(limit)
             if k > 0:
-                asks.append((seq, k))
+                wants.append((state.alpha, seq, k))
+        rows_left = self.config.max_step_rows - decoding
+        asks: list[tuple[Sequence, int]] = []
+        for _, seq, k in sorted(wants, key=lambda w: -w[0]):  # the best acceptance first
+            if rows_left <= 0:
+                break
+            asks.append((seq, min(k, rows_left)))
+            rows_left -= asks[-1][1]
         if not asks:
             return {}
         drafts = self.drafter.propose(asks)
