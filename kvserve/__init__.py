@@ -9,12 +9,12 @@ import importlib
 from typing import Any
 
 __all__ = ["LLM", "KVCache", "SamplingParams", "RequestOutput", "CompletionOutput", "CacheConfig",
-           "ModelConfig", "SchedulerConfig"]
+           "ModelConfig", "SchedulerConfig", "SpeculativeConfig"]
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": "kvserve.llm", "KVCache": "kvserve.llm", "SamplingParams": "kvserve.sampling_params",
           "RequestOutput": "kvserve.outputs", "CompletionOutput": "kvserve.outputs", "CacheConfig": "kvserve.config",
-          "ModelConfig": "kvserve.config", "SchedulerConfig": "kvserve.config"}
+          "ModelConfig": "kvserve.config", "SchedulerConfig": "kvserve.config", "SpeculativeConfig": "kvserve.config"}
 
 
 def __getattr__(name: str) -> Any:

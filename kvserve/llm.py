@@ -24,6 +24,8 @@ request's tokens are the same whatever else is batched with it, at ~1.9x the tim
 of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
 `CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
 pool evicts are saved there and read back by later prompts, after a restart too.
+`speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch
+(engine/speculative.py): greedy output is unchanged, sampled output keeps its distribution.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve import cpu
-from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.runner import ModelRunner, SeqChunk
 from kvserve.engine.sampler import NO_TOKEN, Generator, Sampler, SamplingRow
@@ -153,6 +155,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         batch_invariant: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         t0 = time.perf_counter()
         # "auto" under weights kept quantized: float32 activations. The integer kernels widen
@@ -200,7 +203,7 @@ class LLM:
         self.scheduler_config = scheduler
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
-            self.max_model_len, self.eos_token_ids,
+            self.max_model_len, self.eos_token_ids, speculative,
         )
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches

@@ -55,6 +55,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # The output must match this (JSON schema, regex, choice, grammar): kvserve/structured/.
     constraint: Constraint | None = None
+    # False: never drafted for, even when the engine speculates (engine/speculative.py). Greedy
+    # output is the same either way; seeded sampling draws the same distribution, other tokens.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +117,8 @@ class SamplingParams:
             if not ok:
                 raise InvalidParam("logit_bias", f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers "
                                    f"in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got {bias!r:.200}")
+        if not isinstance(self.speculative, bool):
+            raise bad("speculative", "true or false")
         if not is_int(self.priority):
             raise bad("priority", "an integer")
 

@@ -77,10 +77,10 @@ def make_llm(tiny_llama_dir):
 
     made: list = []
 
-    def make(num_blocks: int = 256, caching: bool = True, cache: dict | None = None, **sched):
+    def make(num_blocks: int = 256, caching: bool = True, cache: dict | None = None, speculative=None, **sched):
         llm = LLM(str(tiny_llama_dir), dtype="float32",
                   cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching, **(cache or {})),
-                  scheduler=SchedulerConfig(**sched))
+                  scheduler=SchedulerConfig(**sched), speculative=speculative)
         made.append(llm)
         return llm
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -77,6 +78,21 @@ def test_random_prompts_have_the_asked_token_count():
     assert all(len(tok.encode(w, add_special_tokens=False)) == 1 for w in WordVocabulary(tok).words[:500])
     prefix_of = lambda s: tok.decode(tok.encode(s.prompt, add_special_tokens=False)[:20])  # noqa: E731
     assert prefix_of(shared[0]) == prefix_of(shared[2]) != prefix_of(shared[1])
+
+
+def test_copy_prompts_quote_a_source_passage_with_a_word_to_change():
+    import kvserve
+    from kvserve.bench.datasets import COPY_INSTRUCTION
+
+    tok = default_tokenizer(None)
+    samples = load_samples(DatasetConfig("copy", num_prompts=3, input_len=60, output_len=5, seed=2), tok)
+    sources = "".join(p.read_text() for p in Path(kvserve.__file__).parent.rglob("*.py"))
+    head = COPY_INSTRUCTION.split("{old}")[0]
+    for s in samples:
+        assert s.prompt.startswith(head) and s.output_len == 5
+        passage = s.prompt.split("\n\n", 1)[1]
+        assert passage in sources and len(tok.encode(passage + "\n", add_special_tokens=False)) >= 30
+        assert s.prompt_len == len(tok.encode(s.prompt, add_special_tokens=False))
 
 
 # ------------------------------------------------------------------ against a real kvserve server

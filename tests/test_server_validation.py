@@ -93,6 +93,8 @@ CASES = [
     # wrong types: strictly
     ("stream-as-string", C, comp(stream="true"), 400, BAD, "stream"),
     ("stream-as-int", CHAT, chat(stream=1), 400, BAD, "stream"),
+    ("speculative-as-string", C, comp(speculative="no"), 400, BAD, "speculative"),
+    ("speculative-as-int", CHAT, chat(speculative=0), 400, BAD, "speculative"),
     ("temperature-as-string", C, comp(temperature="0.5"), 400, BAD, "temperature"),
     ("temperature-as-bool", C, comp(temperature=True), 400, BAD, "temperature"),
     ("max-tokens-as-float", C, comp(max_tokens=1.5), 400, BAD, "max_tokens"),

@@ -18,10 +18,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="a model kvserve can load, whose tokenizer sizes the prompts (default: smollm2-135m)")
     d = p.add_argument_group("workload")
-    d.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=("random", "prefix", "jsonl"))
+    d.add_argument("--dataset", "--dataset-name", dest="dataset", default="random", choices=("random", "prefix", "copy", "jsonl"),
+                   help="random words; shared prefixes; copy: rewrite a passage of kvserve's source with one word "
+                        "changed (copy-heavy answers); jsonl: your own prompts (default: random)")
     d.add_argument("--dataset-path", default=None, help="jsonl: one {\"prompt\": ...} per line (optional \"output_len\")")
     d.add_argument("--num-prompts", type=int, default=100)
-    d.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: tokens after the shared prefix)")
+    d.add_argument("--input-len", type=int, default=128, help="prompt tokens (prefix: tokens after the shared prefix; copy: "
+                   "the passage's)")
     d.add_argument("--output-len", type=int, default=128, help="output tokens asked for each request")
     d.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens of each shared prefix")
     d.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes the prompts share")

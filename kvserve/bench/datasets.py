@@ -1,4 +1,4 @@
-"""The prompts a serving benchmark sends: random, shared-prefix, or read from a JSONL file.
+"""The prompts a serving benchmark sends: random, shared-prefix, copy-heavy, or read from a JSONL file.
 
 Prompts are text, not token ids: every OpenAI-compatible server accepts text, while token ids
 only mean the same thing to a server with the same tokenizer. To keep the lengths right anyway,
@@ -6,6 +6,11 @@ random prompts are made of words that are exactly one token each under the model
 (" the", " house", …), joined by single spaces: byte-level BPE splits text at spaces before it
 merges, so N such words are N tokens. The servers' own `usage` then reports what each really
 counted, and the result shows it next to the requested length.
+
+The copy workload asks for a passage to be written out again with one word changed: passages of
+real text (kvserve's own source files, which ship with it) of about input_len tokens. An answer
+that copies its prompt is where speculative decoding by prompt lookup pays; random words are
+where it cannot.
 """
 from __future__ import annotations
 
@@ -28,9 +33,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    name: str = "random"  # random | prefix | jsonl
+    name: str = "random"  # random | prefix | copy | jsonl
     num_prompts: int = 100
-    input_len: int = 128  # random: prompt tokens; prefix: tokens after the shared prefix
+    input_len: int = 128  # random: prompt tokens; prefix: tokens after the shared prefix; copy: the passage's
     output_len: int = 128
     prefix_len: int = 256  # prefix: tokens of each shared prefix
     num_prefixes: int = 4  # prefix: how many distinct prefixes the prompts share
@@ -89,6 +94,36 @@ def prefix_samples(cfg: DatasetConfig, vocab: WordVocabulary) -> list[Sample]:
     return out
 
 
+COPY_INSTRUCTION = ("Rewrite the following passage exactly as it is, changing only the word \"{old}\" to \"{new}\" "
+                    "wherever it appears. Reply with the passage only.\n\n{passage}")
+_COPY_WORD = re.compile(r"\b[a-z]{4,12}\b")
+
+
+def copy_samples(cfg: DatasetConfig, tokenizer: Any) -> list[Sample]:
+    """Passages of about input_len tokens from kvserve's source files, each with a word to change."""
+    import kvserve
+
+    files = sorted(Path(kvserve.__file__).parent.rglob("*.py"))
+    rng = random.Random(cfg.seed)
+    out = []
+    while len(out) < cfg.num_prompts:
+        lines = rng.choice(files).read_text(encoding="utf-8").splitlines()
+        start = rng.randrange(len(lines))
+        taken, n = [], 0
+        for line in lines[start:]:
+            taken.append(line)
+            n += len(tokenizer.encode(line + "\n", add_special_tokens=False))
+            if n >= cfg.input_len:
+                break
+        words = sorted(set(_COPY_WORD.findall("\n".join(taken))))
+        if n < cfg.input_len // 2 or len(words) < 2:
+            continue  # the end of a file, or no words: draw again
+        old, new = rng.sample(words, 2)
+        prompt = COPY_INSTRUCTION.format(old=old, new=new, passage="\n".join(taken))
+        out.append(Sample(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)), cfg.output_len))
+    return out
+
+
 def jsonl_samples(cfg: DatasetConfig, tokenizer: Any | None) -> list[Sample]:
     if not cfg.path:
         raise ValueError("--dataset jsonl needs --dataset-path FILE")
@@ -119,9 +154,11 @@ def load_samples(cfg: DatasetConfig, tokenizer: Any | None) -> list[Sample]:
         raise ValueError(f"--num-prompts must be at least 1, not {cfg.num_prompts}")
     if cfg.name == "jsonl":
         return jsonl_samples(cfg, tokenizer)
-    if cfg.name not in ("random", "prefix"):
-        raise ValueError(f"--dataset must be random, prefix or jsonl, not {cfg.name!r}")
+    if cfg.name not in ("random", "prefix", "copy"):
+        raise ValueError(f"--dataset must be random, prefix, copy or jsonl, not {cfg.name!r}")
     if tokenizer is None:
         raise ValueError(f"--dataset {cfg.name} needs a tokenizer (--tokenizer MODEL)")
+    if cfg.name == "copy":
+        return copy_samples(cfg, tokenizer)
     vocab = WordVocabulary(tokenizer)
     return random_samples(cfg, vocab) if cfg.name == "random" else prefix_samples(cfg, vocab)

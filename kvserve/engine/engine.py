@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, SeqStatus, Sequence
 from kvserve.engine.runner import ModelRunner, RunnerOutput
 from kvserve.engine.sampler import NO_TOKEN, Sampler
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.speculative import Speculator
 from kvserve.engine.timeline import TimelineRecorder
 from kvserve.errors import EngineStalledError, InvalidParam, shown
 from kvserve.kv.disk_tier import DiskStats
@@ -41,6 +42,12 @@ class EngineStats:
     generation_tokens: int
     prefix_cache_disk_hits: int = 0  # of prefix_cache_hits, tokens read from the disk tier
     disk: DiskStats | None = None  # the disk tier's counters; None without one
+    spec_draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -57,11 +64,14 @@ class LLMEngine:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.runner = runner
         self.manager = manager
-        self.scheduler = Scheduler(scheduler_config, manager)
+        # Drafts verified in the batch (engine/speculative.py); None: one token per sequence per step.
+        self.speculator = Speculator(speculative, max_model_len) if speculative else None
+        self.scheduler = Scheduler(scheduler_config, manager, self.speculator)
         self.sampler = runner.sampler
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -154,8 +164,9 @@ class LLMEngine:
             return []
         started = time.monotonic()
         result = self.runner.execute(sched)
-        self.timeline.step(sched, started, time.monotonic())
-        self.scheduler.update(sched)
+        accepted = {seq: v.num_accepted for seq, v in zip(result.spec_seqs, result.verified)}
+        self.timeline.step(sched, started, time.monotonic(), accepted)
+        self.scheduler.update(sched, accepted)
         return self._update(result, sched)
 
     def _update(self, result: RunnerOutput, sched: SchedulerOutput) -> list[RequestOutput]:
@@ -176,6 +187,18 @@ class LLMEngine:
                 seq.text += seq.detokenizer.flush()
                 self._finish(seq)
                 touched.setdefault(req.request_id, {})[seq] = 0
+        for seq, v in zip(result.spec_seqs, result.verified):
+            self.speculator.observe(seq, len(sched.drafts[seq]), v.num_accepted)
+            got = 0
+            for token, lp in zip(v.token_ids, v.logprobs):  # one at a time: a stop ends the run there
+                append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)
+                got += int(token != NO_TOKEN)
+                if seq.finish_reason:
+                    break
+            self._generation_tokens += got
+            if seq.finish_reason:
+                self._finish(seq)
+            touched.setdefault(seq.request.request_id, {})[seq] = got
         for seq, token, lp in zip(result.seqs, result.token_ids, result.logprobs):
             got = 0  # none when the logits were not finite, or the grammar refused the token
             if token == NO_TOKEN or grammar.advance(seq, token):
@@ -214,6 +237,8 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED
         self.scheduler.remove(seq)
+        if self.speculator:
+            self.speculator.forget(seq)
 
     def stats(self) -> EngineStats:
         pool = self.manager.pool
@@ -230,4 +255,6 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             prefix_cache_disk_hits=ps.disk_hits,
             disk=self.manager.disk.stats() if self.manager.disk is not None else None,
+            spec_draft_tokens=self.speculator.num_drafted if self.speculator else 0,
+            spec_accepted_tokens=self.speculator.num_accepted if self.speculator else 0,
         )

@@ -5,6 +5,11 @@ its block table. Logits are computed only for chunks that end at their sequence'
 token (those are the ones that sample). `execute()` takes a SchedulerOutput whole and returns
 the sampled tokens; `run()` is the forward alone, on hand-made chunks (LLM.prefill/decode).
 
+A sequence that verifies a draft (SchedulerOutput.drafts) enters the batch as 1 + k one-token
+rows at consecutive positions over the same block table: every row's K/V is stored before any row
+attends, so row j sees the rows before it, which is causal attention over the chunk; a step of
+decodes and drafts stays a decode step (the native call). Its rows' logits go to verify().
+
 Decode steps are small (one token per sequence), so what surrounds the matmuls counts: the
 step's index tensors are built in one torch.tensor call, and the attention backend derives its
 per-step tensors once, not per layer.
@@ -18,6 +23,7 @@ import torch
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.verify import Verified, rows_for, verify
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
 from kvserve.model.native_decode import NativeDecode
@@ -51,6 +57,9 @@ class RunnerOutput:
     token_ids: list[int]  # sampler.NO_TOKEN where the sequence's logits were not finite
     logprobs: list[TokenLogprob | None]
     prompt_outputs: list[PromptOutputs] = field(default_factory=list)
+    # Sequences that verified a draft, and what each emits (1 to k + 1 tokens).
+    spec_seqs: list[Sequence] = field(default_factory=list)
+    verified: list[Verified] = field(default_factory=list)
 
 
 # Prompt logprobs take the LM head over every prompt position: this many rows at a time bounds
@@ -86,8 +95,18 @@ class ModelRunner:
         """Compute the scheduled tokens and sample a token for each sequence that reached its end
         (and generates: a max_tokens=0 request samples nothing)."""
         chunks, sampling, wanting = [], [], []
+        drafted: list[Sequence] = []
+        spec_rows: list[int] = []  # logits rows of the drafting sequences (in the order of `drafted`)
         for (seq, n), table in zip(sched.scheduled, sched.block_tables):
             start = seq.num_computed_tokens
+            draft = sched.drafts.get(seq) if sched.drafts else None
+            if draft:
+                first = len(sampling) + len(spec_rows)  # logits rows so far
+                for j, t in enumerate([seq.token_ids[start], *draft]):
+                    chunks.append(SeqChunk([t], start + j, table, True))
+                drafted.append(seq)
+                spec_rows.extend(range(first, first + 1 + len(draft)))
+                continue
             samples = start + n == len(seq.token_ids) and not seq.request.prefill_only
             chunks.append(SeqChunk(seq.token_ids[start : start + n], start, table, samples))
             if samples:
@@ -96,15 +115,25 @@ class ModelRunner:
                 wanting.append(len(chunks) - 1)
         logits, hidden = self._run(chunks, keep_hidden=bool(wanting))
         prompt_outputs = self._prompt_outputs(sched, chunks, wanting, hidden) if wanting else []
+        verified: list[Verified] = []
+        if drafted:
+            verified = self._verify(logits[spec_rows], drafted, [sched.drafts[s] for s in drafted])
+            if sampling:
+                logits = logits[sorted(set(range(logits.shape[0])) - set(spec_rows))]
         if not sampling:
-            return RunnerOutput([], [], [], prompt_outputs)
-        rows = [  # the prompt is copied out only for the repetition penalty, its one reader
-            SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [],
-                        s.output_token_ids, s.generator, self.eos_token_ids)
-            for s in sampling
-        ]
+            return RunnerOutput([], [], [], prompt_outputs, drafted, verified)
+        rows = [self._row(s) for s in sampling]
         out = self.sampler(grammar.apply_masks(logits, sampling), rows)  # structured output: allowed tokens only
-        return RunnerOutput(sampling, out.token_ids, out.logprobs, prompt_outputs)
+        return RunnerOutput(sampling, out.token_ids, out.logprobs, prompt_outputs, drafted, verified)
+
+    def _row(self, s: Sequence) -> SamplingRow:
+        # The prompt is copied out only for the repetition penalty, its one reader.
+        return SamplingRow(s.params, s.token_ids[: s.num_prompt_tokens] if s.params.repetition_penalty != 1.0 else [],
+                           s.output_token_ids, s.generator, self.eos_token_ids)
+
+    def _verify(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]) -> list[Verified]:
+        rows = [r for s, d in zip(seqs, drafts) for r in rows_for(self._row(s), d)]
+        return verify(self.sampler, logits, rows, drafts)
 
     @torch.inference_mode()
     def _prompt_outputs(self, sched: SchedulerOutput, chunks: list[SeqChunk], wanting: list[int],

@@ -162,6 +162,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
+def adjust(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logits every row is chosen from: min_tokens bans, logit bias, then penalties. raw itself
+    when no row asks for any (raw is never modified)."""
+    x = raw
+    if any(r.banned_token_ids for r in rows):
+        x = raw.clone()
+        ban_tokens(x, rows)
+    if any(r.params.logit_bias for r in rows):
+        if x is raw:
+            x = raw.clone()
+        apply_logit_bias(x, rows)
+    penalised = [i for i, r in enumerate(rows) if r.has_penalties]
+    if penalised:
+        if x is raw and len(penalised) < len(rows):
+            x = raw.clone()  # its rows are written in place
+        x = _on_rows(x, rows, penalised, apply_penalties)
+    return x
+
+
 def filter_threshold(s: np.ndarray, params: SamplingParams) -> float:
     """The lowest scaled logit one row keeps after top-k, then top-p (over the top-k
     distribution), then min-p; ties with it stay. s: the row's logits minus its best, over the
@@ -259,19 +278,7 @@ class Sampler:
 
         raw = logits.float()  # [B, V]; the caller's tensor when it is already float32
         finite = raw.amax(dim=-1).isfinite()  # [B]; NaN, +inf or all -inf: no token
-        x = raw
-        if any(r.banned_token_ids for r in rows):
-            x = raw.clone()
-            ban_tokens(x, rows)
-        if any(r.params.logit_bias for r in rows):
-            if x is raw:
-                x = raw.clone()
-            apply_logit_bias(x, rows)
-        penalised = [i for i, r in enumerate(rows) if r.has_penalties]
-        if penalised:
-            if x is raw and len(penalised) < len(rows):
-                x = raw.clone()  # its rows are written in place
-            x = _on_rows(x, rows, penalised, apply_penalties)
+        x = adjust(raw, rows)
 
         tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]

@@ -6,6 +6,12 @@ prefilled in chunks while the others keep decoding, and a new request joins the 
 When the pool runs dry the most recently admitted running sequence is preempted: its blocks
 are freed and it returns to the head of the queue, to be recomputed (mostly from the prefix
 cache). The head of the queue is never overtaken, so nothing starves.
+
+With a Speculator, a decoding sequence that drafts k tokens is given 1 + k slots (its newest token
+and the draft, counted in the budget, with blocks for them); if the pool cannot cover the draft it
+decodes one token as usual, so a draft never preempts anyone. After the step it keeps the K/V of
+its newest token and of the accepted draft tokens only: num_computed_tokens moves by 1 + accepted,
+only those tokens' full blocks are published, and the blocks past them go back to the pool.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Sequence, SeqStatus
+from kvserve.engine.speculative import Speculator
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -25,6 +32,8 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # per scheduled sequence, its block ids
+    # Sequences that verify a draft this step: their scheduled count is 1 + len(draft).
+    drafts: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -36,11 +45,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, speculator: Speculator | None = None) -> None:
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduler policy must be 'fcfs' or 'priority', got {config.policy!r}")
         self.config = config
         self.manager = manager
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admissions = 0  # admission counter: the latest admitted is preempted first
@@ -91,6 +101,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bs = self.manager.block_size
+        drafts = self.speculator.plan(self.running) if self.speculator else {}
 
         for seq in list(self.running):
             if budget == 0:
@@ -100,12 +111,19 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             if n == 0:
                 continue
+            draft = drafts.get(seq)
+            if draft:
+                draft = draft[: budget - 1]
+                if draft and self.manager.allocate(seq.seq_id, seq.num_computed_tokens + 1 + len(draft)):
+                    out.drafts[seq] = draft
+                    n = 1 + len(draft)
             while not self.manager.allocate(seq.seq_id, seq.num_computed_tokens + n):
                 victim = self._victim()
                 self._preempt(victim, out)
                 for j, (s, k) in enumerate(out.scheduled):  # priority order may pick one already in
                     if s is victim:
                         del out.scheduled[j]
+                        out.drafts.pop(s, None)
                         budget += k
                         break
                 if victim is seq:
@@ -147,14 +165,23 @@ class Scheduler:
         out.block_tables = [self.manager.block_ids(seq.seq_id) for seq, _ in out.scheduled]
         return out
 
-    def update(self, out: SchedulerOutput) -> None:
+    def update(self, out: SchedulerOutput, accepted: dict[Sequence, int] | None = None) -> None:
         """After the step's forward: the scheduled tokens' K/V are in the cache, and the blocks
-        they filled are published for prefix reuse."""
+        they filled are published for prefix reuse. `accepted`: how many of each draft were kept
+        (the rest of a draft's slots are rolled back)."""
         for seq, n in out.scheduled:
             if not seq.prompt_done:
                 self.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-            seq.num_computed_tokens += n
-            self.manager.cache_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            draft = out.drafts.get(seq)
+            if draft is None:
+                seq.num_computed_tokens += n
+                tokens = seq.token_ids
+            else:  # the newest token and the accepted draft tokens are computed and verified
+                a = accepted.get(seq, 0) if accepted else 0
+                seq.num_computed_tokens += 1 + a
+                tokens = seq.token_ids + draft[:a] if a else seq.token_ids  # as they will be once appended
+                self.manager.trim(seq.seq_id, seq.num_computed_tokens)
+            self.manager.cache_computed(seq.seq_id, tokens, seq.num_computed_tokens)
             if self.manager.sliding_window:  # blocks that left the window go back to the pool
                 self.manager.slide(seq.seq_id, seq.num_computed_tokens)
             if seq.prompt_done:

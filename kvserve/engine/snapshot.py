@@ -80,5 +80,8 @@ def engine_state(engine: LLMEngine) -> dict[str, Any]:
                          "hit_rate": stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0},
         "totals": {"prompt_tokens": stats.prompt_tokens, "generation_tokens": stats.generation_tokens,
                    "preemptions": stats.num_preemptions},
+        "speculative": {"enabled": engine.speculator is not None, "drafted_tokens": stats.spec_draft_tokens,
+                        "accepted_tokens": stats.spec_accepted_tokens,
+                        "acceptance_rate": stats.spec_acceptance_rate},
         **engine.timeline.activity(),
     }

@@ -2,7 +2,8 @@
 
 For each request: arrival, when its prompt was ready as token ids, when the engine queued it,
 each prefill chunk (and any recompute after a preemption) with the step's batch, each decode
-step with its batch, preemptions, the first token and the finish. The engine thread writes
+step with its batch (one that verified a draft counts its drafted and accepted tokens, per
+request and per step), preemptions, the first token and the finish. The engine thread writes
 (three call sites: add_request, after each step's forward pass, at the finish); the server reads
 copies through a lock, so nothing else of the engine is touched from another thread.
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 # (kind, start, end, seq index, tokens, batch sequences, batch tokens); unused fields are None.
 Event = tuple[str, float, "float | None", "int | None", "int | None", "int | None", "int | None"]
-_COUNTED = ("prefill", "recompute", "decode", "preempted")
+_COUNTED = ("prefill", "recompute", "decode", "preempted", "drafted", "accepted")
 KEEP_FINISHED = 128  # finished requests whose timelines are kept
 # Histogram bucket upper edges, milliseconds (the last bucket is everything above).
 LATENCY_EDGES_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
@@ -40,8 +41,10 @@ class StepRecord:
     start: float
     end: float
     prefill_tokens: int  # prompt chunks and recomputation
-    decode_tokens: int
+    decode_tokens: int  # with drafted tokens
     num_seqs: int
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class Histogram:
@@ -97,10 +100,12 @@ class TimelineRecorder:
             if tl is not None:
                 self._append(tl, (kind, t, None, None, None, None, None))
 
-    def step(self, sched: SchedulerOutput, start: float, end: float) -> None:
-        """After a step's forward pass, before its sequences' counters move on."""
+    def step(self, sched: SchedulerOutput, start: float, end: float, accepted: dict | None = None) -> None:
+        """After a step's forward pass, before its sequences' counters move on. `accepted`: how
+        many of each drafting sequence's draft tokens were accepted."""
         seqs, tokens = len(sched.scheduled), sched.num_tokens
         decode_tokens = 0
+        step_drafted = step_accepted = 0
         with self._lock:
             for seq in sched.preempted:
                 tl = self._live.get(seq.request.request_id)
@@ -111,7 +116,15 @@ class TimelineRecorder:
                 if tl is None:
                     continue
                 done = seq.num_computed_tokens
-                if n == 1 and done >= seq.num_prompt_tokens and done == len(seq.token_ids) - 1:
+                draft = sched.drafts.get(seq)
+                if draft:
+                    a = accepted.get(seq, 0) if accepted else 0
+                    tl.counts["drafted"] += len(draft)
+                    tl.counts["accepted"] += a
+                    step_drafted += len(draft)
+                    step_accepted += a
+                    kind = "decode"
+                elif n == 1 and done >= seq.num_prompt_tokens and done == len(seq.token_ids) - 1:
                     kind = "decode"
                 else:  # a prompt chunk; after a preemption the prompt and output are read again
                     kind = "prefill" if seq.num_preemptions == 0 else "recompute"
@@ -119,14 +132,15 @@ class TimelineRecorder:
                     tl.first_scheduled = start
                 self._append(tl, (kind, start, end, seq.index, n, seqs, tokens))
                 decode_tokens += n if kind == "decode" else 0
-                if done + n == len(seq.token_ids):  # this step samples the sequence's next token
+                if draft or done + n == len(seq.token_ids):  # this step samples the sequence's next token
                     last = tl.last_token.get(seq.index)
                     if last is None and not tl.last_token:
                         self.ttft.observe((end - tl.arrival) * 1e3)
                     elif last is not None:
                         self.itl.observe((end - last) * 1e3)
                     tl.last_token[seq.index] = end
-            self.steps.append(StepRecord(start, end, tokens - decode_tokens, decode_tokens, seqs))
+            self.steps.append(StepRecord(start, end, tokens - decode_tokens, decode_tokens, seqs, step_drafted,
+                                         step_accepted))
             self.num_steps += 1
 
     def finish(self, req: Request) -> None:
@@ -156,7 +170,8 @@ class TimelineRecorder:
             return {
                 "num_steps": self.num_steps,
                 "steps": [{"t": s.start, "duration": round(s.end - s.start, 6), "prefill_tokens": s.prefill_tokens,
-                           "decode_tokens": s.decode_tokens, "seqs": s.num_seqs} for s in self.steps],
+                           "decode_tokens": s.decode_tokens, "seqs": s.num_seqs, "drafted_tokens": s.drafted_tokens,
+                           "accepted_tokens": s.accepted_tokens} for s in self.steps],
                 "ttft": self.ttft.to_json(),
                 "itl": self.itl.to_json(),
             }
@@ -201,6 +216,8 @@ def _render(request_id: str, tl: _Timeline, finished: bool) -> dict[str, Any]:
         "recompute_chunks": tl.counts["recompute"],
         "decode_steps": tl.counts["decode"],
         "preemptions": tl.counts["preempted"],
+        "drafted_tokens": tl.counts["drafted"],
+        "accepted_tokens": tl.counts["accepted"],
         "events_dropped": tl.dropped,
     }
     return {"request_id": request_id, "finished": finished, "arrival_monotonic": t0, "summary": summary, "events": events}

@@ -202,6 +202,20 @@ class KVCacheManager:
             self.pool.free(reversed(freed))  # tail-first, as free() does: the chain's start is evicted last
         return len(freed)
 
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """Give back seq_id's blocks past those num_tokens tokens need (the slots of rejected draft
+        tokens), tail-first. None of them is published: cache_computed() only publishes blocks
+        whose tokens are all computed and verified. Returns how many blocks it freed."""
+        table = self.tables.get(seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        gone = table[keep:]
+        del table[keep:]
+        assert all(b is None or b.block_hash is None for b in gone), "a trimmed block was published"
+        self.pool.free(b for b in reversed(gone) if b is not None)
+        return len(gone)
+
     def free(self, seq_id: str) -> None:
         table = self.tables.pop(seq_id, [])
         self._hashes.pop(seq_id, None)

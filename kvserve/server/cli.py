@@ -84,6 +84,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-disk-gib", type=float, default=None,
                    help="the disk tier's bound; the least recently used blocks are deleted past it (default: 4)")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
+    e.add_argument("--speculative", default=None, choices=("ngram",),
+                   help="speculative decoding: ngram drafts tokens by prompt lookup (the tokens that followed the "
+                        "latest n-gram earlier in the prompt or output) and verifies them in the batch; greedy "
+                        "output is unchanged, sampling keeps its distribution; a request opts out with "
+                        "\"speculative\": false (default: off)")
+    e.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="the most tokens drafted per sequence per step, with --speculative (default: 4)")
     d = p.add_argument_group("chat and sampling defaults")
     d.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead of the model's")
     d.add_argument("--generation-config", default="auto", choices=("auto", "none"),
@@ -223,7 +230,7 @@ def _check_limits(args: argparse.Namespace) -> None:
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
               "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
               "max_connections": (1, None), "max_tokens_default": (1, None),
-              "responses_store_size": (0, None)}
+              "responses_store_size": (0, None), "num_speculative_tokens": (1, 16)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
         if value is None:
@@ -264,7 +271,7 @@ def _check_kv_events(args: argparse.Namespace) -> None:
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
-    from kvserve.config import CacheConfig, SchedulerConfig
+    from kvserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
     from kvserve.llm import LLM
 
     cache = CacheConfig(
@@ -275,8 +282,10 @@ def load_llm(args: argparse.Namespace) -> LLM:
         disk_bytes=int((args.kv_disk_gib or DEFAULT_DISK_GIB) * (1 << 30)),
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    spec = (SpeculativeConfig(args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+            if args.speculative else None)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, speculative=spec)
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)

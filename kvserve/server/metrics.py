@@ -51,11 +51,17 @@ class _EngineCollector(Collector):
             "kvserve_prompt_tokens": ("Prompt tokens computed (prefix cache hits excluded).", s.prompt_tokens),
             "kvserve_generation_tokens": ("Tokens generated.", s.generation_tokens),
             "kvserve_num_preemptions": ("Sequences preempted for lack of KV blocks.", s.num_preemptions),
+            "kvserve_spec_decode_num_draft_tokens": ("Drafted tokens verified (speculative decoding).",
+                                                     s.spec_draft_tokens),
+            "kvserve_spec_decode_num_accepted_tokens": ("Drafted tokens accepted.", s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         if s.disk is not None:
             yield from _disk_families(s.disk)
+        yield GaugeMetricFamily("kvserve_spec_decode_acceptance_rate",
+                                "Accepted / drafted tokens since start (0 before any draft).",
+                                value=s.spec_acceptance_rate)
         yield from vllm_families(s, self._model_name, self._cache())  # the same snapshot, vLLM's names
 
 

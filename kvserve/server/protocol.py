@@ -90,6 +90,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     priority: int = 0
+    speculative: bool = True  # false: never drafted for when the server speculates (--speculative)
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and guided_* forms.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -145,7 +146,7 @@ class _Sampling(_Strict):
             n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
-            logit_bias=_token_ids(self.logit_bias), **given,
+            logit_bias=_token_ids(self.logit_bias), speculative=self.speculative, **given,
         )
 
 

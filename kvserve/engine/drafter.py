@@ -1,0 +1,89 @@
+"""Drafters: guesses of the tokens that follow a sequence, for the engine to verify in one step.
+
+A `Drafter` is asked, once per step, for up to k tokens after each of a batch of sequences; it may
+return fewer or none. Anything may propose (another model, a lookup table): a wrong guess costs
+compute, never correctness, since every drafted token is checked against the target model
+(engine/verify.py). The interface is batched so that a draft model can run one forward for all.
+
+`NgramDrafter` is prompt lookup: the latest n-gram of a sequence's tokens (n from
+prompt_lookup_max down to prompt_lookup_min) is searched for earlier in its own prompt + output,
+and the tokens that followed its most recent earlier occurrence are proposed. Answers that copy
+from the prompt (rewriting, quoting, code edits) and repetitive output are where it pays. The
+search is a few vectorised passes over an int32 copy of the tokens, kept per sequence and
+extended with each step's new tokens (microseconds for thousands of tokens).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from kvserve.engine.request import Sequence
+
+
+class Drafter(Protocol):
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, k): at most k tokens to follow its token_ids, in order."""
+        ...
+
+
+class _Tokens:
+    """A sequence's tokens as a growing int32 array (appended to, never rewritten)."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(256, dtype=np.int32)
+        self.n = 0
+
+    def sync(self, token_ids: list[int]) -> np.ndarray:
+        new = len(token_ids)
+        if new > self.buf.size:
+            grown = np.zeros(max(new, 2 * self.buf.size), dtype=np.int32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        if new > self.n:
+            self.buf[self.n : new] = token_ids[self.n : new]
+            self.n = new
+        return self.buf[:new]
+
+
+def lookup(a: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram
+    of a (n_max >= n >= n_min); [] when no suffix of n_min tokens occurred before."""
+    L = a.size
+    if L < 2 or k < 1:
+        return []
+    ends = np.flatnonzero(a[: L - 1] == a[L - 1])  # j: a[j] matches the last token; a[j + 1] followed it
+    if ends.size == 0:
+        return []
+    matched = np.ones(ends.size, dtype=np.int32)  # length of the suffix matched ending at each j
+    for i in range(1, min(n_max, L - 1)):
+        ok = (matched == i) & (ends >= i)
+        idx = np.flatnonzero(ok)
+        if idx.size == 0:
+            break
+        hit = a[ends[idx] - i] == a[L - 1 - i]
+        matched[idx[hit]] += 1
+    best = int(matched.max())
+    if best < n_min:
+        return []
+    j = int(ends[np.flatnonzero(matched == best)[-1]])  # the most recent of the longest
+    return a[j + 1 : min(j + 1 + k, L)].tolist()
+
+
+class NgramDrafter:
+    """Prompt lookup over each sequence's own tokens (see the module docstring)."""
+
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3) -> None:
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        self._tokens: dict[str, _Tokens] = {}  # per sequence id, dropped by forget()
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        out = []
+        for seq, k in requests:
+            arr = self._tokens.setdefault(seq.seq_id, _Tokens()).sync(seq.token_ids)
+            out.append(lookup(arr, k, self.n_min, self.n_max))
+        return out
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence finished: drop what was kept for it."""
+        self._tokens.pop(seq.seq_id, None)

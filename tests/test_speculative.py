@@ -1,0 +1,280 @@
+"""Speculative decoding: prompt-lookup drafts (engine/drafter.py) planned per sequence
+(engine/speculative.py) and verified in the batch (engine/verify.py)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve import SamplingParams, SpeculativeConfig
+from kvserve.engine.drafter import lookup
+from kvserve.engine.sampler import Sampler, SamplingRow
+from kvserve.engine.verify import rows_for, verify
+from kvserve.kv.block_pool import prefix_block_hashes
+
+SPEC = SpeculativeConfig(num_speculative_tokens=4, max_step_rows=128)  # every sequence may draft
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
+
+
+def copy_heavy(seed: int, segment: int = 12, times: int = 4) -> list[int]:
+    """A passage said several times over: what prompt lookup feeds on."""
+    [seg, tail] = random_prompts([segment, 3], seed)
+    return seg * times + tail
+
+
+def test_lookup_proposes_what_followed_the_most_recent_longest_match() -> None:
+    a = np.array([1, 2, 3, 4, 8, 2, 3, 5, 1, 2, 3], dtype=np.int32)
+    assert lookup(a, 3, 1, 3) == [4, 8, 2]  # the 3-gram (1 2 3) beats the later 2-gram (2 3)
+    assert lookup(a, 3, 1, 2) == [5, 1, 2]  # up to 2-grams: the most recent (2 3) wins
+    assert lookup(a, 1, 1, 3) == [4]
+    b = np.array([5, 6, 7, 9, 7], dtype=np.int32)
+    assert lookup(b, 4, 1, 3) == [9, 7]  # only what exists is proposed
+    assert lookup(b, 4, 2, 3) == []  # no 2-gram match
+    assert lookup(np.array([1, 2, 3], dtype=np.int32), 4, 1, 3) == []
+
+
+def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
+    from kvserve.engine.speculative import PROBE_EVERY, PROBE_TOKENS, SpecState
+
+    st = SpecState()
+    assert st.k(4) == 4  # optimistic at first
+    ks = []
+    for _ in range(4):  # every draft rejected outright
+        st.observe(ks[-1] if ks else 4, 0)
+        ks.append(st.k(4))
+    assert ks == sorted(ks, reverse=True) and ks[-1] == 0
+    waits = []
+    for _ in range(3):  # idle until a probe, which fails: the next one comes twice as late
+        n = 1
+        while (k := st.k(4)) == 0:
+            n += 1
+        assert k == PROBE_TOKENS
+        waits.append(n)
+        st.observe(k, 0)
+    assert waits[0] <= PROBE_EVERY and waits[1:] == [2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    for _ in range(6):  # drafts accepted again: back to full length
+        st.observe(2, 2)
+    assert st.k(4) == 4 and st.k(1) == 1
+
+
+class FixedDrafter:
+    """A stand-in drafter (any Drafter plugs in): always proposes k tokens of 7."""
+
+    def propose(self, requests):
+        return [[7] * k for _, k in requests]
+
+
+def test_drafted_rows_per_step_are_capped_best_acceptance_first(make_llm) -> None:
+    from kvserve.engine.speculative import Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", random_prompts([5], seed=i)[0], SamplingParams(max_tokens=10, **GREEDY))
+    eng.step()  # the prompts are computed: three decoding sequences
+    seqs = list(eng.scheduler.running)
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=8), 1000, FixedDrafter())
+    assert [len(d) for d in sp.plan(seqs).values()] == [4, 1]  # 3 decode rows + 5 drafted = 8
+    sp.observe(seqs[0], 4, 1)  # the first sequence's record falls below the others' (untried)
+    drafts = sp.plan(seqs)
+    assert [len(drafts.get(s, [])) for s in seqs] == [0, 4, 1]
+    for rid in ("r0", "r1", "r2"):
+        eng.abort_request(rid)
+
+
+def test_greedy_output_is_identical_with_speculation_in_mixed_batches(make_llm) -> None:
+    off = make_llm(caching=False, max_num_batched_tokens=32, max_num_seqs=16)
+    on = make_llm(caching=False, speculative=SPEC, max_num_batched_tokens=32, max_num_seqs=16)
+    # Random prompts and copy-heavy ones; a 70-token prompt is prefilled in chunks beside the decodes.
+    prompts = random_prompts([3, 70, 17, 33, 9], seed=0) + [copy_heavy(s) for s in range(5)]
+    params = [SamplingParams(max_tokens=12 + 2 * i, **GREEDY) for i in range(len(prompts))]
+    ref = off.generate(prompts, params, use_tqdm=False)
+    got = on.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == sp.max_tokens for o, sp in zip(got, params))
+    s = on.engine.stats()
+    assert s.spec_draft_tokens > s.spec_accepted_tokens > 0  # drafts were accepted, and some rejected
+    assert s.generation_tokens == sum(sp.max_tokens for sp in params)
+
+
+def test_rejected_slots_are_rolled_back_block_for_block(make_llm) -> None:
+    off = make_llm()
+    on = make_llm(speculative=SPEC)
+    prompts = random_prompts([30, 7], seed=1) + [copy_heavy(s, segment=9, times=5) for s in (10, 11)]
+    sp = SamplingParams(max_tokens=29, **GREEDY)
+    for i, p in enumerate(prompts):
+        on.engine.add_request(f"r{i}", p, sp)
+    manager, pool = on.manager, on.manager.pool
+    finished = {}
+    while on.engine.has_unfinished_requests():
+        for out in on.engine.step():
+            if out.finished:
+                finished[out.request_id] = out.prompt_token_ids + out.outputs[0].token_ids
+        pool.check_invariant()
+        for seq in on.engine.scheduler.running:  # exactly the blocks of its computed tokens, no more
+            assert manager.num_held_blocks(seq.seq_id) == manager.blocks_needed(seq.num_computed_tokens)
+    s = on.engine.stats()
+    assert s.spec_draft_tokens > s.spec_accepted_tokens > 0
+    # Every published block holds verified tokens: its hash is on a finished sequence's real chain.
+    real = {h for tokens in finished.values() for h, _ in prefix_block_hashes(tokens, manager.block_size)}
+    published = {b.block_hash for b in pool.blocks if b.block_hash is not None}
+    assert published == real
+    ref = off.generate(prompts, sp, use_tqdm=False)
+    assert [finished[f"r{i}"][len(p):] for i, p in enumerate(prompts)] == [o.token_ids for o in ref]
+    # The same blocks are used, cached and free as without speculation.
+    assert (pool.num_used_blocks, pool.num_cached_free_blocks, pool.num_free_blocks) == \
+        (0, off.manager.pool.num_cached_free_blocks, off.manager.pool.num_free_blocks)
+
+
+def test_stops_inside_an_accepted_run_end_the_output_at_the_right_token(make_llm) -> None:
+    off = make_llm(caching=False)
+    on = make_llm(caching=False, speculative=SPEC)
+    p = copy_heavy(3)
+    full = off.generate(p, SamplingParams(max_tokens=24, **GREEDY), use_tqdm=False)[0]
+    stop_id = full.token_ids[9]
+    stop_text = off.tokenizer.decode(full.token_ids[12:14])
+    cases = [SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY),
+             SamplingParams(max_tokens=24, stop=[stop_text], **GREEDY),
+             SamplingParams(max_tokens=24, min_tokens=11, stop_token_ids=[stop_id], **GREEDY),
+             SamplingParams(max_tokens=7, **GREEDY)]
+    for sp in cases:
+        a, b = off.generate(p, sp, use_tqdm=False)[0], on.generate(p, sp, use_tqdm=False)[0]
+        assert (b.token_ids, b.text, b.finish_reason, b.outputs[0].stop_reason) == \
+            (a.token_ids, a.text, a.finish_reason, a.outputs[0].stop_reason)
+    assert on.engine.stats().spec_accepted_tokens > 0
+
+
+def test_logprobs_penalties_and_bias_agree_with_speculation_off(make_llm) -> None:
+    off = make_llm(caching=False)
+    on = make_llm(caching=False, speculative=SPEC)
+    prompts = [copy_heavy(s) for s in (4, 5)]
+    params = [SamplingParams(max_tokens=16, logprobs=3, **GREEDY),
+              SamplingParams(max_tokens=16, frequency_penalty=0.3, logit_bias={prompts[1][0]: 2.0}, **GREEDY)]
+    ref = off.generate(prompts, params, use_tqdm=False)
+    got = on.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(ref[0].outputs[0].logprobs, got[0].outputs[0].logprobs):
+        assert b.token_id == a.token_id and b.logprob == pytest.approx(a.logprob, abs=1e-4)
+        assert [t for t, _ in b.top] == [t for t, _ in a.top]
+    assert on.engine.stats().spec_accepted_tokens > 0
+
+
+def test_a_request_that_opts_out_is_never_drafted_for(make_llm) -> None:
+    llm = make_llm(speculative=SPEC)
+    eng = llm.engine
+    eng.add_request("yes", copy_heavy(6), SamplingParams(max_tokens=30, **GREEDY))
+    eng.add_request("no", copy_heavy(6), SamplingParams(max_tokens=30, speculative=False, **GREEDY))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    yes, no = eng.timeline.get("yes")["summary"], eng.timeline.get("no")["summary"]
+    assert no["drafted_tokens"] == 0 and no["decode_steps"] == 29
+    assert yes["accepted_tokens"] > 0 and yes["decode_steps"] < 29
+    assert outs["yes"].outputs[0].token_ids == outs["no"].outputs[0].token_ids
+    steps = eng.timeline.activity()["steps"]
+    assert sum(s["accepted_tokens"] for s in steps) == yes["accepted_tokens"]
+
+
+def _draws(row0: SamplingRow, row1_params: SamplingParams, logits: torch.Tensor, draft: list[int], n: int):
+    """The first two tokens a verify step emits over n seeded draws (-1: none emitted second)."""
+    sampler = Sampler(logits.shape[1])
+    rows, drafts = [], []
+    for i in range(n):
+        gen = Sampler.make_generator(i)
+        base = SamplingRow(row0.params, [], [], gen)
+        rows += rows_for(base, draft)
+        drafts.append(draft)
+    out = verify(sampler, logits.repeat(n, 1), rows, drafts)
+    first = torch.tensor([v.token_ids[0] for v in out])
+    second = torch.tensor([v.token_ids[1] if len(v.token_ids) > 1 else -1 for v in out])
+    return first, second
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    assert int(counts[~keep].sum()) == 0, "a token outside the target's support was emitted"
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("rank", [1, 5, 30])  # the draft is the 2nd, the 6th best token, or outside top-k
+def test_rejection_sampling_keeps_the_target_distribution(rank: int) -> None:
+    v, n, temperature, top_k, penalty = 40, 12_000, 0.8, 12, 0.7
+    logits = torch.randn(2, v, generator=torch.Generator().manual_seed(rank)) * 1.5
+    d = int(logits[0].argsort(descending=True)[rank])
+    params = SamplingParams(temperature=temperature, top_k=top_k, frequency_penalty=penalty)
+    first, second = _draws(SamplingRow(params, [], [], None), params, logits, [d], n)
+
+    def target(row: torch.Tensor) -> torch.Tensor:
+        p = torch.zeros(v)
+        top = row.topk(top_k).indices
+        p[top] = (row[top] / temperature).softmax(dim=-1)
+        return p
+
+    p0 = target(logits[0])
+    counts = torch.bincount(first, minlength=v)
+    kept = int((p0 > 0).sum())
+    assert _chi2(counts, p0) < 3 * kept + 20  # kept - 1 degrees of freedom: p < 1e-5 beyond this
+    # After an accepted draft the next token is row 1's, with the draft counted in the penalty.
+    after = second[first == d]
+    if rank < top_k:
+        assert after.numel() > 300 and int((after == -1).sum()) == 0
+        row1 = logits[1].clone()
+        row1[d] -= penalty
+        p1 = target(row1)
+        assert _chi2(torch.bincount(after, minlength=v), p1) < 3 * int((p1 > 0).sum()) + 20
+    else:
+        assert after.numel() == 0  # outside the target's support: never accepted
+    # Rejected (or replaced) drafts emit one token only.
+    assert bool((second[first != d] == -1).all())
+
+
+@pytest.mark.slow
+def test_default_model_greedy_is_the_same_with_and_without_drafts() -> None:
+    """The default model's quantized weights take the native decode step: drafts travel as extra
+    decode rows of the same sequence there."""
+    from kvserve import LLM, CacheConfig
+
+    # No prefix cache: the second run's prompt would otherwise be prefilled in a smaller chunk,
+    # whose matmuls round differently (see LLM's batch_invariant), whatever the drafts do.
+    llm = LLM(speculative=SPEC, cache=CacheConfig(enable_prefix_caching=False))
+    text = open(__file__).read()[:300]
+    ids = llm.encode_chat([{"role": "user", "content": "Repeat this text exactly:\n\n" + text}])
+    sps = [SamplingParams(max_tokens=32, temperature=0.0, speculative=s) for s in (False, True)]
+    plain, spec = (llm.generate(ids, sp, use_tqdm=False)[0] for sp in sps)
+    assert spec.token_ids == plain.token_ids
+    assert llm.engine.stats().spec_accepted_tokens > 0
+    llm.manager.pool.check_invariant()
+    assert llm.manager.pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_server_speculates_with_the_flag_and_a_request_may_opt_out(tmp_path_factory) -> None:
+    from server_harness import MODEL_NAME, start_server
+
+    server = start_server(tmp_path_factory, "--speculative", "ngram", "--num-speculative-tokens", "3")
+    try:
+        body = {"model": MODEL_NAME, "prompt": copy_heavy(7), "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+        with server.client() as c:
+            plain = c.post("/v1/completions", json=body | {"speculative": False})
+            assert plain.status_code == 200, plain.text
+            assert server.metric("kvserve_spec_decode_num_draft_tokens_total") == 0
+            spec = c.post("/v1/completions", json=body)
+            assert spec.status_code == 200, spec.text
+            assert spec.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+            chat = c.post("/v1/chat/completions", json={"model": MODEL_NAME, "max_tokens": 4, "speculative": False,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 200, chat.text
+        accepted = server.metric("kvserve_spec_decode_num_accepted_tokens_total")
+        drafted = server.metric("kvserve_spec_decode_num_draft_tokens_total")
+        assert drafted >= accepted > 0
+        assert server.metric("kvserve_spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+    finally:
+        server.stop()
