@@ -21,9 +21,12 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import kvserve
 
 OP_STOP, OP_STEP, OP_BATCH_INVARIANT = 0, 1, 2
 # A worker waits for the next step as long as the server idles: the group's timeout must not end
@@ -179,9 +182,12 @@ def spawn_workers(size: int, port: int) -> list[subprocess.Popen]:
     """Ranks 1..size-1 as `python -m kvserve.parallel.worker` on loopback; they learn what to load
     from rank 0. Their output goes to this process's stderr."""
     children = []
+    # The workers import the same kvserve as this process, whatever their working directory holds.
+    root = str(Path(kvserve.__file__).resolve().parent.parent)
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     for rank in range(1, size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), PARENT_ENV: str(os.getpid())}
+               "MASTER_PORT": str(port), PARENT_ENV: str(os.getpid()), "PYTHONPATH": path}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         children.append(subprocess.Popen([sys.executable, "-m", "kvserve.parallel.worker"], env=env,
                                          stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno()))

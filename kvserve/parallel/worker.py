@@ -19,7 +19,6 @@ import time
 import torch
 
 from kvserve.kv.sizing import KVSizing, allocate_kv_pool
-from kvserve.llm import parse_dtype
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.loader import load_checkpoint
 from kvserve.parallel.group import OP_BATCH_INVARIANT, OP_STEP, OP_STOP, PARENT_ENV, TPGroup, env_world
@@ -46,7 +45,7 @@ def run(group: TPGroup) -> int:
     if spec is None:  # rank 0 refused the split (its error says why)
         return 1
     torch.set_num_threads(spec.threads)
-    dtype = parse_dtype(spec.dtype)
+    dtype = getattr(torch, spec.dtype)  # a torch dtype's name, e.g. float32
     try:
         ckpt = load_checkpoint(spec.model, dtype, spec.quantization)
         p = plan(ckpt.config, ckpt.tensors, group.size)
@@ -54,7 +53,7 @@ def run(group: TPGroup) -> int:
         set_batch_invariant(model, spec.batch_invariant)
         local = p.local_config(ckpt.config, group.rank)
         kv_caches = allocate_kv_pool(KVSizing(spec.num_blocks, spec.block_size, local.num_hidden_layers,
-                                              local.num_key_value_heads, local.head_dim, parse_dtype(spec.kv_dtype)))
+                                              local.num_key_value_heads, local.head_dim, getattr(torch, spec.kv_dtype)))
     except Exception:
         log.exception("tensor-parallel rank %d failed to load its shard", group.rank)
         group.all_ok(False)

@@ -69,6 +69,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model's kernels (default: torch's, one per core)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model's weights and KV cache over N processes on this host (spawned on loopback; "
+                        "under torchrun: its WORLD_SIZE); each gets --threads, default the cores / N (default: 1)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
@@ -108,14 +111,26 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
+    from kvserve.parallel.group import env_world
+
+    world = env_world()
+    if world is not None and world[0] > 0:  # torchrun's ranks 1..: a tensor-parallel worker, no server
+        from kvserve.parallel.worker import main as worker_main
+
+        return worker_main()
     _check_limits(args)
     _check_kv_events(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    tp = args.tensor_parallel_size or (world[1] if world else 1)
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    args.tensor_parallel_size = tp
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 and world is None else None)
+    if threads is not None:  # (under torchrun OMP_NUM_THREADS, which it sets, decides)
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     try:
         import uvicorn
     except ImportError:
@@ -241,7 +256,7 @@ def _load(args: argparse.Namespace) -> LLM:
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,
-              batch_invariant=args.batch_invariant)
+              batch_invariant=args.batch_invariant, tensor_parallel_size=args.tensor_parallel_size)
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)
