@@ -145,7 +145,7 @@ def test_two_ranks_on_the_quantized_default_model(one_thread) -> None:
             lw.o = _SplitSum(lw.o, [0, p.kv_heads[1][0] * p.group * D, one.config.num_attention_heads * D])
             lw.down = _SplitSum(lw.down, [0, p.ffn[1][0], p.ffn[1][1]])
         steps = agree = 0
-        for prompt in ["The capital of France is", "def fibonacci(n):", "What is 12 times 12?"]:
+        for prompt in ["The capital of France is", "What is 12 times 12?"]:
             ids = one.encode_chat([{"role": "user", "content": prompt}])
             got, got_logits = _greedy(two, ids, 12)
             want, want_logits = _greedy(emulated, ids, 12)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = two.config.num_hidden_layers
     two.model.close()
     us = all_reduce_us(two.config.hidden_size)
-    print(f"| configuration | batch | ms per decode step |\n|---|---:|---:|")
+    print("| configuration | batch | ms per decode step |\n|---|---:|---:|")
     for name, b, ms in rows:
         print(f"| {name} | {b} | {ms:.1f} |")
     print(f"\ngloo all-reduce of [1, {two.config.hidden_size}] float32 between 2 processes: {us:.0f} us; "

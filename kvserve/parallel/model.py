@@ -96,7 +96,15 @@ class TensorParallelModel:
                 raise RuntimeError("the tensor-parallel workers are stopped: build a new LLM")
             self.group.send_step(input_ids, positions, meta.slot_mapping, meta.query_lens, meta.seq_lens,
                                  meta.block_tables)
-            return self.local.forward(input_ids, positions, kv_caches, meta)
+            try:
+                return self.local.forward(input_ids, positions, kv_caches, meta)
+            except BaseException:
+                # The workers are somewhere inside this step's all-reduces: no later step can pair
+                # with them, so stop them rather than run out of step.
+                self.group.closed = True
+                for child in self.group.children:
+                    child.kill()
+                raise
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.local.logits(hidden)
