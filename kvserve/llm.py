@@ -156,6 +156,7 @@ class LLM:
         seed: int | None = None,
         batch_invariant: bool = False,
         speculative: SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         t0 = time.perf_counter()
         # "auto" under weights kept quantized: float32 activations. The integer kernels widen
@@ -171,14 +172,28 @@ class LLM:
         self.tokenizer = Tokenizer.load(ckpt.path)
         self.eos_token_ids: frozenset[int] = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.config.eos_token_ids)
         quantized = any(isinstance(w, QuantizedWeight) for w in ckpt.tensors.values())  # (the model takes them)
-        self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
+        self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
+                         else parse_dtype(cache.dtype, "KV cache dtype", int8=True))
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size != 1:  # what the ranks do not share yet (kvserve/parallel/)
+            unsupported = [what for what, on in (("an int8 KV cache", self.kv_dtype == torch.int8),
+                                                 ("the KV disk tier", cache.disk_path is not None),
+                                                 ("speculative decoding", speculative is not None)) if on]
+            if unsupported:
+                raise ValueError(f"tensor parallel (size {tensor_parallel_size}) does not support {' or '.join(unsupported)} "
+                                 "yet: leave them out, or run one process")
+        if tensor_parallel_size == 1:
+            self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
+            self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
+        else:  # this process is rank 0: the pool holds its share of the KV heads (kvserve/parallel/)
+            from kvserve.parallel import model as tensor_parallel
+
+            self.model, self.kv_sizing = tensor_parallel.start(ckpt, tensor_parallel_size, self.dtype, quantization,
+                                                               self.kv_dtype, cache, batch_invariant)
         # True: a greedy request's tokens do not depend on what else is in its batch (quantized
         # layers keep the integer kernel at every batch size); it costs long prefills ~1.9x in
         # time to first token, so sgemm past the crossover stays the default.
         self.model.set_batch_invariant(batch_invariant)
-        self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
-                         else parse_dtype(cache.dtype, "KV cache dtype", int8=True))
-        self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         window_blocks = peak_blocks(self.config.sliding_window, cache.block_size, scheduler.max_num_batched_tokens)
         if window_blocks is None or window_blocks > self.kv_sizing.num_blocks:

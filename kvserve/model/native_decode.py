@@ -84,6 +84,8 @@ class NativeDecode:
         lib = decode_step.library() if enabled() else None
         if lib is None:
             raise Unsupported("the native kernels are off or did not build")
+        if getattr(model, "tensor_parallel_size", 1) > 1:
+            raise Unsupported("tensor parallel: the step has no all-reduce between layers")
         c = model.config
         if model.dtype != torch.float32:
             raise Unsupported(f"activations in {model.dtype} (the step computes in float32)")

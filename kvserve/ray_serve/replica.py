@@ -23,7 +23,8 @@ REPLICA_HEADER = b"x-kvserve-replica"  # on every answer: the Serve replica that
 # `kvserve serve` flags that have no meaning here: Serve's proxy is the HTTP server, Serve places
 # the replicas, and a ZMQ endpoint would be bound by every replica of a node at once.
 REFUSED_FLAGS = ("--host", "--port", "--join", "--advertise-url", "--join-key", "--kv-events-endpoint",
-                 "--kv-events-replay-endpoint", "--max-connections", "--header-timeout")
+                 "--kv-events-replay-endpoint", "--max-connections", "--header-timeout", "--tensor-parallel-size",
+                 "-tp")
 
 
 def parse_serve_args(serve_args: str | list[str]) -> object:

@@ -71,6 +71,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model's kernels (default: torch's, one per core)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="split the model's weights and KV cache over N processes on this host (spawned on loopback; "
+                        "under torchrun: its WORLD_SIZE); each gets --threads, default the cores / N (default: 1)")
     e.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one engine step (default: 64)")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one engine step (default: 512)")
     e.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (default: a share of free memory)")
@@ -128,6 +131,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvserve.web.protocols import h11_protocol
     from kvserve.server.lifecycle import EngineServer, exit_now
 
+    from kvserve.parallel.group import env_world
+
+    world = env_world()
+    if world is not None and world[0] > 0:  # torchrun's ranks 1..: a tensor-parallel worker, no server
+        from kvserve.parallel.worker import main as worker_main
+
+        return worker_main()
     settings = settings_from_args(args)
     failure: list[BaseException] = []
     server = None
@@ -171,15 +181,30 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     args.model = args.model_arg or args.model or "smollm2-135m"
+    from kvserve.parallel.group import env_world
+
+    world = env_world()
     _check_limits(args)
     _check_kv_disk(args)
     _check_kv_events(args)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    tp = args.tensor_parallel_size or (world[1] if world else 1)
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
+    args.tensor_parallel_size = tp
+    if tp > 1:  # what the ranks do not share yet: refused now, in one line, not after the model loads
+        unsupported = [flag for flag, on in (("--kv-cache-dtype int8", args.kv_cache_dtype == "int8"),
+                                             ("--kv-disk-path", args.kv_disk_path is not None),
+                                             ("--speculative", args.speculative is not None)) if on]
+        if unsupported:
+            raise ValueError(f"--tensor-parallel-size {tp} does not work with {' or '.join(unsupported)} yet: "
+                             "leave them out, or serve from one process")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // tp) if tp > 1 and world is None else None)
+    if threads is not None:  # (under torchrun OMP_NUM_THREADS, which it sets, decides)
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
 
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
     if args.chat_template is not None:
@@ -285,7 +310,7 @@ def load_llm(args: argparse.Namespace) -> LLM:
     spec = (SpeculativeConfig(args.speculative, num_speculative_tokens=args.num_speculative_tokens)
             if args.speculative else None)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,
-              batch_invariant=args.batch_invariant, speculative=spec)
+              batch_invariant=args.batch_invariant, speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)
