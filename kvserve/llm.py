@@ -203,13 +203,11 @@ class LLM:
         kv_caches, kv_scales = allocate_kv_pool(self.kv_sizing), allocate_kv_scales(self.kv_sizing)
         disk = None
         if cache.disk_path is not None and cache.enable_prefix_caching:
-            if kv_scales is not None:  # its block files hold K/V only
-                raise ValueError("the KV disk tier does not store an int8 cache's row scales: use a float KV cache "
-                                 "dtype with a disk path (--kv-cache-dtype float16)")
             s = self.kv_sizing
             disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
                 ckpt.path, self.dtype, quantization, batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
-                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size)
+                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size,
+                kv_scales=kv_scales)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
                                       self.config.sliding_window, scheduler.max_num_batched_tokens, disk)
         self._sampler = Sampler(self.config.vocab_size, seed=seed)

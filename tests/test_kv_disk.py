@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve import SamplingParams
 from kvserve.engine.snapshot import engine_state
@@ -60,6 +61,27 @@ def test_blocks_offloaded_to_disk_come_back_with_the_same_tokens(make_llm, tmp_p
     assert state["prefix_cache"]["hits_by_tier"] == {"ram": 0, "disk": 192}
     assert state["disk"]["blocks"] == 12 and state["disk"]["hit_blocks"] == 12
     assert state["pool"]["cached"] == 12  # the loaded blocks are RAM's again, and still on disk
+
+
+def test_an_int8_pool_comes_back_with_its_row_scales(make_llm, tmp_path) -> None:
+    """An int8 block's file holds its K/V and its float16 row scales: both come back bit for bit."""
+    llm = make_llm(cache={**on_disk(tmp_path), "dtype": "int8"})
+    plain = make_llm(caching=False, cache={"dtype": "int8"})
+    prompt = prompt_of(200, seed=3)
+    first = llm.generate(prompt, SP, use_tqdm=False)[0]
+    runner = llm.runner
+    ids = [b.block_id for b in llm.manager.find_prefix(prompt)]
+    saved = [(kv[:, :, ids].clone(), sc[:, :, ids].clone()) for kv, sc in zip(runner.kv_caches, runner.kv_scales)]
+    assert len(ids) == 12 and llm.offload_prefix_cache() == 12
+    for kv, sc in zip(runner.kv_caches, runner.kv_scales):  # nothing left in RAM to be read by mistake
+        kv.zero_()
+        sc.zero_()
+    out, disk_hit_tokens, disk = served(llm, prompt)
+    assert disk_hit_tokens == 192 and disk.load_errors == 0
+    assert out.token_ids == first.token_ids == plain.generate(prompt, SP, use_tqdm=False)[0].token_ids
+    ids = [b.block_id for b in llm.manager.find_prefix(prompt)]
+    for (k, s), kv, sc in zip(saved, runner.kv_caches, runner.kv_scales):
+        assert torch.equal(kv[:, :, ids], k) and torch.equal(sc[:, :, ids], s)
 
 
 def test_explain_shows_the_hits_of_each_tier(make_llm, tmp_path) -> None:

@@ -72,15 +72,21 @@ def namespace(fields: dict[str, object]) -> bytes:
 
 class DiskTier:
     def __init__(self, path: str | Path, capacity_bytes: int, fields: dict[str, object],
-                 kv_caches: list[torch.Tensor], block_size: int, queue_bytes: int = QUEUE_BYTES) -> None:
+                 kv_caches: list[torch.Tensor], block_size: int, queue_bytes: int = QUEUE_BYTES,
+                 kv_scales: list[torch.Tensor] | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"the KV disk tier's capacity must be > 0 bytes, got {capacity_bytes}")
         self.kv_caches = kv_caches  # per layer [2, Hkv, num_blocks, block_size, D]
+        self.kv_scales = kv_scales  # an int8 pool's: per layer [2, Hkv, num_blocks, block_size]
         self.block_size = block_size
         _, hkv, _, bs, d = kv_caches[0].shape
         self.block_shape = (len(kv_caches), 2, hkv, bs, d)  # one block, all layers: what a file holds
         self.dtype = kv_caches[0].dtype
-        self.block_bytes = kv_caches[0].element_size() * len(kv_caches) * 2 * hkv * bs * d
+        self.kv_bytes = kv_caches[0].element_size() * len(kv_caches) * 2 * hkv * bs * d
+        # An int8 block's row scales follow its K/V in the same file: one file, one checksum.
+        self.scale_shape = (len(kv_caches), 2, hkv, bs)
+        self.scale_bytes = 0 if kv_scales is None else kv_scales[0].element_size() * len(kv_caches) * 2 * hkv * bs
+        self.block_bytes = self.kv_bytes + self.scale_bytes
         self.fields = fields
         self.store = DiskStore(path, namespace(fields), capacity_bytes)
         info = self.store.dir / "namespace.json"  # for a person looking at the directory
@@ -105,7 +111,10 @@ class DiskTier:
         if not wait and self._queue.full():  # (only this thread puts: the check holds until the put)
             self.writes_dropped += 1
             return
-        data = torch.stack([kv[:, :, block_id] for kv in self.kv_caches])  # [L, 2, Hkv, BS, D], contiguous
+        data = torch.stack([kv[:, :, block_id] for kv in self.kv_caches]).view(torch.uint8).flatten()  # [L, 2, Hkv, BS, D]
+        if self.kv_scales is not None:
+            scales = torch.stack([sc[:, :, block_id] for sc in self.kv_scales])  # [L, 2, Hkv, BS]
+            data = torch.cat([data, scales.view(torch.uint8).flatten()])
         self._queue.put((block_hash, tuple(token_ids), data))
 
     def _write_loop(self) -> None:
@@ -115,7 +124,7 @@ class DiskTier:
                 if item is None:
                     return
                 key, ids, data = item
-                self.store.put(key, ids, memoryview(data.view(torch.uint8).numpy()).cast("B"))
+                self.store.put(key, ids, memoryview(data.numpy()).cast("B"))
             except Exception:  # a write must never kill the writer
                 log.exception("KV disk tier: writing a block failed")
             finally:
@@ -146,11 +155,17 @@ class DiskTier:
 
     def copy_in(self, block_ids: list[int], payloads: list[memoryview]) -> None:
         """Write blocks read from disk into pool blocks: one indexed copy per layer."""
-        blocks = [torch.frombuffer(p, dtype=self.dtype).view(self.block_shape) for p in payloads]
-        data = torch.stack(blocks, dim=3)  # [L, 2, Hkv, n, BS, D]
+        kv = [torch.frombuffer(p[:self.kv_bytes], dtype=self.dtype).view(self.block_shape) for p in payloads]
+        data = torch.stack(kv, dim=3)  # [L, 2, Hkv, n, BS, D]
         index = torch.tensor(block_ids, dtype=torch.long)
-        for layer, kv in enumerate(self.kv_caches):
-            kv.index_copy_(2, index, data[layer])
+        for layer, pool in enumerate(self.kv_caches):
+            pool.index_copy_(2, index, data[layer])
+        if self.kv_scales is not None:
+            dtype = self.kv_scales[0].dtype
+            scales = torch.stack([torch.frombuffer(p[self.kv_bytes:], dtype=dtype).view(self.scale_shape)
+                                  for p in payloads], dim=3)  # [L, 2, Hkv, n, BS]
+            for layer, pool in enumerate(self.kv_scales):
+                pool.index_copy_(2, index, scales[layer])
 
     def stats(self) -> DiskStats:
         s = self.store

@@ -272,9 +272,6 @@ def _check_kv_disk(args: argparse.Namespace) -> None:
         return
     if args.no_prefix_caching:
         raise ValueError("the disk tier keeps prefix blocks: drop --no-prefix-caching or --kv-disk-path")
-    if args.kv_cache_dtype == "int8":
-        raise ValueError("the disk tier does not store an int8 cache's row scales: drop --kv-disk-path or use "
-                         "--kv-cache-dtype float16")
     if args.kv_disk_gib is not None and args.kv_disk_gib <= 0:
         raise ValueError(f"--kv-disk-gib must be > 0, got {args.kv_disk_gib}")
 
