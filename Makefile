@@ -34,16 +34,22 @@ serve: setup  ## serve the embedded default model on http://127.0.0.1:8000
 chat: setup  ## chat with the default model in the terminal
 	$(PY) -m kvserve chat $(ARGS)
 
+# Two test processes (pytest-xdist), each test file whole in one of them (its servers and models
+# are module fixtures): most tests wait on servers and processes they start, so two share two
+# cores well. TEST_WORKERS=0 runs everything in this one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup  ## the whole suite, slow tests included, then the kernels on every slower ISA path
-	$(PY) -m pytest -q --durations=15 $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 $(ARGS)
 	$(MAKE) --no-print-directory test-isa
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py
 test-isa: setup
-	KVSERVE_ISA=avx2 $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
-	KVSERVE_ISA=portable $(PY) -m pytest -q -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(PY) -m pytest -q $(XDIST) -m "not slow" $(KERNEL_TESTS)
 
 # The oldest versions kvserve claims to work with: a second virtual environment where every runtime
 # dependency sits at exactly its floor in pyproject.toml (tests/floors/pins.py reads them from there,
@@ -67,7 +73,7 @@ test-floors: $(FLOORS_STAMP)  ## a smoke test at the oldest dependency versions 
 	$(FLOORS_PY) -m pytest -q tests/floors/smoke.py
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(ARGS)
 
 bench: setup  ## offline throughput vs transformers; writes docs/benchmarks.md
 	$(PY) -m kvserve.bench.offline --write docs/benchmarks.md $(ARGS)
@@ -96,6 +102,6 @@ bench-router: setup  ## routing policies on a shared-prefix workload + the route
 # Two replicas and a router as real processes, 30 minutes of mixed load (streamed or not, structured
 # output, tools, 20% of streams dropped by their client), replica 0 SIGKILLed every 3 minutes, replica 1
 # drained once; reports failures by cause, KV blocks left in use, RSS over time (docs/soak.md).
-# tests/test_soak.py runs it for 75 s in CI. ARGS=--duration=300 for a shorter one.
+# tests/test_soak.py runs it for 50 s in CI. ARGS=--duration=300 for a shorter one.
 soak: setup  ## 30 min of mixed load through the router while replicas die; writes /tmp/kvserve-soak/soak.{json,md,png}
 	$(PY) -m kvserve.bench.soak $(ARGS)
