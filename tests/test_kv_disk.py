@@ -114,6 +114,31 @@ def test_blocks_the_pool_evicts_are_written_and_read_back(make_llm, tmp_path) ->
     llm.manager.pool.check_invariant()
 
 
+def hit_rate_over(llm, docs: list[list[int]], rounds: int, seed: int) -> float:
+    """Prefix-cache hit rate (tokens found / looked up) of `rounds` passes over docs in shuffled
+    order, each request a doc and a suffix of its own; the disk writer is let finish after each."""
+    rng = random.Random(seed)
+    before = llm.engine.stats()
+    for r in range(rounds):
+        for i in rng.sample(range(len(docs)), len(docs)):
+            llm.generate(docs[i] + prompt_of(8, seed=1000 * r + i), SP, use_tqdm=False)
+            if llm.manager.disk is not None:
+                llm.manager.disk.flush()
+    after = llm.engine.stats()
+    return (after.prefix_cache_hits - before.prefix_cache_hits) / (after.prefix_cache_queries - before.prefix_cache_queries)
+
+
+def test_a_working_set_three_times_the_pool_hits_at_least_twice_as_often_with_the_disk_tier(make_llm, tmp_path) -> None:
+    """9 documents of 16 blocks through a 48-block pool: RAM holds a third of them, the disk all."""
+    docs = [prompt_of(256, seed=100 + d) for d in range(9)]
+    ram_only = hit_rate_over(make_llm(num_blocks=48), docs, rounds=5, seed=7)
+    tiered_llm = make_llm(num_blocks=48, cache=on_disk(tmp_path, gib=0.05))
+    tiered = hit_rate_over(tiered_llm, docs, rounds=5, seed=7)
+    print(f"prefix hit rate, working set 3x the pool: RAM only {ram_only:.1%}, with the disk tier {tiered:.1%}")
+    assert tiered >= 2 * ram_only and tiered > 0.7  # after the first pass every document is on disk
+    assert tiered_llm.engine.stats().disk.writes_dropped == 0
+
+
 def test_a_restarted_llm_reads_the_same_directory(make_llm, tmp_path) -> None:
     prompt = prompt_of(200, seed=5)
     old = make_llm(cache=on_disk(tmp_path))
