@@ -22,6 +22,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.quant import QuantizedLinear, QuantizedWeight
 from kvserve.parallel.shard import TensorParallelError, _cols, plan
 from server_harness import start_server, wait_for
+from test_quant import _greedy_along
 
 
 @pytest.fixture
@@ -157,17 +158,6 @@ def test_two_ranks_on_the_quantized_default_model(one_thread) -> None:
         assert agree >= 0.9 * steps
     finally:
         two.model.close()
-
-
-def _greedy_along(llm: LLM, ids: list[int], tokens: list[int]) -> list[int]:
-    """llm's greedy choice at each step while it is fed `tokens` (teacher forcing)."""
-    cache, token = llm.prefill(ids)
-    out = [token]
-    with cache:
-        for t in tokens[:-1]:
-            cache, token = llm.decode(cache, t)
-            out.append(token)
-    return out
 
 
 def _children(pid: int) -> list[int]:

@@ -46,7 +46,7 @@ class StatsIndex:
         if self._held_raw.get(replica) is not raw:
             self._held_raw[replica] = raw
             b.held = {raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)}
-        self._prune_pending(b)
+        b.prune_pending()
         if b.renderer not in self._renderers and b.renderer not in self._loading:
             self._loading[b.renderer] = asyncio.get_running_loop().create_task(self._load_renderer(b.model, b.renderer))
 
@@ -88,24 +88,9 @@ class StatsIndex:
         return len(next(iter(req.token_ids.values()))) if req.token_ids else None
 
     def mark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
-        b = self.blocks.get(replica)
-        if b is not None:
-            for h in hashes:
-                b.pending.setdefault(h, [0, 0.0])[0] += 1
+        if (b := self.blocks.get(replica)) is not None:
+            b.mark_pending(hashes)
 
     def unmark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
-        b = self.blocks.get(replica)
-        if b is None:
-            return
-        expiry = time.monotonic() + self.pending_grace
-        for h in hashes:
-            p = b.pending.get(h)
-            if p is not None:
-                p[0] -= 1
-                p[1] = expiry
-
-    @staticmethod
-    def _prune_pending(b: ReplicaBlocks) -> None:
-        now = time.monotonic()
-        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
-            del b.pending[h]
+        if (b := self.blocks.get(replica)) is not None:
+            b.unmark_pending(hashes, time.monotonic() + self.pending_grace)

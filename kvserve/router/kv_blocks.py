@@ -23,6 +23,25 @@ class ReplicaBlocks:
         p = self.pending.get(h)
         return p is not None and (p[0] > 0 or p[1] > now)
 
+    def mark_pending(self, hashes: list[bytes]) -> None:
+        """Blocks a request routed here will store: held as far as routing knows, while it runs."""
+        for h in hashes:
+            self.pending.setdefault(h, [0, 0.0])[0] += 1
+
+    def unmark_pending(self, hashes: list[bytes], expiry: float) -> None:
+        """The request ended: its blocks stay held until `expiry` (time.monotonic()), by when the
+        replica's own report says whether it kept them."""
+        for h in hashes:
+            p = self.pending.get(h)
+            if p is not None:
+                p[0] -= 1
+                p[1] = expiry
+
+    def prune_pending(self) -> None:
+        now = time.monotonic()
+        for h in [h for h, (n, expiry) in self.pending.items() if n <= 0 and expiry <= now]:
+            del self.pending[h]
+
     def match(self, hashes: list[bytes]) -> int:
         now = time.monotonic()
         n = 0

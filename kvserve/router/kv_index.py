@@ -115,7 +115,7 @@ class KVIndex:
                 b = self.blocks.get(replica)
                 if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
                     await self.streams.follow(replica, b, lambda: self._current(replica, b),
-                                              lambda: self._prune_pending(b))
+                                              b.prune_pending)
                     b.seq = 0  # so the next answer is a full one (the stream's and the log's numbers differ)
                     wait = self.poll_interval  # then a full answer, and the stream again
             except BrokenRule as e:
@@ -164,7 +164,7 @@ class KVIndex:
         if "kv_events_endpoint" in data:
             b.stream = (data["kv_events_endpoint"], data.get("kv_events_replay_endpoint"),
                         data.get("kv_events_topic", ""), data.get("kv_events_seq", -1))
-        self._prune_pending(b)
+        b.prune_pending()
         replica.extra["kv_events"] = ("followed" if self._renderers.get(b.renderer)
                                       else self._renderer_notes.get(b.renderer, "no tokenizer here"))
         replica.extra["blocks_held"] = len(b.held)
@@ -172,12 +172,6 @@ class KVIndex:
 
     def _current(self, replica: Replica, b: ReplicaBlocks) -> bool:
         return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
-
-    @staticmethod
-    def _prune_pending(b: ReplicaBlocks) -> None:
-        now = time.monotonic()
-        for h in [h for h, (n, expiry) in b.pending.items() if n <= 0 and expiry <= now]:
-            del b.pending[h]
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
         if model in self._tokenizers:
@@ -244,22 +238,12 @@ class KVIndex:
         return len(next(iter(req.token_ids.values()))) if req.token_ids else None
 
     def mark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
-        b = self.blocks.get(replica)
-        if b is None:
-            return
-        for h in hashes:
-            b.pending.setdefault(h, [0, 0.0])[0] += 1
+        if (b := self.blocks.get(replica)) is not None:
+            b.mark_pending(hashes)
 
     def unmark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
-        b = self.blocks.get(replica)
-        if b is None:
-            return
-        expiry = time.monotonic() + self.pending_grace + self.poll_interval
-        for h in hashes:
-            p = b.pending.get(h)
-            if p is not None:
-                p[0] -= 1
-                p[1] = expiry
+        if (b := self.blocks.get(replica)) is not None:
+            b.unmark_pending(hashes, time.monotonic() + self.pending_grace + self.poll_interval)
 
 
 def prepare_hashes(req: RoutedRequest, renderers: dict[str, Renderer], keys: set[tuple[str, int]]) -> None:
