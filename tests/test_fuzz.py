@@ -127,8 +127,10 @@ def test_fuzz_every_endpoint(api, server, mode):
     for op in operations:
         examples = 50 if op.method.upper() == "POST" else 8
 
+        # derandomize: the same examples every run, so a run's verdict is the code's, not the draw's
+        # (a route's valid bodies pass its semantic checks ~1 time in 10: 50 fresh draws missed them all ~1 run in 70).
         @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None,
-                  phases=[Phase.generate])
+                  phases=[Phase.generate], derandomize=True)
         @given(case=op.as_strategy(generation_mode=mode))
         def fuzz(case) -> None:
             if (why := check(case, server, seen)) is not None and len(findings) < 50:
