@@ -197,10 +197,11 @@ def test_a_served_prompts_blocks_arrive_as_vllm_sends_them_and_replay_repeats_th
         ids = c.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
         assert len(ids) > 3 * BLOCK
         assert c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": ids, "max_tokens": 1}).status_code == 200
+        messages = []
+        while sub.poll(1000):
+            messages.append(sub.recv_multipart())
+        # Read once the stream is quiet: the publisher sends on its own thread, a moment after the engine records.
         start = c.get("/kv/events").json()
-    messages = []
-    while sub.poll(1000):
-        messages.append(sub.recv_multipart())
     sub.close(0)
     assert start["kv_events_endpoint"] == f"tcp://*:{pub}" and start["kv_events_topic"] == "kv@pod-a@tiny"
     # The engine records block by block; the publisher sends what it finds each time it wakes.
