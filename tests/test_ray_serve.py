@@ -122,11 +122,13 @@ def serve_url(tmp_path_factory):
         url = f"http://127.0.0.1:{port}"
         wait_http(url + "/v1/models", 90)
         seen: set[str] = set()
-        with httpx.Client(base_url=url, timeout=30) as http:  # both replicas up (idle ones are picked at random)
-            for _ in range(200):
+        # Both replicas up: idle ones are picked at random, once Serve's router knows the second
+        # (on a loaded machine the second node's replica can come up a minute after the first).
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while len(seen) < 2 and time.monotonic() < deadline:
                 seen.add(http.get("/v1/models").headers[REPLICA_HEADER])
-                if len(seen) == 2:
-                    break
+                time.sleep(0.05)
         assert len(seen) == 2, f"one replica answered: {seen}"
         yield url, cluster
     finally:
