@@ -109,12 +109,17 @@ class SpeculativeConfig:
     # (each row costs its share). Measured on a busy 2-core machine: 4 users drafting 4 tokens
     # each (20 rows) were slower than not drafting.
     max_step_rows: int = 8
+    # What one more row of a decode step costs, as a share of a one-row step's time; None: measured
+    # from the engine's own steps (engine/speculative.py's StepTimes). 0 drafts whenever acceptance allows.
+    row_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
             raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.row_cost is not None and not 0.0 <= self.row_cost <= 10.0:
+            raise ValueError(f"row_cost must be None (measured) or in [0, 10], got {self.row_cost}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

@@ -14,7 +14,7 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.verify import rows_for, verify
 from kvserve.kv.block_pool import prefix_block_hashes
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4, max_step_rows=128)  # every sequence may draft
+SPEC = SpeculativeConfig(num_speculative_tokens=4, max_step_rows=128, row_cost=0.0)  # every sequence may draft
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -87,6 +87,46 @@ def test_drafted_rows_per_step_are_capped_best_acceptance_first(make_llm) -> Non
     assert [len(drafts.get(s, [])) for s in seqs] == [0, 4, 1]
     for rid in ("r0", "r1", "r2"):
         eng.abort_request(rid)
+
+
+def test_step_times_fit_the_engines_own_steps() -> None:
+    from kvserve.engine.speculative import ROW_SHARE, StepTimes
+
+    st = StepTimes()
+    assert st.line() == (1.0 - ROW_SHARE, ROW_SHARE)  # nothing measured: in units of a one-row step
+    st.record(2, 0.010)
+    assert st.line() == pytest.approx((0.010 - 2 * ROW_SHARE * 0.005, ROW_SHARE * 0.005))
+    for rows in (1, 2, 3, 5, 1, 4):  # exactly 4 ms + 3 ms a row
+        st.record(rows, 0.004 + 0.003 * rows)
+    assert st.line() == pytest.approx((0.004, 0.003))
+    assert StepTimes(row_cost=0.0).line() == (1.0, 0.0)
+
+
+def test_a_draft_is_planned_only_where_its_rows_pay(make_llm) -> None:
+    from kvserve.engine.speculative import Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    eng.add_request("r", random_prompts([5], seed=3)[0], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    [seq] = eng.scheduler.running
+    costly = Speculator(SpeculativeConfig(num_speculative_tokens=4), 1000, FixedDrafter())
+    free = Speculator(SpeculativeConfig(num_speculative_tokens=4, row_cost=0.0), 1000, FixedDrafter())
+    for sp in (costly, free):
+        assert [len(d) for d in sp.plan([seq]).values()] == [4]  # untried: optimistic, and rows cheap a priori
+        sp.observe(seq, 4, 1)  # acceptance 2/3: k = 3 by acceptance alone
+    for _ in range(10):  # each drafted row costs a whole one-row step here
+        costly.record_step(1, 0.010)
+        costly.record_step(2, 0.020)
+    # gains 2/3, 4/9, 8/27 against a row that costs what the step's one token does: none pays
+    assert costly.plan([seq]) == {}
+    assert [len(d) for d in free.plan([seq]).values()] == [3]
+    for _ in range(30):  # now a row costs a tenth: the first two drafted tokens pay, the third not
+        costly.record_step(1, 0.010)
+        costly.record_step(2, 0.011)
+    a, b = costly.step_times.line()
+    assert [len(d) for d in costly.plan([seq]).values()] == [3 if 8 / 27 * (a + 3 * b) > (1 + 2 / 3 + 4 / 9) * b else 2]
+    eng.abort_request("r")
 
 
 def test_greedy_output_is_identical_with_speculation_in_mixed_batches(make_llm) -> None:

@@ -77,7 +77,7 @@ def test_page_shows_the_engine_live_in_chromium(tmp_path_factory, tmp_path) -> N
     from playwright.sync_api import sync_playwright
 
     exe = chromium()
-    server = start_server(tmp_path_factory)
+    server = start_server(tmp_path_factory, "--speculative", "ngram")  # drafted tokens to draw too
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
     stop = threading.Event()
     failures: list[BaseException] = []
@@ -129,6 +129,14 @@ def test_page_shows_the_engine_live_in_chromium(tmp_path_factory, tmp_path) -> N
             assert int(after[0]) > int(before[0]) and int(after[1]) > int(before[1])
             assert int(page.locator("#ttft").get_attribute("data-total")) > 0
             assert int(page.locator("#itl").get_attribute("data-total")) > 0
+            # Drafts were verified: the steps chart counts them and the acceptance stat is the engine's.
+            page.wait_for_function("Number(document.querySelector('#steps').dataset.drafted) > 0", timeout=30_000)
+            drafted, accepted = (int(page.locator("#steps").get_attribute(f"data-{k}")) for k in ("drafted", "accepted"))
+            assert drafted >= accepted >= 0
+            spec = httpx.get(server.url + "/v1/engine/state", headers=server.headers, timeout=10).json()["speculative"]
+            assert page.locator("#spec-stat").is_visible()
+            assert page.inner_text("#stat-spec").endswith("%") and "drafted tokens" in page.inner_text("#stat-spec-detail")
+            assert spec["enabled"] and spec["drafted_tokens"] >= drafted
             shot = tmp_path / "page.png"
             page.screenshot(path=str(shot))
             assert shot.stat().st_size > 10_000

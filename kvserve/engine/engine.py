@@ -164,8 +164,11 @@ class LLMEngine:
             return []
         started = time.monotonic()
         result = self.runner.execute(sched)
+        ended = time.monotonic()
         accepted = {seq: v.num_accepted for seq, v in zip(result.spec_seqs, result.verified)}
-        self.timeline.step(sched, started, time.monotonic(), accepted)
+        self.timeline.step(sched, started, ended, accepted)
+        if self.speculator and all(n == 1 + len(sched.drafts.get(seq, ())) for seq, n in sched.scheduled):
+            self.speculator.record_step(sched.num_tokens, ended - started)  # what a decode step of these rows costs
         self.scheduler.update(sched, accepted)
         return self._update(result, sched)
 

@@ -80,16 +80,25 @@ function drawQueues(st) {
 function drawSteps(st) {
   const [g, w, h] = fitCanvas($("steps"));
   const steps = st.steps, max = Math.max(1, ...steps.map((s) => s.prefill_tokens + s.decode_tokens));
-  const bw = w / Math.max(steps.length, 60), pre = css("--prefill"), dec = css("--decode");
+  const bw = w / Math.max(steps.length, 60), col = { pre: css("--prefill"), dec: css("--decode"), acc: css("--accepted"), rej: css("--rejected") };
+  let drafted = 0, accepted = 0;
   steps.forEach((s, i) => {
-    const x = w - (steps.length - i) * bw, hd = (s.decode_tokens / max) * (h - 14), hp = (s.prefill_tokens / max) * (h - 14);
-    g.fillStyle = dec; g.fillRect(x, h - hd, Math.max(1, bw - 1), hd);
-    g.fillStyle = pre; g.fillRect(x, h - hd - hp, Math.max(1, bw - 1), hp);
+    // one column per step, bottom up: decode tokens, then drafted ones accepted, drafted ones rejected, prefill
+    const x = w - (steps.length - i) * bw, unit = (h - 14) / max;
+    const d = s.drafted_tokens || 0, a = s.accepted_tokens || 0;
+    let y = h;
+    for (const [n, c] of [[s.decode_tokens - d, col.dec], [a, col.acc], [d - a, col.rej], [s.prefill_tokens, col.pre]]) {
+      g.fillStyle = c; g.fillRect(x, y - n * unit, Math.max(1, bw - 1), n * unit); y -= n * unit;
+    }
+    drafted += d; accepted += a;
   });
   g.fillStyle = css("--muted"); g.font = "11px sans-serif"; g.fillText(`${max} tokens`, 2, 10);
+  Object.assign($("steps").dataset, { drafted, accepted });
   const last = steps[steps.length - 1];
   $("step-summary").textContent = last
-    ? `last: ${last.seqs} sequences, ${last.prefill_tokens} prefill + ${last.decode_tokens} decode tokens in ${(last.duration * 1e3).toFixed(1)} ms`
+    ? `last: ${last.seqs} sequences, ${last.prefill_tokens} prefill + ${last.decode_tokens} decode tokens` +
+      (last.drafted_tokens ? ` (${last.accepted_tokens} of ${last.drafted_tokens} drafted accepted)` : "") +
+      ` in ${(last.duration * 1e3).toFixed(1)} ms`
     : "idle";
 }
 
@@ -123,6 +132,12 @@ function render(st) {
   $("stat-steps").textContent = st.num_steps;
   $("stat-gen").textContent = st.totals.generation_tokens;
   $("stat-preempt").textContent = st.totals.preemptions;
+  const spec = st.speculative;
+  $("spec-stat").hidden = !spec?.enabled;
+  if (spec?.enabled) {
+    $("stat-spec").textContent = spec.drafted_tokens ? (spec.acceptance_rate * 100).toFixed(1) + "%" : "–";
+    $("stat-spec-detail").textContent = `${fmt(spec.accepted_tokens)} of ${fmt(spec.drafted_tokens)} drafted tokens`;
+  }
   if (view.lastGen) { // a smoothed rate from the engine's own clock
     const dt = st.time - view.lastGen.time, dn = st.totals.generation_tokens - view.lastGen.n;
     if (dt > 0) view.tps = 0.6 * view.tps + 0.4 * (dn / dt);
