@@ -7,7 +7,6 @@ few long prompts evict older ones.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import Counter
 
@@ -261,3 +260,39 @@ def test_anthropic_and_ollama_requests_are_proxied_and_cache_routed(replicas, ro
         r = c.post("/api/chat", json={"model": MODEL_NAME, "messages": [{"role": "user", "content": big}]})
         assert r.status_code == 413 and r.json() == {"error": "the request body is larger than the router's limit of "
                                                               "4000 bytes"}
+
+
+def test_stored_responses_are_reached_on_the_replica_that_made_them(replicas, router_factory):
+    """previous_response_id, GET and DELETE of a stored response go where it is stored: by the map
+    the router keeps from replicas' answers, and, for a router that does not know it, by asking."""
+    from openai import OpenAI
+
+    router = router_factory("round_robin")
+    client = OpenAI(base_url=router.url + "/v1", api_key="test-key", max_retries=0)
+    ask = dict(model=MODEL_NAME, max_output_tokens=3, temperature=0)
+    first = client.responses.with_raw_response.create(input="Name a colour.", **ask)
+    home, prev = first.headers["x-kvserve-replica"], first.parse().id
+    assert first.headers["x-kvserve-request-id"] == prev
+    for i in range(3):  # round robin alone would alternate replicas: each turn follows its conversation
+        turn = client.responses.with_raw_response.create(input=f"And another, {i}?", previous_response_id=prev, **ask)
+        assert (turn.headers["x-kvserve-replica"], turn.headers["x-kvserve-route"]) == (home, "response_home")
+        prev = turn.parse().id
+    with client.responses.with_streaming_response.create(input="One more?", previous_response_id=prev, stream=True,
+                                                         **ask) as streamed:
+        assert streamed.headers["x-kvserve-replica"] == home
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"  # max_output_tokens reached
+    prev = events[-1]["response"]["id"]
+
+    fresh = router_factory("round_robin")  # a router started since: it finds the response by asking
+    with fresh.client() as c:
+        for _ in range(2):  # whichever replica round robin offers first
+            got = c.get(f"/v1/responses/{prev}")
+            assert got.status_code == 200 and got.json()["id"] == prev and got.headers["x-kvserve-replica"] == home
+        turn = c.post("/v1/responses", json={"input": "Last one?", "previous_response_id": prev, **ask})
+        assert turn.status_code == 200 and turn.headers["x-kvserve-replica"] == home
+        assert c.delete(f"/v1/responses/{prev}").json() == {"id": prev, "object": "response.deleted", "deleted": True}
+        missing = c.get(f"/v1/responses/{prev}")  # asked of both replicas: the last one's own answer
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
+        refused = c.post("/v1/responses", json={"input": "Hello?", "previous_response_id": "resp_nowhere", **ask})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "previous_response_not_found"

@@ -399,3 +399,22 @@ def test_a_refusal_is_told_from_other_connect_errors():
     assert [is_refusal(e) for e in (ConnectionRefusedError(111, "x"), OSError(both), OSError(mixed), wrapped,
                                     ConnectRefused("x"), TimeoutError(), OSError(113, "No route to host"))] == \
         [True, True, False, True, True, False, False]
+
+
+def test_the_stored_response_a_request_names_and_the_bounded_map_of_homes():
+    from kvserve.router.response_homes import ResponseHomes, named_id
+
+    assert named_id("GET", "/v1/responses/resp_ab") == named_id("DELETE", "/v1/responses/resp_ab") == "resp_ab"
+    assert named_id("GET", "/v1/responses/resp_ab/input_items") == "resp_ab"
+    assert named_id("POST", "/v1/responses", "resp_cd") == "resp_cd"
+    assert named_id("POST", "/v1/responses") is None and named_id("POST", "/v1/responses", 7) is None
+    assert parse_request("/v1/responses", b'{"input": "Hi", "previous_response_id": "resp_ef"}').response_id == "resp_ef"
+    assert parse_request("/v1/responses/resp_gh", b"", "GET").response_id == "resp_gh"
+    homes = ResponseHomes(capacity=2)
+    homes.record("a", "http://r1")
+    homes.record("b", "http://r2")
+    assert homes.get("a") == "http://r1"  # used: now the newest
+    homes.record("c", "http://r1")  # over capacity: the least recently used (b) goes
+    assert (homes.get("b"), len(homes)) == (None, 2)
+    homes.forget_replica("http://r1")
+    assert len(homes) == 0

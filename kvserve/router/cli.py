@@ -14,7 +14,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=POLICIES, default=_P.name, help=f"routing policy (default: {_P.name})")
     p.add_argument("--cache-source", choices=CACHE_SOURCES, default=_P.cache_source,
                    help="cache_aware: replicas' published blocks (precise), text sent (approximate), or "
-                        f"precise where available (auto, the default)")
+                        "precise where available (auto, the default)")
     p.add_argument("--balance-abs-tokens", type=int, default=_P.balance_abs_tokens,
                    help=f"cache_aware: gap in outstanding work (uncached prompt + output tokens) beyond which load wins (default: {_P.balance_abs_tokens})")
     p.add_argument("--balance-rel", type=float, default=_P.balance_rel,

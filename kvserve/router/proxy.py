@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import math
 import random
@@ -32,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.router.policies import Decision
 from kvserve.router.replicas import Load, Replica
 from kvserve.router.request import RoutedRequest, parse_request
+from kvserve.router.response_homes import ID_HEADER, NOT_HERE, RESPONSES
 from kvserve.router.state import RouterState
 from kvserve.router.upstream import ConnectError, ConnectRefused, ConnectTimeout, ReadTimeout, UpstreamError
 from kvserve.router.upstream import Response as Answer
@@ -124,7 +126,7 @@ async def proxy(scope: Scope, receive: Receive, state: RouterState) -> Response:
     state.begin()
     try:
         body = await read_body(scope, receive, s.max_body_bytes, "router")
-        req = parse_request(scope["path"], body)
+        req = parse_request(scope["path"], body, scope["method"])
         if state.index is not None:
             await state.index.prepare(req)
         return await _send(scope, state, req, body, arrival)
@@ -157,7 +159,8 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
             delay = min(s.backoff_max, s.backoff_base * 2 ** (retries - 1)) * random.uniform(0.5, 1.0)
             await asyncio.sleep(delay)
             candidates = state.replicas.eligible(tried) or candidates
-        attempt = Attempt(state, state.policy.choose(candidates, req), req, prompt_tokens, max_tokens)
+        attempt = Attempt(state, _home(state, req, candidates) or state.policy.choose(candidates, req), req,
+                          prompt_tokens, max_tokens)
         replica = attempt.replica
         tried.add(replica)
         try:
@@ -193,11 +196,21 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
             attempt.end()
             raise
         else:
+            if req.response_id is not None and upstream.status in (400, 404) and state.replicas.eligible(tried):
+                answer = (upstream.status, upstream.headers, await _whole(upstream))
+                if _not_stored_here(answer[2]):  # another replica may hold it: asked next, free (as a refusal is)
+                    replica.request_succeeded()
+                    attempt.end()
+                    last = answer
+                    continue
+                state.metrics.first_byte.observe(time.perf_counter() - arrival)
+                return _answer(*answer, attempt, state)
             if upstream.status not in _RETRY_STATUS:
                 if upstream.status >= 500:
                     attempt.failed("status", f"answered {upstream.status}")
                 else:
                     replica.request_succeeded()
+                    _learn_home(state, req, scope["method"], upstream, replica)
                 state.metrics.first_byte.observe(time.perf_counter() - arrival)
                 return RelayResponse(upstream, attempt, state, dialect(scope["path"]))
             wait = retry_after_seconds((upstream.header(b"retry-after") or b"").decode("latin-1"))
@@ -222,12 +235,8 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         retries, backoff = retries + 1, True
         state.metrics.child(state.metrics.retries, replica.url, reason).inc()
     state.end()
-    if last is not None:  # every replica tried said 429 or 503: the client sees the last one's own answer
-        status, raw, content = last
-        keep = [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE | {b"content-length"}]
-        response = Response(content, status_code=status)
-        response.raw_headers = [*keep, (b"content-length", str(len(content)).encode())]
-        return response
+    if last is not None:  # every replica tried said 429 or 503 (or holds no such response): the last one's own answer
+        return _passed_on(*last)
     state.metrics.rejected_503.inc()
     if not tried and any(r.state == "healthy" and not r.removed for r in state.replicas):
         wait = min((r.wait_until for r in state.replicas), default=0.0) - time.monotonic()
@@ -235,6 +244,52 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                         headers={"Retry-After": str(max(1, math.ceil(wait)))}).response(scope["path"])
     return APIError(503, "no replica could take the request: " + ("none is healthy" if not tried else
                     "every one tried failed"), code="no_replica", headers={"Retry-After": "1"}).response(scope["path"])
+
+
+def _passed_on(status: int, raw: list[tuple[bytes, bytes]], content: bytes) -> Response:
+    keep = [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE | {b"content-length"}]
+    response = Response(content, status_code=status)
+    response.raw_headers = [*keep, (b"content-length", str(len(content)).encode())]
+    return response
+
+
+def _answer(status: int, raw: list[tuple[bytes, bytes]], content: bytes, attempt: Attempt, state: RouterState) -> Response:
+    """A replica's small whole answer, read already, passed on as the request's answer."""
+    attempt.replica.request_succeeded()
+    attempt.end()
+    state.end()
+    return _passed_on(status, raw, content)
+
+
+async def _whole(upstream: Answer) -> bytes:
+    try:
+        return await upstream.body()
+    finally:
+        upstream.close()
+
+
+def _not_stored_here(content: bytes) -> bool:
+    """The replica's error says it holds no such stored response (server/responses.py's codes)."""
+    try:
+        error = json.loads(content).get("error")
+        return isinstance(error, dict) and error.get("code") in NOT_HERE
+    except (ValueError, AttributeError):
+        return False
+
+
+def _home(state: RouterState, req: RoutedRequest, candidates: list[Replica]) -> Decision | None:
+    """The replica known to hold the stored response the request names, if it can take it."""
+    url = state.homes.get(req.response_id) if req.response_id else None
+    return next((Decision(r, "response_home") for r in candidates if r.url == url), None) if url else None
+
+
+def _learn_home(state: RouterState, req: RoutedRequest, method: str, upstream: Answer, replica: Replica) -> None:
+    if req.path == RESPONSES and method == "POST" and upstream.status == 200:
+        rid = upstream.header(ID_HEADER)
+        if rid:
+            state.homes.record(rid.decode("latin-1"), replica.url)
+    elif method == "DELETE" and req.response_id is not None and upstream.status == 200:
+        state.homes.forget(req.response_id)
 
 
 def _streams(upstream: Answer) -> bool:

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.router.response_homes import named_id
 from kvserve.server import anthropic_protocol, ollama_protocol, responses
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.web.errors import APIError
@@ -32,6 +33,7 @@ class RoutedRequest:
     n: int = 1
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # per replica renderer (precise source)
     hashes: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)  # per (renderer, block size)
+    response_id: str | None = None  # the stored response it needs (router/response_homes.py)
 
     @property
     def routable(self) -> bool:
@@ -60,8 +62,8 @@ def _message_for_template(m: Any) -> dict | None:
     return out
 
 
-def parse_request(path: str, body: bytes) -> RoutedRequest:
-    req = RoutedRequest(path)
+def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest:
+    req = RoutedRequest(path, response_id=named_id(method, path))
     if (path not in GENERATION_PATHS and path != EMBEDDINGS_PATH) or not body:
         return req
     try:
@@ -108,8 +110,9 @@ def _other_api(req: RoutedRequest, data: dict) -> None:
     (a prompt Ollama sends raw is a plain prompt)."""
     try:
         if req.path == "/v1/responses":
-            if data.get("previous_response_id") is not None:
-                return  # the start of the conversation is stored on one replica: routed by load
+            if data.get("previous_response_id") is not None:  # the start of the conversation is stored on one replica
+                req.response_id = named_id("POST", req.path, data["previous_response_id"])
+                return
             given = data["input"]
             items = responses.plain_items(given) if isinstance(given, list) else [
                 {"type": "message", "role": "user", "content": given}]

@@ -12,6 +12,7 @@ from collections import deque
 
 import httpx
 
+from kvserve.router.response_homes import ResponseHomes
 from kvserve.router.kv_index import KVIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
@@ -52,6 +53,7 @@ class RouterState:
         self.upstream: Upstream | None = None  # proxied requests (kvserve/router/upstream.py)
         self.index: KVIndex | None = None
         self.policy: Policy = make_policy(settings.policy, None)
+        self.homes = ResponseHomes()  # stored Responses-API responses: which replica holds each
         self.active = 0  # requests the router is answering
         self.decisions: deque[dict] = deque(maxlen=KEEP_DECISIONS)  # oldest first
         self._decided = 0
@@ -124,6 +126,7 @@ class RouterState:
         if replica is not None:
             log.info("replica removed: %s (%d request(s) in flight finish there)", replica.url, replica.in_flight)
             self.policy.forget(replica)
+            self.homes.forget_replica(replica.url)
             if self.index is not None:
                 self.index.forget(replica)
         return replica

@@ -6,7 +6,8 @@ otherwise the server makes one. A generation route names its request by the id i
 engine (`chatcmpl-…`, `cmpl-…`: the response's `id`, and the key of
 `GET /v1/requests/{id}/timeline`), so without a client id the header is that same id. A client's
 id is not handed to the engine as is: two clients may send the same one, and engine ids must be
-unique; the route logs which engine id it got.
+unique; the route logs which engine id it got, and a generation's answer also carries that engine
+id as `x-kvserve-request-id` (the router's map of stored responses, router/response_homes.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("kvserve.server")
 HEADER = b"x-request-id"
+ENGINE_HEADER = b"x-kvserve-request-id"  # the engine's own id (the response's `id`), even when x-request-id is the client's
 MAX_LENGTH = 128
 
 
@@ -56,8 +58,11 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 rid = state.get("client_request_id") or state.get("engine_request_id") or uuid.uuid4().hex
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, rid.encode("ascii"))]}
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in (HEADER, ENGINE_HEADER)]
+                headers.append((HEADER, rid.encode("ascii")))
+                if state.get("engine_request_id"):  # whatever the client's id: a router keys stored responses by it
+                    headers.append((ENGINE_HEADER, state["engine_request_id"].encode("ascii")))
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
