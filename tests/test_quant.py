@@ -75,23 +75,35 @@ def check_kernels() -> str:
         per = GGML_QUANT_SIZES[qtype][0]
         for rows, cols in ((1, per), (37, 3 * per), (7, 8 * per if per == 32 else per), (130, 2 * per if per == 256 else 544)):
             blocks = random_blocks(qtype, rows, cols, seed=rows)
-            flat = torch.from_numpy(blocks).reshape(-1)
+            stored = torch.from_numpy(blocks).reshape(-1)
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
-            assert torch.equal(quant_matmul.dequantize_rows(flat, int(qtype), rows, cols), exact), qtype.name
-            for T in (1, 2, 3, 5, 6, 17, 64, 300):
-                x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
-                x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
-                y = quant_matmul.matmul(flat, int(qtype), rows, cols, x).double().numpy()
-                ref, bound = reference(blocks, qtype, x)
-                worst = (np.abs(y - ref) / bound).max()
-                assert worst <= 1.0, f"{qtype.name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
-            # A row's result does not depend on the batch it came in: the same bits alone, in a
-            # tile's remainder and inside full tiles.
-            x = torch.randn(11, cols, generator=g)
-            together = quant_matmul.matmul(flat, int(qtype), rows, cols, x)
-            for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
-                part = quant_matmul.matmul(flat, int(qtype), rows, cols, x[lo:hi])
-                assert torch.equal(part, together[lo:hi]), f"{qtype.name} {rows}x{cols} rows {lo}:{hi}"
+            layouts = [(stored, int(qtype))]
+            if int(qtype) in quant_matmul.X8_TYPES and quant_matmul.x8_available():
+                # Rows repacked 8 blocks at a time (whole groups, then the rest as stored): the same
+                # checks, and the layout undoes exactly.
+                x8 = quant_matmul.pack_x8(stored, int(qtype), rows, cols)
+                assert torch.equal(quant_matmul.pack_x8(x8, quant_matmul.X8 + int(qtype), rows, cols, unpack=True), stored)
+                assert cols < 8 * per or not torch.equal(x8, stored)
+                layouts.append((x8, quant_matmul.X8 + int(qtype)))
+            for flat, kind in layouts:
+                name = f"{qtype.name}{' x8' if kind >= quant_matmul.X8 else ''}"
+                assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols), exact), name
+                for T in (1, 2, 3, 5, 6, 17, 64, 300):
+                    x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
+                    x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
+                    y = quant_matmul.matmul(flat, kind, rows, cols, x).double().numpy()
+                    ref, bound = reference(blocks, qtype, x)
+                    worst = (np.abs(y - ref) / bound).max()
+                    assert worst <= 1.0, f"{name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
+                # A row's result does not depend on the batch it came in: the same bits alone, in a
+                # tile's remainder and inside full tiles.
+                x = torch.randn(11, cols, generator=g)
+                together = quant_matmul.matmul(flat, kind, rows, cols, x)
+                for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
+                    part = quant_matmul.matmul(flat, kind, rows, cols, x[lo:hi])
+                    assert torch.equal(part, together[lo:hi]), f"{name} {rows}x{cols} rows {lo}:{hi}"
+    # The SIMD builds multiply the x8 layout; the plain C build keeps the stored one.
+    assert quant_matmul.x8_available() == (cpu.isa() in ("avx2", "avx512"))
     w = torch.randn(37, 300, generator=g).bfloat16()
     x = torch.randn(5, 300, generator=g)
     exact = x.double() @ w.double().T
@@ -219,6 +231,8 @@ def test_default_model_keeps_its_blocks(llms) -> None:
     assert isinstance(q.model.layers[0].gate_up, QuantizedLinear)
     assert q.model.layers[0].gate_up.weight.qtype == Q.Q4_1 and q.model.embed.qtype == Q.Q8_0
     assert q.model.lm_head.weight is q.model.embed  # the tied head multiplies the same blocks
+    # The layers' Q4_1 rows are in the kernels' x8 layout where the build multiplies it
+    assert q.model.layers[0].gate_up.weight.x8 == quant_matmul.x8_available() and not q.model.embed.x8
     # The KV cache: float16 under the quantized weights (half the bytes), float32 on the exact path.
     assert q.kv_dtype == torch.float16 and q.runner.kv_caches[0].dtype == torch.float16
     assert f.kv_dtype == torch.float32 and f.runner.kv_caches[0].dtype == torch.float32

@@ -64,16 +64,11 @@ typedef struct {
     long max_context; /* scores room per thread: G * max_context floats */
     int max_threads;
     float *x, *h, *qkv, *q, *k, *att, *o, *gu, *act, *delta, *cs, *sn, *scores;
-    char *acts; /* quantized activations: max_batch * (max cols / 32) * 44 bytes, 32-byte aligned */
+    char *acts; /* quantized activations: max_batch * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
 } kv_work;
 
 /* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */
-static acts acts_for(char *buf, long T, long cols) {
-    const long nb = cols / 32;
-    const size_t n = (size_t)(T * nb);
-    const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb};
-    return A;
-}
+static acts acts_for(char *buf, long T, long cols) { return acts_over(buf, T, cols / 32); }
 
 /* Inside the parallel region, every thread calls it: quantize x's rows, barrier, then the
  * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */

@@ -18,6 +18,10 @@
  * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
  * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
  * convert and one FMA per block and row pair; one horizontal sum per output at the end.
+ * Q4_0, Q4_1 and Q8_0 rows are repacked at load into the x8 layout (kvserve_pack_x8, as
+ * llama.cpp's and ik_llama.cpp's repacked types are, here 8 blocks of one row): one integer dot
+ * instruction then advances 8 blocks at once, each block's sum in its own lane, and the float
+ * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8).
  *
  * Also: rows of quantized blocks dequantized to float32 (the embedding lookup, and the large-batch
  * path, where BLAS on a dequantized copy beats the integer kernel), and a GEMV over bfloat16
@@ -67,9 +71,20 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
+/* x8: Q4_0, Q4_1 and Q8_0 rows repacked 8 blocks at a time (kvserve_pack_x8, below); their type
+ * id is the GGML id + X8. Same bytes per row, so block sizes are the base type's. */
+#define X8 1000
+static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
+static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+
 /* Bytes and values per block of each type; 0 for an unknown type. */
 static int block_bytes(int t) {
-    switch (t) {
+#ifdef KV_AVX2
+    if (t >= X8 && !x8_packs(t - X8)) return 0;
+#else
+    if (t >= X8) return 0; /* the plain C build multiplies only the stored layout */
+#endif
+    switch (base_type(t)) {
     case T_Q8_0: return 34;
     case T_Q4_0: return 18;
     case T_Q4_1: return 20;
@@ -81,7 +96,7 @@ static int block_bytes(int t) {
     }
     return 0;
 }
-static int block_values(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32; }
+static int block_values(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32; } /* (x8 types: 32) */
 
 /* Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes. */
 static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -103,7 +118,17 @@ typedef struct {
     float *d, *s;
     int16_t *h;
     long nb;
+    int8_t *qt; /* q of each whole group of 8 blocks transposed as the x8 weights are (SIMD builds) */
 } acts;
+#define ACT_BYTES 76 /* per 32 values: q 32, d 4, s 4, h 4, qt 32 */
+
+/* The arrays of T rows of nb blocks laid over one buffer of T * nb * ACT_BYTES bytes. */
+static acts acts_over(char *buf, long T, long nb) {
+    const size_t n = (size_t)(T * nb);
+    const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb,
+                    (int8_t *)(buf + 44 * n)};
+    return A;
+}
 
 static void quantize_row(const float *x, const acts *A, long t) {
     for (long b = 0, o = t * A->nb; b < A->nb; b++, o++, x += 32) {
@@ -141,6 +166,30 @@ static void quantize_row(const float *x, const acts *A, long t) {
         A->h[2 * o] = (int16_t)s0;
         A->h[2 * o + 1] = (int16_t)s1;
     }
+#ifdef KV_AVX2
+    /* 8 blocks x 8 words → vector s holding word s of each block: an 8 x 8 transpose of int32 */
+    for (long g = 0; g + 8 <= A->nb; g += 8) {
+        const __m256i *src = (const __m256i *)(A->q + 32 * (t * A->nb + g));
+        __m256i r[8], u[8];
+        for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_si256(src + j);
+        for (int j = 0; j < 8; j += 2) {
+            u[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+            u[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+        }
+        for (int j = 0; j < 8; j += 4)
+            for (int k = 0; k < 2; k++) {
+                r[j + k] = _mm256_unpacklo_epi64(u[j + k], u[j + k + 2]);
+                r[j + k + 2] = _mm256_unpackhi_epi64(u[j + k], u[j + k + 2]);
+            }
+        /* r[0..3]: words {0,4},{2,6},{1,5},{3,7} of blocks 0-3 (low lane) / ... ; r[4..7] the same for blocks 4-7 */
+        static const int word[4] = {0, 2, 1, 3};
+        __m256i *dst = (__m256i *)(A->qt + 32 * (t * A->nb + g));
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_si256(dst + word[k], _mm256_permute2x128_si256(r[k], r[k + 4], 0x20));
+            _mm256_storeu_si256(dst + word[k] + 4, _mm256_permute2x128_si256(r[k], r[k + 4], 0x31));
+        }
+    }
+#endif
 }
 
 /* ---- tiles: RW weight rows × RT activation rows ------------------------------------------- */
@@ -248,12 +297,12 @@ KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ld
 #else
 #define Q8_OFFSET 0
 #endif
-KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+/* The sums of blocks g0.. (a multiple of 8) of RW weight rows and RT activation rows, into acc. */
+KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, __m256 acc[][RTMAX],
+                     long g0) {
     const int bs = block_bytes(t);
     const long nb = A->nb;
-    __m256 acc[RWMAX][RTMAX];
-    zero_sums(acc, RW, RT);
-    for (long g = 0; g < nb; g += 8) {
+    for (long g = g0; g < nb; g += 8) {
         const int n = nb - g < 8 ? (int)(nb - g) : 8;
         const __m256i mask = lanes_below(n);
         float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
@@ -299,8 +348,103 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
             }
         }
     }
+}
+
+KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    __m256 acc[RWMAX][RTMAX];
+    zero_sums(acc, RW, RT);
+    acc32(t, w, rb, A, t0, RW, RT, acc, 0);
     store_sums(acc, RW, RT, y, ldy);
 }
+
+/* x8 rows (Q4_0, Q4_1, Q8_0 repacked by kvserve_pack_x8): per group of 8 blocks the integer dots
+ * of all 8 blocks advance together, block j's in int32 lane j (Q4: 4 words of low nibbles, codes
+ * 0-15 against activation words 0-3, and of high nibbles, codes 16-31 against words 4-7; Q8_0: 8
+ * words), then one convert and one FMA by the 8 blocks' scale products per row pair, and one FMA
+ * for the offset / minimum term. The blocks past the last whole group are stored as GGML's, and
+ * summed as tile32 sums them. Every (i, k) sum runs the same operations whatever the tile. */
+#ifdef KV_VNNI
+#define DP(acc, u, a) _mm256_dpbusd_epi32(acc, u, a)
+#else
+#define DP(acc, u, a) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)))
+#endif
+KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const int bs = block_bytes(t), gb = 8 * bs, codes = t == T_Q4_1 ? 32 : 16;
+    const long nb = A->nb, groups = nb / 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[RWMAX][RTMAX];
+    zero_sums(acc, RW, RT);
+    for (long g = 0; g < groups; g++) {
+        __m256i dot[RWMAX][RTMAX];
+        KV_UNROLL
+        for (int i = 0; i < RW; i++)
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
+        prefetch_next(w, rb, RW, gb, g);
+        if (t != T_Q8_0) {
+            KV_UNROLL
+            for (int s = 0; s < 4; s++) {
+                __m256i lo[RWMAX], hi[RWMAX];
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes + 32 * s));
+                    lo[i] = _mm256_and_si256(v, m4);
+                    hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+                KV_UNROLL
+                for (int k = 0; k < RT; k++) {
+                    const int8_t *a = A->qt + 32 * ((t0 + k) * nb + 8 * g);
+                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 32 * s));
+                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 32 * (s + 4)));
+                    KV_UNROLL
+                    for (int i = 0; i < RW; i++) {
+#ifdef KV_VNNI
+                        dot[i][k] = DP(DP(dot[i][k], lo[i], a0), hi[i], a1);
+#else /* codes < 16: two maddubs' int16 pairs add without overflow before one madd */
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], a0), _mm256_maddubs_epi16(hi[i], a1));
+                        dot[i][k] = _mm256_add_epi32(dot[i][k], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+                    }
+                }
+            }
+        } else {
+            KV_UNROLL
+            for (int s = 0; s < 8; s++) {
+                __m256i u[RWMAX], sg[RWMAX];
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    sg[i] = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes + 32 * s));
+                    u[i] = Q8_OFFSET ? _mm256_xor_si256(sg[i], _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(sg[i], sg[i]);
+                }
+                KV_UNROLL
+                for (int k = 0; k < RT; k++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(A->qt + 32 * ((t0 + k) * nb + 8 * g + s)));
+                    KV_UNROLL
+                    for (int i = 0; i < RW; i++) dot[i][k] = DP(dot[i][k], u[i], Q8_OFFSET ? a : _mm256_sign_epi8(a, sg[i]));
+                }
+            }
+        }
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
+            const uint8_t *o = w + i * rb + g * gb;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            __m256 m = _mm256_setzero_ps();
+            if (t == T_Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const long off = (t0 + k) * nb + 8 * g;
+                if (t != T_Q8_0 || Q8_OFFSET) acc[i][k] = _mm256_fmadd_ps(m, _mm256_loadu_ps(A->s + off), acc[i][k]);
+                acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][k]), _mm256_mul_ps(d, _mm256_loadu_ps(A->d + off)),
+                                            acc[i][k]);
+            }
+        }
+    }
+    if (8 * groups < nb) acc32(t, w, rb, A, t0, RW, RT, acc, 8 * groups);
+    store_sums(acc, RW, RT, y, ldy);
+}
+#undef DP
 
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
  * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
@@ -408,6 +552,9 @@ KV_INLINE void tile_q6_k(const uint8_t *w, size_t rb, const acts *A, long t0, in
 
 KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     switch (t) {
+    case T_Q8_0 + X8: tile_x8(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_0 + X8: tile_x8(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_1 + X8: tile_x8(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
@@ -583,11 +730,11 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     if (T <= 0 || rows <= 0) return 0;
     const long nb = cols / 32;
     const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
-    /* one allocation: q (32-byte aligned), d, s, h */
-    const size_t n = (size_t)(T * nb), bytes = (n * 44 + 31) / 32 * 32;
+    /* one allocation: q (32-byte aligned), d, s, h, qt */
+    const size_t n = (size_t)(T * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
     char *buf = aligned_alloc(32, bytes);
     if (buf == NULL) return -2;
-    const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb};
+    const acts A = acts_over(buf, T, nb);
     const long chunks = (rows + 15) / 16;
 #pragma omp parallel num_threads(nthreads) if (rows * nb * T >= 8192)
     {
@@ -664,16 +811,66 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
     }
 }
 
+/* ---- the x8 layout: rows of Q4_0, Q4_1 or Q8_0 repacked 8 blocks at a time --------------------
+ * Each whole group of 8 blocks becomes: the 8 scales d (f16), for Q4_1 the 8 minimums m, then the
+ * blocks' codes as 32-bit words transposed: 32 bytes per word index, block j's word in bytes
+ * 4j..4j+3 (4 words of a Q4 block's 16 bytes, 8 of a Q8_0 block's 32). Blocks past the last whole
+ * group are copied as they are. A row keeps its size, so rows can still be sliced and fused. */
+static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) {
+    const int bs = block_bytes(t), head = t == T_Q4_1 ? 4 : 2, words = t == T_Q8_0 ? 8 : 4;
+    for (long g = 0; g + 8 <= nb; g += 8) {
+        const uint8_t *in = src + g * bs;
+        uint8_t *out = dst + g * bs;
+        for (int j = 0; j < 8; j++) {
+            for (int h = 0; h < head; h += 2) { /* d, then Q4_1's m: 8 f16 each */
+                const int x = 8 * h + 2 * j, p = j * bs + h;
+                memcpy(out + (pack ? x : p), in + (pack ? p : x), 2);
+            }
+            for (int wd = 0; wd < words; wd++) {
+                const int x = 8 * head + 32 * wd + 4 * j, p = j * bs + head + 4 * wd;
+                memcpy(out + (pack ? x : p), in + (pack ? p : x), 4);
+            }
+        }
+    }
+    const long tail = nb / 8 * 8;
+    memcpy(dst + tail * bs, src + tail * bs, (size_t)(nb - tail) * bs);
+}
+
+/* Whether this build multiplies x8 rows (the SIMD builds); the plain C build keeps the stored layout. */
+int kvserve_x8(void) {
+#ifdef KV_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* dst = rows of src (GGML type qtype: Q4_0, Q4_1 or Q8_0) in the x8 layout, or back (unpack != 0,
+ * qtype the x8 id). Returns 0, or -1 for another type or a cols that is not whole blocks. */
+int kvserve_pack_x8(int qtype, const uint8_t *src, uint8_t *dst, long rows, long cols, int unpack) {
+    const int t = unpack ? qtype - X8 : qtype;
+    if ((unpack && qtype < X8) || !x8_packs(t) || cols % 32) return -1;
+    const long nb = cols / 32;
+    const size_t rb = (size_t)nb * block_bytes(t);
+    for (long r = 0; r < rows; r++) x8_move(t, src + r * rb, dst + r * rb, nb, !unpack);
+    return 0;
+}
+
 /* out[i, :] = dequantized row ids[i] (row i where ids is NULL), i < n. */
 int kvserve_dequant_rows(int qtype, const uint8_t *w, long cols, const int64_t *ids, long n, float *out,
                          int nthreads) {
-    const int bb = block_bytes(qtype), bv = block_values(qtype);
+    const int bb = block_bytes(qtype), bv = block_values(qtype), t = base_type(qtype);
     if (bb == 0 || cols % bv != 0) return -1;
     const size_t row_bytes = (size_t)(cols / bv) * bb;
 #pragma omp parallel for num_threads(nthreads) if (n * cols >= 65536)
     for (long i = 0; i < n; i++) {
         const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;
-        for (long b = 0; b < cols / bv; b++) dequant_block(qtype, row + b * bb, out + i * cols + b * bv);
+        uint8_t plain[qtype >= X8 ? row_bytes : 1]; /* an x8 row back in the stored layout first */
+        if (qtype >= X8) {
+            x8_move(t, row, plain, cols / bv, 0);
+            row = plain;
+        }
+        for (long b = 0; b < cols / bv; b++) dequant_block(t, row + b * bb, out + i * cols + b * bv);
     }
     return 0;
 }

@@ -14,10 +14,17 @@ _SIGNATURES = {
     "kvserve_dequant_rows": [_i, _p, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
     "kvserve_quant_dot": [],
+    "kvserve_x8": [],
+    "kvserve_pack_x8": [_i, _p, _p, _l, _l, _i],
 }
 DOTS = ("portable", "avx2", "avx512_vnni")  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
 BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+# The x8 layout (quant_matmul.c): Q8_0, Q4_0 and Q4_1 rows repacked 8 blocks at a time, for the
+# kernel to advance 8 blocks' dots per instruction; its type id is the GGML id + X8.
+X8 = 1000
+X8_TYPES = (8, 2, 3)
+BLOCKS.update({X8 + t: BLOCKS[t] for t in X8_TYPES})
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -76,6 +83,21 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids:
     out = torch.empty(n, cols, dtype=torch.float32)
     _lib().kvserve_dequant_rows(qtype, blocks.data_ptr(), cols, None if ids is None else ids.data_ptr(), n,
                                 out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def x8_available() -> bool:
+    """Whether the loaded kernels multiply x8 rows (the AVX2 and AVX-512 builds do; plain C does not)."""
+    lib = _lib()
+    return lib is not None and lib.kvserve_x8() == 1
+
+
+def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool = False) -> torch.Tensor:
+    """W's rows in the x8 layout (qtype a GGML id of X8_TYPES), or back (unpack: qtype an x8 id): a new tensor."""
+    _check(blocks, qtype, rows, cols)
+    out = torch.empty_like(blocks)
+    if _lib().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack)) != 0:
+        raise ValueError(f"GGML type {qtype} has no x8 layout")
     return out
 
 

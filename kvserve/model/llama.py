@@ -113,7 +113,7 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         lm_head = take_opt("lm_head.weight")
         self.tied = config.tie_word_embeddings or lm_head is None
-        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype)
+        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype, pack=not self.tied)
         # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].down))

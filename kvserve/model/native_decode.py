@@ -57,7 +57,7 @@ def _linear(lin: object, keep: list[torch.Tensor]) -> decode_step.Linear:
         rows, cols = p.weight.shape
         if i < len(parts) - 1 and rows % 16:
             raise Unsupported("a part's rows are not a multiple of 16")
-        out.type[i], out.w[i], out.rows[i] = int(p.weight.qtype), p._flat.data_ptr(), rows
+        out.type[i], out.w[i], out.rows[i] = p.weight.kernel_type, p._flat.data_ptr(), rows
         keep.append(p._flat)
         biases.append(p.bias)
     out.cols = parts[0].weight.shape[1]
@@ -162,8 +162,8 @@ class NativeDecode:
             setattr(w, name, b[name].data_ptr())
         b["scores"] = torch.zeros(threads, H // Hkv * context)
         w.scores = b["scores"].data_ptr()
-        # Quantized activations: 44 bytes per 32 values of the widest input, 32-byte aligned.
-        acts = torch.zeros(batch * max(N, H * D, F) // 32 * 44 + 64, dtype=torch.uint8)
+        # Quantized activations: 76 bytes per 32 values of the widest input (quant_matmul.c's ACT_BYTES), 32-byte aligned.
+        acts = torch.zeros(batch * max(N, H * D, F) // 32 * 76 + 64, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
         b["hidden"] = torch.zeros(batch, N)

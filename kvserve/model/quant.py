@@ -14,6 +14,10 @@ early for the Q8_0 LM head (cheap to expand, a dearer integer dot: ~40 rows on A
 VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM head multiplies
 with the same blocks.
 
+make_linear repacks Q4_0, Q4_1 and Q8_0 weights into the kernels' x8 layout (8 blocks of a row
+interleaved by 32-bit word, quant_matmul.c) where the build multiplies it: the same bytes, about
+2x less arithmetic per block. A tied LM head keeps the embedding's stored blocks (one copy).
+
 `quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
 the rounding of ggml's reference quantizers (tests check it against gguf.quants.quantize).
 Where the C kernels are unavailable, weights are dequantized once to float (correct, not lean).
@@ -21,6 +25,7 @@ Where the C kernels are unavailable, weights are dequantized once to float (corr
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -74,27 +79,48 @@ def check_quantization(quantization: str) -> str:
 
 @dataclass
 class QuantizedWeight:
-    """A [out, in] weight as GGML blocks: `blocks` is uint8 [out, in / block values * block bytes]."""
+    """A [out, in] weight as GGML blocks: `blocks` is uint8 [out, in / block values * block bytes].
+    `x8`: each row's blocks are in the kernels' x8 layout (quant_matmul.c; same bytes per row, so
+    rows still slice and concatenate, but columns do not)."""
 
     blocks: torch.Tensor
     qtype: Q
     shape: tuple[int, int]
+    x8: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    @property
+    def kernel_type(self) -> int:
+        """The type id the C kernels take for these blocks."""
+        return int(self.qtype) + (quant_matmul.X8 if self.x8 else 0)
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [n, in] of the given rows (all if None)."""
         out, cols = self.shape
         if quant_matmul.available() and self.qtype in KERNEL_TYPES:
-            return quant_matmul.dequantize_rows(self.blocks.reshape(-1), int(self.qtype), out, cols, rows)
+            return quant_matmul.dequantize_rows(self.blocks.reshape(-1), self.kernel_type, out, cols, rows)
         blocks = self.blocks if rows is None else self.blocks[rows]
         return dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], cols))
 
     def dequantize_range(self, start: int, stop: int) -> torch.Tensor:
         """float32 [stop - start, in] of rows start..stop-1: contiguous blocks, no index gather."""
-        return QuantizedWeight(self.blocks[start:stop], self.qtype, (stop - start, self.shape[1])).dequantize()
+        return QuantizedWeight(self.blocks[start:stop], self.qtype, (stop - start, self.shape[1]), self.x8).dequantize()
+
+    def packed(self) -> QuantizedWeight:
+        """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1 on the
+        SIMD builds; KVSERVE_X8=0 keeps the stored layout), else itself."""
+        if self.x8 or int(self.qtype) not in quant_matmul.X8_TYPES or not quant_matmul.x8_available() or not x8_enabled():
+            return self
+        out, cols = self.shape
+        flat = quant_matmul.pack_x8(self.blocks.contiguous().reshape(-1), int(self.qtype), out, cols)
+        return QuantizedWeight(flat.reshape(self.blocks.shape), self.qtype, self.shape, x8=True)
+
+
+def x8_enabled() -> bool:
+    return os.environ.get("KVSERVE_X8", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
@@ -135,7 +161,7 @@ class QuantizedLinear:
         self.weight = weight
         self.bias = bias
         self._flat = weight.blocks.contiguous().reshape(-1)
-        self._qtype = int(weight.qtype)
+        self._qtype = weight.kernel_type
         # Without the kernels (make_linear dequantizes on load then; this is for direct use) every
         # call takes the dequantize + BLAS path.
         kernels = quant_matmul.available()
@@ -194,9 +220,12 @@ class ConcatLinear:
 Weight = torch.Tensor | QuantizedWeight
 
 
-def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype) -> Linear | QuantizedLinear | ConcatLinear:
+def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype,
+                pack: bool = True) -> Linear | QuantizedLinear | ConcatLinear:
     """One linear layer from the row-wise concatenation of `weights` (float tensors in the model
-    dtype, or GGML blocks), keeping blocks quantized where the kernels can multiply them."""
+    dtype, or GGML blocks), keeping blocks quantized where the kernels can multiply them, in the
+    kernels' x8 layout where they have one (pack=False keeps the blocks as given: a tied LM head
+    shares the embedding's, which the lookup reads in the stored layout)."""
     kernels = quant_matmul.available()
     if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
         log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
@@ -205,14 +234,15 @@ def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.d
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
     qtypes = {w.qtype if isinstance(w, QuantizedWeight) else None for w in weights}
     if len(qtypes) == 1:
-        if len(weights) == 1:  # e.g. a tied LM head: the embedding's own blocks
-            return QuantizedLinear(weights[0], bias)
+        if len(weights) == 1:
+            return QuantizedLinear(weights[0].packed() if pack else weights[0], bias)
         shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
-        return QuantizedLinear(QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape), bias)
+        fused = QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape)
+        return QuantizedLinear(fused.packed() if pack else fused, bias)
     parts, start = [], 0
     for w in weights:
         b = None if bias is None else bias[start : start + w.shape[0]]
-        parts.append(make_linear([w], b, dtype))
+        parts.append(make_linear([w], b, dtype, pack))
         start += w.shape[0]
     return ConcatLinear(parts)
 

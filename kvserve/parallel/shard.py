@@ -93,13 +93,15 @@ def plan(config: ModelConfig, tensors: dict[str, Weight], size: int) -> ShardPla
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.blocks[start:stop].contiguous(), w.qtype, (stop - start, w.shape[1]))
+        return QuantizedWeight(w.blocks[start:stop].contiguous(), w.qtype, (stop - start, w.shape[1]), w.x8)
     return w[start:stop].contiguous()
 
 
 def _cols(w: Weight, start: int, stop: int) -> Weight:
     if isinstance(w, QuantizedWeight):
         per, size = GGML_QUANT_SIZES[w.qtype]
+        if w.x8:  # its columns are interleaved 8 blocks at a time: shards are cut before packing
+            raise ValueError("x8 blocks cannot be split by columns; shard the stored blocks")
         return QuantizedWeight(w.blocks[:, start // per * size : stop // per * size].contiguous(), w.qtype,
                                (w.shape[0], stop - start))
     return w[:, start:stop].contiguous()
