@@ -54,24 +54,37 @@ class Msgpack:
             return b - 0x100
         if 0x90 <= b <= 0x9F:
             return [self.value() for _ in range(b & 0x0F)]
+        if 0x80 <= b <= 0x8F:
+            return self.pairs(b & 0x0F)
         if 0xA0 <= b <= 0xBF:
             return self.take(b & 0x1F).decode()
         simple = {0xC0: None, 0xC2: False, 0xC3: True}
         if b in simple:
             return simple[b]
         sized = {0xC4: (">B", "bin"), 0xC5: (">H", "bin"), 0xC6: (">I", "bin"), 0xD9: (">B", "str"),
-                 0xDA: (">H", "str"), 0xDB: (">I", "str"), 0xDC: (">H", "arr"), 0xDD: (">I", "arr")}
+                 0xDA: (">H", "str"), 0xDB: (">I", "str"), 0xDC: (">H", "arr"), 0xDD: (">I", "arr"),
+                 0xDE: (">H", "map"), 0xDF: (">I", "map")}
         if b in sized:
             fmt, kind = sized[b]
             n = struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
             if kind == "arr":
                 return [self.value() for _ in range(n)]
+            if kind == "map":
+                return self.pairs(n)
             raw = self.take(n)
             return raw if kind == "bin" else raw.decode()
         numbers = {0xCA: ">f", 0xCB: ">d", 0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h",
                    0xD2: ">i", 0xD3: ">q"}
         fmt = numbers[b]
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def pairs(self, n: int) -> dict:
+        out = {}
+        for _ in range(n):
+            key = self.value()
+            assert isinstance(key, str) and key not in out, key
+            out[key] = self.value()
+        return out
 
 
 def read_batch(payload: bytes) -> dict:
@@ -88,6 +101,17 @@ def read_batch(payload: bytes) -> dict:
         assert len(e) == 1 + len(names), e
         out.append({"type": e[0], **dict(zip(names, e[1:]))})
     return {"ts": ts, "events": out, "data_parallel_rank": rank}
+
+
+def read_map_batch(payload: bytes) -> dict:
+    """vLLM's newer form: the same [ts, events, data_parallel_rank], each event a map whose first
+    key is the tag, "type", then the fields in declaration order."""
+    r = Msgpack(payload)
+    ts, events, rank = r.value()
+    assert r.pos == len(payload)
+    for e in events:
+        assert list(e)[0] == "type", e
+    return {"ts": ts, "events": events, "data_parallel_rank": rank}
 
 
 def chain(token_ids: list[int]) -> list[bytes]:
@@ -135,7 +159,43 @@ class VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# vLLM's newer layout, the map form: the same tags and fields, events without array_like.
+class _VMapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class MapBlockStored(_VMapEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class MapBlockRemoved(_VMapEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class MapAllBlocksCleared(_VMapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class VllmMapBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
 H = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
+STORED_KEYS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"]
 
 
 def test_a_chain_of_stores_is_one_block_stored_and_evictions_one_block_removed():
@@ -158,6 +218,36 @@ def test_a_chain_of_stores_is_one_block_stored_and_evictions_one_block_removed()
     vllm = msgspec.msgpack.decode(event_wire.encode(batch), type=VllmBatch)
     assert [type(e).__name__ for e in vllm.events] == ["BlockStored", "BlockStored", "BlockRemoved"]
     assert vllm.events[0].block_hashes == [H[0], H[1]] and vllm.events[0].group_idx is None
+
+
+def test_the_map_form_is_the_same_events_as_tagged_maps_in_a_positional_batch():
+    log = BlockEventLog()
+    log.record(STORED, H[0], None, tuple(range(16)))
+    log.record(STORED, H[1], H[0], tuple(range(16, 32)))
+    log.record(REMOVED, H[1])
+    log.record(STORED, H[2], None, tuple(range(100, 116)))
+    events = event_wire.to_vllm(log.blocks_since(0).events, 16, snapshot=True)
+    [batch] = event_wire.batches(events)
+    payload = event_wire.encode(batch, "map")
+    got = read_map_batch(payload)
+    assert got["data_parallel_rank"] == 0 and got["ts"] == batch.ts
+    assert got["events"] == [
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [H[0], H[1]], "parent_block_hash": None, "token_ids": list(range(32)),
+         "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [H[1]], "medium": "CPU"},
+        {"type": "BlockStored", "block_hashes": [H[2]], "parent_block_hash": None,
+         "token_ids": list(range(100, 116)), "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None}]
+    # The seven required fields in declaration order, nil ones too; the defaulted ones left out.
+    assert [list(e) for e in got["events"]] == [["type"], STORED_KEYS, ["type", "block_hashes", "medium"], STORED_KEYS]
+    vllm = msgspec.msgpack.decode(payload, type=VllmMapBatch)
+    assert [type(e).__name__ for e in vllm.events] == ["MapAllBlocksCleared", "MapBlockStored", "MapBlockRemoved",
+                                                       "MapBlockStored"]
+    assert vllm.events[1].token_ids == list(range(32)) and vllm.events[1].group_idx is None
+    # One decoder for both forms: kvserve's router follows a replica in either.
+    assert event_wire.decode(payload) == event_wire.decode(event_wire.encode(batch)) == batch
+    with pytest.raises(msgspec.DecodeError):  # an array-form reader cannot read maps (llm-d keeps the default)
+        msgspec.msgpack.decode(payload, type=VllmBatch)
 
 
 def test_a_snapshot_clears_first_and_lists_parents_before_children():
@@ -240,6 +330,22 @@ def test_a_bad_endpoint_is_refused_at_start_saying_what_to_give(tmp_path_factory
     assert r.returncode != 0 and says in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("given, says", [
+    (["--kv-events-format", "map"], "--kv-events-format needs --kv-events-endpoint (the PUB socket whose events it "
+                                    "shapes)"),
+    (["--kv-events-endpoint", "tcp://*:5557", "--kv-events-format", "json"],
+     "--kv-events-format must be array (what llm-d reads) or map (what vllm-router's kv_aware reads); got 'json'"),
+])
+def test_a_bad_events_format_is_refused_by_the_checks_serve_runs_before_loading(given, says):
+    from kvserve.cli import build_parser
+    from kvserve.server.cli import _check_kv_events
+
+    args = build_parser().parse_args(["serve", "--model", "unused", *given])
+    with pytest.raises(ValueError) as refused:
+        _check_kv_events(args)
+    assert str(refused.value) == says
+
+
 def test_a_busy_port_is_refused_at_start(tmp_path_factory):
     port = free_port()
     holder = zmq.Context.instance().socket(zmq.PUB)
@@ -288,6 +394,38 @@ def test_a_late_follower_catches_up_from_replay_and_a_lost_batch_sends_it_back_t
                 time.sleep(0.01)
         with pytest.raises(Resync, match="no longer keeps batch 0"):
             asyncio.run(asyncio.wait_for(follow(-1, 4), 10))
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("form", event_wire.FORMATS)
+def test_the_router_follows_a_publisher_in_either_form(form):
+    import asyncio
+
+    pub_port = free_port()
+    log = BlockEventLog()
+    publisher = KVEventPublisher(f"tcp://*:{pub_port}", form=form)
+    assert publisher.form == form
+
+    async def follow() -> set[bytes]:
+        f = ZmqFollower(f"tcp://127.0.0.1:{pub_port}", None, "", 1 << 20)
+        held: set[bytes] = set()
+        f.restart_at(-1)
+        try:
+            await asyncio.sleep(0.3)  # a SUB socket joins a moment after connect (ZMQ's slow joiner)
+            publisher.start(lambda: (log, BLOCK))
+            log.record(STORED, H[0], None, (1,) * BLOCK)
+            log.record(STORED, H[1], H[0], (2,) * BLOCK)
+            log.record(REMOVED, H[0])
+            async for batch in f.batches(lambda: held != {H[1]}, 0.05):
+                if batch is not None:
+                    apply_batch(held, batch, BLOCK, 100)
+        finally:
+            f.close()
+        return held
+
+    try:
+        assert asyncio.run(asyncio.wait_for(follow(), 10)) == {H[1]}
     finally:
         publisher.close()
 

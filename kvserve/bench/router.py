@@ -214,7 +214,7 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace,
                  "--policy", source, "--worker-urls", *urls], {})
     argv = [exe, "--host", "127.0.0.1", "--port", port, "--prometheus-port", metrics_port, "--policy", source,
             "--worker-urls", *urls]
-    if source == "kv_aware":  # the replicas' KV events over ZMQ; prompts rendered by POST /v1/chat/completions/render
+    if source == "kv_aware":  # the replicas' map-form KV events over ZMQ; prompts rendered by POST /v1/chat/completions/render
         for i, url in enumerate(urls):
             argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i)}",
                      "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i) + 1}"]
@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     procs = [spawn(["serve", "--model", args.model, "--served-model-name", args.served_name, "--port", str(args.port + 1 + i),
                     "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log",
                     *(["--kv-events-endpoint", f"tcp://*:{kv_events_port(args, i)}",
-                       "--kv-events-replay-endpoint", f"tcp://*:{kv_events_port(args, i) + 1}"] if events else [])],
+                       "--kv-events-replay-endpoint", f"tcp://*:{kv_events_port(args, i) + 1}",
+                       "--kv-events-format", "map"] if events else [])],  # the form vllm-router reads
                    {"OMP_NUM_THREADS": str(threads)}, args.logs / f"replica{i}.log") for i in range(args.replicas)]
     results, over, synth = [], None, None
     try:

@@ -16,11 +16,19 @@ since `ExternalBlockHash` (bytes | int) accept it, as vLLM itself sends with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0; llm-d folds bytes to their low 64 bits, as it does vLLM's.
 (vLLM's decoders from before ExternalBlockHash take ints only, and so not these.)
 `medium` is "CPU": kvserve's KV cache lives in main memory. No LoRA: lora_id and lora_name are nil.
+
+Two forms of the same events (`kvserve serve --kv-events-format`): `array`, the positional form
+above, which llm-d reads; and `map`, vLLM's newer encoding, which vllm-router's kv_aware policy
+reads: the batch stays the array `[ts, events, data_parallel_rank]`, but each event is a map,
+`{"type": "BlockStored", "block_hashes": ..., ...}` (msgspec `tag=True` without `array_like`:
+the tag first under "type", then the fields in declaration order; the seven required ones even
+when nil). Both decode here (`decode`), so kvserve's router follows a replica in either form.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -28,6 +36,8 @@ from kvserve.kv.events import STORED, BlockEvent
 
 MEDIUM = "CPU"
 MAX_BLOCKS_PER_BATCH = 1024  # a batch's messages stay well under a megabyte
+FORMATS = ("array", "map")
+Format = Literal["array", "map"]
 
 
 class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -59,17 +69,60 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+# The map form's structs: the array form's tags (class names), fields and defaults, as maps.
+class _MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _MapBlockStored(_MapEvent, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class _MapBlockRemoved(_MapEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[_MapBlockStored | _MapBlockRemoved | _MapAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_TO_MAP = {BlockStored: _MapBlockStored, BlockRemoved: _MapBlockRemoved, AllBlocksCleared: _MapAllBlocksCleared}
+_FROM_MAP = {v: k for k, v in _TO_MAP.items()}
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_map_decoder = msgspec.msgpack.Decoder(_MapBatch)
 
 
-def encode(batch: KVEventBatch) -> bytes:
-    return _encoder.encode(batch)
+def encode(batch: KVEventBatch, form: Format = "array") -> bytes:
+    if form == "array":
+        return _encoder.encode(batch)
+    events = [_TO_MAP[type(e)](*msgspec.structs.astuple(e)) for e in batch.events]
+    return _encoder.encode(_MapBatch(batch.ts, events, batch.data_parallel_rank))
 
 
 def decode(payload: bytes) -> KVEventBatch:
-    """A batch from its bytes; msgspec.DecodeError (a ValueError) if it is not one."""
-    return _decoder.decode(payload)
+    """A batch from its bytes, in either form; msgspec.DecodeError or ValidationError (both
+    ValueErrors) if it is not one."""
+    try:
+        return _decoder.decode(payload)
+    except msgspec.ValidationError:  # a map-form event where the array form wants an array
+        batch = _map_decoder.decode(payload)
+    events = [_FROM_MAP[type(e)](*msgspec.structs.astuple(e)) for e in batch.events]
+    return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 def to_vllm(events: Sequence[BlockEvent], block_size: int, snapshot: bool = False) -> list[_Event]:

@@ -23,7 +23,7 @@ REPLICA_HEADER = b"x-kvserve-replica"  # on every answer: the Serve replica that
 # `kvserve serve` flags that have no meaning here: Serve's proxy is the HTTP server, Serve places
 # the replicas, and a ZMQ endpoint would be bound by every replica of a node at once.
 REFUSED_FLAGS = ("--host", "--port", "--join", "--advertise-url", "--join-key", "--kv-events-endpoint",
-                 "--kv-events-replay-endpoint", "--max-connections", "--header-timeout", "--tensor-parallel-size",
+                 "--kv-events-replay-endpoint", "--kv-events-format", "--max-connections", "--header-timeout", "--tensor-parallel-size",
                  "-tp")
 
 

@@ -117,6 +117,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="a ZMQ ROUTER socket, bound, where subscribers ask for missed batches, e.g. tcp://*:5558")
     k.add_argument("--kv-events-topic", default="", help="the topic frame of every message (default: empty; "
                    "llm-d reads kv@POD@MODEL)")
+    k.add_argument("--kv-events-format", default=None, metavar="{array,map}",
+                   help="array: vLLM's positional events, which llm-d reads; map: vLLM's newer tagged-map events, "
+                        "which vllm-router's kv_aware policy reads (default: array; kvserve route reads both)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     p.set_defaults(func=run_serve)
 
@@ -242,6 +245,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
+        kv_events_format=args.kv_events_format or "array",
     )
     return settings
 
@@ -278,9 +282,16 @@ def _check_kv_disk(args: argparse.Namespace) -> None:
 
 def _check_kv_events(args: argparse.Namespace) -> None:
     """A bad KV events endpoint fails now, in one line, before the model loads."""
+    from kvserve.kv.event_wire import FORMATS
+
+    if args.kv_events_format is not None and args.kv_events_format not in FORMATS:
+        raise ValueError(f"--kv-events-format must be array (what llm-d reads) or map (what vllm-router's kv_aware "
+                         f"reads); got {args.kv_events_format!r}")
     if args.kv_events_endpoint is None:
         if args.kv_events_replay_endpoint is not None:
             raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (the PUB socket it replays)")
+        if args.kv_events_format is not None:
+            raise ValueError("--kv-events-format needs --kv-events-endpoint (the PUB socket whose events it shapes)")
         return
     from kvserve.server.kv_publisher import binds, check_endpoint
 

@@ -42,7 +42,7 @@ class ServerContext:
             from kvserve.server.kv_publisher import KVEventPublisher
 
             self.kv_publisher = KVEventPublisher(settings.kv_events_endpoint, settings.kv_events_replay_endpoint,
-                                                 settings.kv_events_topic)
+                                                 settings.kv_events_topic, form=settings.kv_events_format)
             self.kv_publisher.start(self._kv_events)
 
     def _kv_events(self) -> tuple[BlockEventLog, int] | None:

@@ -2,8 +2,10 @@
 in vLLM's wire format (kvserve/kv/event_wire.py), with vLLM's replay socket, so gateways built for
 vLLM (llm-d's precise prefix-cache scorer) and kvserve's own router follow a replica's KV cache.
 
-As vLLM's ZmqEventPublisher sends them: each message is [topic, sequence number (8 bytes,
-big-endian, from 0), msgpack KVEventBatch]. The replay socket (ROUTER) answers a request
+Events go out in the form asked for (`--kv-events-format`, kvserve/kv/event_wire.py): array
+(positional, llm-d's) or map (vLLM's newer tagged maps, vllm-router's); framing and replay are
+the same for both. As vLLM's ZmqEventPublisher sends them: each message is [topic, sequence
+number (8 bytes, big-endian, from 0), msgpack KVEventBatch]. The replay socket (ROUTER) answers a request
 [identity, "", start sequence (8 bytes big-endian)] with every kept batch numbered from start,
 as [identity, "", seq, payload] each, then [identity, "", -1 (8 bytes, signed), ""]; it keeps the
 last `buffer_steps` batches. As in vLLM, an endpoint with `*` (or ipc://) is bound and any other
@@ -49,8 +51,9 @@ def binds(endpoint: str) -> bool:
 
 class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_steps: int = 10_000, hwm: int = 100_000, form: event_wire.Format = "array") -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
+        self.form = form  # event_wire's array or map form of each event
         self.bound = binds(endpoint)
         ctx = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
@@ -123,7 +126,7 @@ class KVEventPublisher:
                 self._stop.wait(0.1)
 
     def _send(self, batch: event_wire.KVEventBatch) -> None:
-        payload = event_wire.encode(batch)
+        payload = event_wire.encode(batch, self.form)
         seq = self._last_seq + 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))

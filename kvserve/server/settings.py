@@ -41,6 +41,7 @@ class ServerSettings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    kv_events_format: str = "array"  # kvserve/kv/event_wire.py: array (llm-d) or map (vllm-router)
 
     @property
     def defaults(self) -> dict:
