@@ -23,7 +23,7 @@ from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
-from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
+from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import Serving
 from kvserve.server.streaming import sse
@@ -43,8 +43,7 @@ class Completion(Serving):
         reject_unsupported_extras(req)
         reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
         check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-        params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
-                                                             openai_compat.constraint(req)))
+        params = req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults, openai_compat.constraint(req))
         if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         prompts = _prompts(req.prompt)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,28 +36,24 @@ from kvserve import __version__
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_render import ChatPrompt
-from kvserve.server.errors import OLLAMA, APIError, from_invalid
+from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest, chat_messages, generate_messages
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
 from kvserve.server.parsing import check_limits
-from kvserve.server.streaming import respond
+from kvserve.server.serving import Serving
 from kvserve.structured.spec import Constraint, json_schema
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
     from kvserve.server.ollama_protocol import _Generation
 
 log = logging.getLogger("kvserve.server")
 # The Ollama release whose API this follows (tools, structured output, done_reason, /api/ps'
 # context_length); Ollama's clients read /api/version to decide what a server can do.
 OLLAMA_API_VERSION = "0.12.0"
-_RENAMES = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
-            "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
-            "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
-            "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
-            "logprobs": "top_logprobs"}
 
 
 def _now() -> str:
@@ -111,42 +107,76 @@ def _loaded(req: _Generation, key: str, stream: bool) -> Response:
     return JSONResponse(body)
 
 
-async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | GenerateRequest]) -> Response:
-    """/api/chat (kind ChatRequest) or /api/generate (GenerateRequest)."""
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, kind)
-    try:
-        params, context = _params(ctx, req)
-    except ValueError as e:
-        raise from_invalid(e, _RENAMES) from None
-    if isinstance(req, ChatRequest):
-        key, prefix, mode, renames, empty = "message", "chat", ("auto" if req.tools else None), _RENAMES, not req.messages
-    else:
-        key, prefix, mode, renames, empty = "response", "generate", None, {**_RENAMES, "prompt": "prompt"}, not req.prompt
-    if empty:
-        return _loaded(req, key, req.stream)
+class OllamaGeneration(Serving):
+    """What /api/chat and /api/generate share: options, the context (num_ctx), the answer's shape
+    under KEY ("message" or "response")."""
 
-    def encode() -> list[int]:
-        return _fits(_prompt_ids(ctx, req), context)
+    KEY: ClassVar[str]
+    PREFIX: ClassVar[str]  # of the job's id
+    FIELDS = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
+              "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+              "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
+              "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
+              "speculative": "options.speculative", "logprobs": "top_logprobs"}
+    mode: str | None = None  # tool calls read from the answer ("auto") or not (None)
 
-    admission, job = await ctx.start_job(request, params, encode, arrival=arrival, prefix=prefix,
-                                     fit_within=context, renames=renames)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, key, mode),
-                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], key, mode))
+    async def start(self) -> tuple[Admission, Job] | Response:
+        params, context = _params(self.ctx, self.req)
+        if self.empty():
+            return _loaded(self.req, self.KEY, self.req.stream)
+        return await self.start_job(params, lambda: _fits(self.prompt_ids(), context), prefix=self.PREFIX,
+                                    fit_within=context)
+
+    def empty(self) -> bool:
+        """Nothing to generate: Ollama's way to load a model."""
+        raise NotImplementedError
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids, on a worker thread (ServerContext.start_job's)."""
+        raise NotImplementedError
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return _stream(self.ctx, job, self.req, self.KEY, self.mode)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return _whole(self.ctx, job, self.req, finals[0], self.KEY, self.mode)
 
 
-def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
-    """On a worker thread (ServerContext.start_job's)."""
-    if isinstance(req, ChatRequest):
+class Chat(OllamaGeneration):
+    """POST /api/chat."""
+
+    request_model = ChatRequest
+    KEY, PREFIX = "message", "chat"
+
+    @property
+    def mode(self) -> str | None:
+        return "auto" if self.req.tools else None
+
+    def empty(self) -> bool:
+        return not self.req.messages
+
+    def prompt_ids(self) -> list[int]:
+        req = self.req
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        return ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
-    if req.raw:
-        ids = ctx.client.encode_now(req.prompt)
-    else:
-        ids = ctx.client.encode_chat_now(ChatPrompt(generate_messages(req.prompt, req.system)))
-    return list(req.context or []) + ids
+        return self.ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
+
+
+class Generate(OllamaGeneration):
+    """POST /api/generate."""
+
+    request_model = GenerateRequest
+    KEY, PREFIX = "response", "generate"
+    FIELDS = {**OllamaGeneration.FIELDS, "prompt": "prompt"}
+
+    def empty(self) -> bool:
+        return not self.req.prompt
+
+    def prompt_ids(self) -> list[int]:
+        req, client = self.req, self.ctx.client
+        ids = client.encode_now(req.prompt) if req.raw else client.encode_chat_now(
+            ChatPrompt(generate_messages(req.prompt, req.system)))
+        return list(req.context or []) + ids
 
 
 def _fits(ids: list[int], context: int) -> list[int]:
@@ -275,11 +305,11 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/api/chat")
     async def api_chat(request: Request) -> Response:
-        return await serve(request, ctx, ChatRequest)
+        return await Chat.handle(request, ctx)
 
     @app.post("/api/generate")
     async def api_generate(request: Request) -> Response:
-        return await serve(request, ctx, GenerateRequest)
+        return await Generate.handle(request, ctx)
 
     @app.get("/api/version")
     async def api_version() -> dict:

@@ -27,8 +27,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
-from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
 from kvserve.outputs import RequestOutput
@@ -38,7 +36,7 @@ from kvserve.server.errors import APIError, from_invalid, from_validation_error
 from kvserve.server.generation import Job
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.openai_compat import ChoiceDeltas
-from kvserve.server.parsing import check_limits, reject, sampling_params
+from kvserve.server.parsing import check_limits, reject
 from kvserve.server.protocol import (
     ResponsesContentPart,
     ResponsesFunctionCallItem,
@@ -48,17 +46,16 @@ from kvserve.server.protocol import (
     ResponsesRequest,
 )
 from kvserve.server.response_store import StoredResponse
-from kvserve.server.streaming import respond
+from kvserve.server.serving import Serving
 from kvserve.structured.spec import Constraint, json_schema
 from kvserve.structured.tools import forced_call_constraint
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
 
 log = logging.getLogger("kvserve.server")
 
-# The engine's names for what this API calls otherwise.
-_RENAMES = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _TOOL_CHOICES = ("none", "auto", "required")
@@ -261,52 +258,128 @@ def _sampling(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defa
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(n=1, seed=req.seed, stop=stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
                           ignore_eos=req.ignore_eos, logprobs=logprobs, priority=req.priority, constraint=constraint,
-                          **given)
+                          speculative=req.speculative, **given)
 
 
 # --- the routes -------------------------------------------------------------------------------
 
-async def create_response(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req: ResponsesRequest = await ctx.parse(request, ResponsesRequest)
-    if ignored := req.ignored_fields():
-        log.warning("ignored OpenAI field(s) kvserve does not use: %s", ", ".join(ignored))
-    _refuse_unsupported(req)
-    tools = _tools(req.tools)
-    choice = _tool_choice(req.tool_choice, tools)
-    try:
-        constraint = _constraint(req, tools, choice)
-    except ValueError as e:  # InvalidParam: a malformed schema, or a named function not among the tools
-        raise from_invalid(e) from None
-    mode = _tool_mode(tools, choice, constraint)
-    want_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
-    check_limits(1, req.top_logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
-    items = plain_items(req.input) if isinstance(req.input, list) else [
-        {"type": "message", "role": "user", "content": req.input}]
-    if req.previous_response_id is not None:
-        previous = ctx.responses.get(req.previous_response_id)
-        if previous is None:
-            why = ctx.responses.why_missing(req.previous_response_id)
-            raise APIError(400, f"previous_response_id {req.previous_response_id!r:.80} is not stored on this server: "
-                           f"{why}", param="previous_response_id", code="previous_response_not_found")
-        items = [*previous.conversation, *items]
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
-    reject(not messages, "input", "must not be empty")
-    reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
-    defaulted = req.max_output_tokens is None
-    max_tokens = ctx.settings.max_tokens_default if defaulted else req.max_output_tokens
-    params = sampling_params(lambda: _sampling(req, max_tokens, (req.top_logprobs or 0) if want_logprobs else None,
-                                               ctx.settings.defaults, constraint), _RENAMES)
-    chat_tools = [_chat_tool(t) for t in tools] if mode is not None else None
-    prompt = ChatPrompt(messages, True, chat_tools or None)
-    admission, job = await ctx.start_job(request, params, lambda: ctx.client.encode_chat_now(prompt), arrival=arrival,
-                                         prefix="resp", sep="_", renames=_RENAMES,
-                                         # a default the client never sent must not be why it is refused
-                                         fit_within=ctx.client.max_model_len if defaulted else None)
-    run = _Run(ctx, job, req, items,
-               tools, choice, mode, want_logprobs)
-    return await respond(request, ctx.state, admission, req.stream, run.events, run.collect, run.render)
+class ModelResponse(Serving):
+    """POST /v1/responses: one admitted response, its events (streamed) or its body (whole), and
+    storing it."""
+
+    request_model = ResponsesRequest
+    FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+
+    async def start(self) -> tuple[Admission, Job]:
+        ctx, req = self.ctx, self.req
+        if ignored := req.ignored_fields():
+            log.warning("ignored OpenAI field(s) kvserve does not use: %s", ", ".join(ignored))
+        _refuse_unsupported(req)
+        self.tools = _tools(req.tools)
+        self.choice = _tool_choice(req.tool_choice, self.tools)
+        try:
+            constraint = _constraint(req, self.tools, self.choice)
+        except ValueError as e:  # InvalidParam: a malformed schema, or a named function not among the tools
+            raise from_invalid(e) from None
+        self.mode = _tool_mode(self.tools, self.choice, constraint)
+        want_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+        self.logprobs = (lambda lps: chat_logprobs(lps, ctx.texts)["content"]) if want_logprobs else None
+        check_limits(1, req.top_logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
+        items = plain_items(req.input) if isinstance(req.input, list) else [
+            {"type": "message", "role": "user", "content": req.input}]
+        if req.previous_response_id is not None:
+            previous = ctx.responses.get(req.previous_response_id)
+            if previous is None:
+                why = ctx.responses.why_missing(req.previous_response_id)
+                raise APIError(400, f"previous_response_id {req.previous_response_id!r:.80} is not stored on this "
+                               f"server: {why}", param="previous_response_id", code="previous_response_not_found")
+            items = [*previous.conversation, *items]
+        self.items = items
+        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
+        reject(not messages, "input", "must not be empty")
+        reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
+        defaulted = req.max_output_tokens is None
+        max_tokens = ctx.settings.max_tokens_default if defaulted else req.max_output_tokens
+        params = _sampling(req, max_tokens, (req.top_logprobs or 0) if want_logprobs else None, ctx.settings.defaults,
+                           constraint)
+        chat_tools = [_chat_tool(t) for t in self.tools] if self.mode is not None else None
+        prompt = ChatPrompt(messages, True, chat_tools or None)
+        started = await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="resp", sep="_",
+                                       # a default the client never sent must not be why it is refused
+                                       fit_within=ctx.client.max_model_len if defaulted else None)
+        self.created_at = int(time.time())
+        self.store = req.store and ctx.responses.capacity > 0
+        return started
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return self._events(job)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
+        final = finals[0]
+        choice = final.outputs[0]
+        out = _Output(self.mode, self.logprobs, None)
+        out.feed(choice.text, choice.logprobs)
+        out.finish(choice.finish_reason)
+        return self._finished(job, out, final)
+
+    def _object(self, job: Job, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
+                error: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The response object (OpenAI's field order)."""
+        req, params = self.req, job.params
+        usage = None
+        if final is not None:
+            prompt, completion = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+            usage = {"input_tokens": prompt,
+                     "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
+                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt + completion}
+        done = status in ("completed", "incomplete", "failed")
+        return {
+            "id": job.request_id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
+            "model": self.ctx.settings.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is True,
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "service_tier": "default", "store": self.store, "temperature": params.temperature,
+            "text": {"format": _format(req), "verbosity": "medium"}, "tool_choice": self.choice,
+            "tools": [t.model_dump(exclude_none=True, include={"type", "name", "description", "parameters", "strict"})
+                      for t in self.tools],
+            "top_logprobs": req.top_logprobs or 0, "top_p": params.top_p, "truncation": "disabled",
+            "usage": usage if done else None, "user": req.user, "metadata": req.metadata or {},
+        }
+
+    def _finished(self, job: Job, out: _Output, final: RequestOutput) -> dict[str, Any]:
+        body = self._object(job, out.status, out.items, final)
+        if self.req.store:  # (a store of size 0 keeps none, and remembers why)
+            conversation = (*self.items, *plain_items(body["output"], "output"))
+            self.ctx.responses.put(StoredResponse(body, conversation))
+        else:
+            self.ctx.responses.not_stored(body["id"])
+        return body
+
+    async def _events(self, job: Job) -> AsyncIterator[bytes]:
+        event = _Events()
+        yield event("response.created", response=self._object(job, "in_progress", []))
+        yield event("response.in_progress", response=self._object(job, "in_progress", []))
+        out = _Output(self.mode, self.logprobs, event)
+        final = None
+        try:
+            async with aclosing(self.ctx.client.outputs(job)) as outputs:
+                async for _, final in outputs:
+                    choice = final.outputs[0]
+                    if choice.delta_text or choice.delta_logprobs:
+                        for e in out.feed(choice.delta_text, choice.delta_logprobs):
+                            yield e
+                    if choice.finished:
+                        for e in out.finish(choice.finish_reason):
+                            yield e
+            body = self._finished(job, out, final)
+            yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+        except APIError as e:
+            yield event("error", code=e.code, message=e.message, param=e.param)
+            yield event("response.failed", response=self._object(job, "failed", out.items, final,
+                                                                 error={"code": "server_error", "message": e.message}))
 
 
 def get_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
@@ -442,91 +515,3 @@ class _Output:
                 + self._event("response.content_part.done", item_id=message["id"], output_index=index,
                               content_index=0, part=part)
                 + self._event("response.output_item.done", output_index=index, item=message))
-
-
-class _Run:
-    """One admitted response: its events (streamed) or its body (whole), and storing it."""
-
-    def __init__(self, ctx: ServerContext, job: Job, req: ResponsesRequest, items: list[dict[str, Any]],
-                 tools: list[ResponsesFunctionTool], choice: str | dict, mode: str | None, want_logprobs: bool) -> None:
-        self.ctx, self.job, self.req, self.items = ctx, job, req, items
-        self.tools, self.choice, self.mode = tools, choice, mode
-        self.logprobs = (lambda lps: chat_logprobs(lps, ctx.texts)["content"]) if want_logprobs else None
-        self.created_at = int(time.time())
-        self.store = req.store and ctx.responses.capacity > 0
-
-    def _output(self, events: _Events | None = None) -> _Output:
-        return _Output(self.mode, self.logprobs, events)
-
-    def body(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
-              error: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The response object (OpenAI's field order)."""
-        req, params = self.req, self.job.params
-        usage = None
-        if final is not None:
-            prompt, completion = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-            usage = {"input_tokens": prompt,
-                     "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
-                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": prompt + completion}
-        done = status in ("completed", "incomplete", "failed")
-        return {
-            "id": self.job.request_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "completed_at": int(time.time()) if status == "completed" else None, "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-            "model": self.ctx.settings.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is True,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
-            "service_tier": "default", "store": self.store, "temperature": params.temperature,
-            "text": {"format": _format(req), "verbosity": "medium"}, "tool_choice": self.choice,
-            "tools": [t.model_dump(exclude_none=True, include={"type", "name", "description", "parameters", "strict"})
-                      for t in self.tools],
-            "top_logprobs": req.top_logprobs or 0, "top_p": params.top_p, "truncation": "disabled",
-            "usage": usage if done else None, "user": req.user, "metadata": req.metadata or {},
-        }
-
-    def _finished(self, out: _Output, final: RequestOutput) -> dict[str, Any]:
-        body = self.body(out.status, out.items, final)
-        if self.req.store:  # (a store of size 0 keeps none, and remembers why)
-            conversation = (*self.items, *plain_items(body["output"], "output"))
-            self.ctx.responses.put(StoredResponse(body, conversation))
-        else:
-            self.ctx.responses.not_stored(body["id"])
-        return body
-
-    async def collect(self) -> RequestOutput:
-        final = None
-        async with aclosing(self.ctx.client.outputs(self.job)) as outputs:
-            async for _, out in outputs:
-                final = out
-        return final
-
-    def render(self, final: RequestOutput) -> dict[str, Any]:
-        choice = final.outputs[0]
-        out = self._output()
-        out.feed(choice.text, choice.logprobs)
-        out.finish(choice.finish_reason)
-        return self._finished(out, final)
-
-    async def events(self) -> AsyncIterator[bytes]:
-        event = _Events()
-        yield event("response.created", response=self.body("in_progress", []))
-        yield event("response.in_progress", response=self.body("in_progress", []))
-        out = self._output(event)
-        final = None
-        try:
-            async with aclosing(self.ctx.client.outputs(self.job)) as outputs:
-                async for _, final in outputs:
-                    choice = final.outputs[0]
-                    if choice.delta_text or choice.delta_logprobs:
-                        for e in out.feed(choice.delta_text, choice.delta_logprobs):
-                            yield e
-                    if choice.finished:
-                        for e in out.finish(choice.finish_reason):
-                            yield e
-            body = self._finished(out, final)
-            yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
-        except APIError as e:
-            yield event("error", code=e.code, message=e.message, param=e.param)
-            yield event("response.failed", response=self.body("failed", out.items, final,
-                                                                error={"code": "server_error", "message": e.message}))
