@@ -104,8 +104,9 @@ class Message(Serving):
         if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
         given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
-        params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []), constraint=_constraint(req),
-                                speculative=req.speculative, **{**ctx.settings.defaults, **given})
+        params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
+                                constraint=_constraint(req), speculative=req.speculative,
+                                **{**ctx.settings.defaults, **given})
         return await self.start_job(params, lambda: ctx.client.encode_chat_now(_prompt(req)), prefix="msg",
                                     fit_within=ctx.client.max_model_len)
 

@@ -4,8 +4,9 @@
 `options` take Ollama's names: temperature, top_p, top_k, min_p, seed, num_predict (-1 or -2:
 until the context is full), stop, repeat_penalty (kvserve's repetition_penalty),
 presence_penalty, frequency_penalty, and num_ctx, which may narrow the served context but not
-widen it; kvserve's own `speculative: false` keeps a request out of speculative decoding. Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change nothing
-here and are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
+widen it; kvserve's own `speculative: false` keeps a request out of speculative decoding.
+Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change nothing here and
+are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
 unless they are at their off values. Unknown fields are refused by name, as everywhere in kvserve.
 
 `chat_messages` and `generate_messages` work on plain JSON so that the router renders exactly what
