@@ -48,7 +48,7 @@ class Serving:
         self.req = await ctx.parse(request, cls.request_model)
         try:
             started = await self.start()
-        except ValueError as e:  # an InvalidParam, from this module's checks or the engine's
+        except ValueError as e:  # an InvalidParam (the route's checks or the engine's), a template's refusal
             raise from_invalid(e, self.fields) from None
         if isinstance(started, Response):  # nothing for the engine to do
             return started
@@ -71,9 +71,9 @@ class Serving:
 
     async def start_job(self, params: SamplingParams, encode: Callable[[], list[int]], *, prefix: str,
                         sep: str = "-", fit_within: int | None = None) -> tuple[Admission, Job]:
-        """`ServerContext.start_job` for this request, its errors in this API's field names."""
+        """`ServerContext.start_job` for this request (its refusals are answered by `handle`)."""
         return await self.ctx.start_job(self.request, params, encode, arrival=self.arrival, prefix=prefix, sep=sep,
-                                        fit_within=fit_within, renames=self.fields)
+                                        fit_within=fit_within)
 
     def streams(self) -> bool:
         return bool(self.req.stream)
