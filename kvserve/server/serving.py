@@ -39,7 +39,7 @@ class Serving:
         self.request = request
         self.arrival = time.monotonic()  # when the HTTP request arrived: the job's clock starts here
         self.req: Any = None
-        self.fields: Mapping[str, str] = self.FIELDS  # `start` may narrow it to what this body sent
+        self.fields: Mapping[str, str] = self.FIELDS  # `start` may fit it to the body (max_completion_tokens)
 
     @classmethod
     async def handle(cls, request: Request, ctx: ServerContext) -> Response:
