@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.router.response_homes import named_id
-from kvserve.server import anthropic_protocol, ollama_protocol, responses
+from kvserve.server import anthropic_protocol, ollama_protocol, responses_protocol
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.web.errors import APIError
 
@@ -114,10 +114,10 @@ def _other_api(req: RoutedRequest, data: dict) -> None:
                 req.response_id = named_id("POST", req.path, data["previous_response_id"])
                 return
             given = data["input"]
-            items = responses.plain_items(given) if isinstance(given, list) else [
+            items = responses_protocol.plain_items(given) if isinstance(given, list) else [
                 {"type": "message", "role": "user", "content": given}]
             instructions = [{"role": "system", "content": data["instructions"]}] if data.get("instructions") else []
-            messages = instructions + responses.chat_messages(items)
+            messages = instructions + responses_protocol.chat_messages(items)
         elif req.path == "/v1/messages":
             messages = anthropic_protocol.template_messages(data)
         elif req.path == "/api/chat":

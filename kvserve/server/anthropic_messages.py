@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     from kvserve.server.lifecycle import Admission
 
 log = logging.getLogger("kvserve.server")
-# The engine's names for what the client called otherwise.
-_RENAMES = {"prompt": "messages", "stop": "stop_sequences"}
 
 
 def _log_ignored(req: CountTokensRequest) -> None:
@@ -89,7 +87,7 @@ async def count_tokens(request: Request, ctx: ServerContext) -> dict:
         _constraint(req)  # a bad tool_choice name or schema is refused here as in /v1/messages
         ids = await ctx.client.encode_chat(_prompt(req))
     except ValueError as e:
-        raise from_invalid(e, _RENAMES) from None
+        raise from_invalid(e, Message.FIELDS) from None
     return {"input_tokens": len(ids)}
 
 
@@ -97,22 +95,20 @@ class Message(Serving):
     """POST /v1/messages."""
 
     request_model = MessagesRequest
+    FIELDS = {"prompt": "messages", "stop": "stop_sequences"}
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req
         _log_ignored(req)
-        try:
-            req.checked()
-            if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
-                raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
-            given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
-            params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
-                                    constraint=_constraint(req), **{**ctx.settings.defaults, **given})
-        except ValueError as e:
-            raise from_invalid(e, _RENAMES) from None
-        return await ctx.start_job(self.request, params, lambda: ctx.client.encode_chat_now(_prompt(req)),
-                                   arrival=self.arrival, prefix="msg", fit_within=ctx.client.max_model_len,
-                                   renames=_RENAMES)
+        req.checked()
+        if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
+            raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
+        params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
+                                constraint=_constraint(req), speculative=req.speculative,
+                                **{**ctx.settings.defaults, **given})
+        return await self.start_job(params, lambda: ctx.client.encode_chat_now(_prompt(req)), prefix="msg",
+                                    fit_within=ctx.client.max_model_len)
 
     def events(self, job: Job) -> AsyncIterator[bytes]:
         return _stream(self.ctx, job, self.req)

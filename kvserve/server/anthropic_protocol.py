@@ -187,6 +187,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    speculative: bool = True  # kvserve's: false, never drafted for when the server speculates (--speculative)
     metadata: Any = None
     service_tier: Any = None
     container: Any = None

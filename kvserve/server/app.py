@@ -35,7 +35,7 @@ from kvserve.server.chat_completions import ChatCompletion
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.completions import Completion
 from kvserve.server.context import ServerContext
-from kvserve.server.embeddings import create_embedding
+from kvserve.server.embeddings import Embedding
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.kv_events import add_kv_event_routes
 from kvserve.server.protocol import (
@@ -155,7 +155,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return await responses.create_response(request, ctx)
+        return await responses.ModelResponse.handle(request, ctx)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict:
@@ -178,7 +178,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        return await create_embedding(request, ctx)
+        return await Embedding.handle(request, ctx)
 
     def card() -> dict:
         state.require_ready()

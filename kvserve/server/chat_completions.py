@@ -13,7 +13,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
+from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.server.serving import Serving
 from kvserve.server.streaming import sse
@@ -22,12 +22,9 @@ if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
     from kvserve.server.lifecycle import Admission
 
-# The engine speaks of "prompt"; here the prompt is the conversation.
-_RENAMES = {"prompt": "messages", "logprobs": "top_logprobs"}
-
-
 class ChatCompletion(Serving):
     request_model = ChatCompletionRequest
+    FIELDS = {"prompt": "messages", "logprobs": "top_logprobs"}  # the prompt is the conversation
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req
@@ -41,17 +38,16 @@ class ChatCompletion(Serving):
         defaulted = max_tokens is None
         if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
             max_tokens = ctx.settings.max_tokens_default
-        renames = {**_RENAMES, "max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else _RENAMES
-        reject(max_tokens == 0, renames.get("max_tokens", "max_tokens"),
+        if req.max_completion_tokens is not None:
+            self.fields = {**self.FIELDS, "max_tokens": "max_completion_tokens"}
+        reject(max_tokens == 0, self.fields.get("max_tokens", "max_tokens"),
                "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(lambda: req.sampling_params(
-            max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req)), renames)
+        params = req.sampling_params(max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req))
         prompt = ChatPrompt.of(req)
-        return await ctx.start_job(self.request, params, lambda: ctx.client.encode_chat_now(prompt),
-                                   arrival=self.arrival, prefix="chatcmpl", renames=renames,
-                                   # a default the client never sent must not be the reason its request is refused
-                                   fit_within=ctx.client.max_model_len if defaulted else None)
+        return await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="chatcmpl",
+                                    # a default the client never sent must not be the reason its request is refused
+                                    fit_within=ctx.client.max_model_len if defaulted else None)
 
     def events(self, job: Job) -> AsyncIterator[bytes]:
         return _stream(self.ctx, job, self.req)

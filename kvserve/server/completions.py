@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 from kvserve.fim import fim_token_ids, no_fim_error
 from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat, request_id
-from kvserve.server.errors import APIError, from_invalid
+from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
-from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras, sampling_params
+from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import Serving
 from kvserve.server.streaming import sse
@@ -43,8 +43,7 @@ class Completion(Serving):
         reject_unsupported_extras(req)
         reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
         check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-        params = sampling_params(lambda: req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults,
-                                                             openai_compat.constraint(req)))
+        params = req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults, openai_compat.constraint(req))
         if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         prompts = _prompts(req.prompt)
@@ -52,7 +51,7 @@ class Completion(Serving):
         if fim:
             reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
             if fim_token_ids(ctx.client.tokenizer) is None:
-                raise from_invalid(no_fim_error())
+                raise no_fim_error()
         admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
         try:
             given = prompts  # echoed as the client sent them (not as FIM markers), once they are known valid
@@ -60,10 +59,7 @@ class Completion(Serving):
                 prompts = await ctx.client.encode_fim(prompts, req.suffix)
             ids = await ctx.client.tokenize(prompts, params, request.receive)
             self.echoes = await _echo_texts(ctx, given, req) if req.echo else None
-        except ValueError as e:
-            admission.release()
-            raise from_invalid(e) from None
-        except BaseException:
+        except BaseException:  # (Serving answers an InvalidParam)
             admission.release()
             raise
         return admission, Job(ids, params, self.arrival, request_id=request_id.name(request, "cmpl"))

@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from fastapi import Request
 
@@ -14,7 +14,6 @@ from kvserve import __version__
 from kvserve.kv.events import BlockEventLog
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import request_id
-from kvserve.server.errors import from_invalid
 from kvserve.server.generation import EngineClient, Job
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import Admission, ServerState
@@ -57,8 +56,8 @@ class ServerContext:
                 "entries": len(cache), "pending": self.grammars.pending, "compile_timeouts": self.grammars.timeouts}
 
     async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], list[int]], *,
-                        arrival: float, prefix: str, sep: str = "-", fit_within: int | None = None,
-                        renames: Mapping[str, str] | None = None) -> tuple[Admission, Job]:
+                        arrival: float, prefix: str, sep: str = "-",
+                        fit_within: int | None = None) -> tuple[Admission, Job]:
         """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it and check
         it against the context and the pool in one worker-thread hop (`encode` runs there), compile
         its constraint, and name it: the one way in for every chat-like route.
@@ -67,7 +66,9 @@ class ServerContext:
         larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
         the API treats as a ceiling rather than a promise. A prompt that fills the whole context is
         refused by the engine's check, as any other. prefix, sep: the job id's
-        (chatcmpl-<hex>; the Responses API's resp_<hex>, as OpenAI names them)."""
+        (chatcmpl-<hex>; the Responses API's resp_<hex>, as OpenAI names them). A refusal (the
+        template's, or the engine's InvalidParam) is raised as it is: the route (Serving) answers
+        it in its API's field names."""
         admission = self.state.admit(1, params.n)
 
         def prepare() -> tuple[list[int], SamplingParams]:
@@ -80,9 +81,6 @@ class ServerContext:
         try:
             ids, params = await asyncio.to_thread(prepare)
             await self.client.compile(params, request.receive)
-        except ValueError as e:  # the template refused the messages, or the prompt does not fit
-            admission.release()
-            raise from_invalid(e, renames) from None
         except BaseException:
             admission.release()
             raise

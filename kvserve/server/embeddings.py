@@ -15,55 +15,51 @@ from __future__ import annotations
 
 import base64
 import math
-import time
-from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 import numpy as np
-from fastapi import Request
-from fastapi.responses import Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server import request_id
-from kvserve.server.errors import APIError, from_invalid
+from kvserve.server.errors import APIError
 from kvserve.server.generation import Job
 from kvserve.server.parsing import reject
 from kvserve.server.protocol import EmbeddingRequest
-from kvserve.server.streaming import respond
+from kvserve.server.serving import Serving
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
-
-_RENAMES = {"prompt": "input"}  # the engine speaks of prompts
-
-
-async def create_embedding(request: Request, ctx: ServerContext) -> Response:
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, EmbeddingRequest)
-    size = ctx.client.model_config.hidden_size
-    reject(req.dimensions is not None and req.dimensions != size, "dimensions",
-           f"is not supported: the embedding is the model's hidden state, {size} numbers (a shorter one would need a "
-           f"model trained to be cut); leave dimensions out or send {size}")
-    inputs = _inputs(req.input)
-    params = SamplingParams(max_tokens=0)
-    admission = ctx.state.admit(len(inputs), 1, param="input")  # before any tokenizing: 400 or 429 at once
-    try:
-        ids = await ctx.client.tokenize(inputs, params, request.receive)
-    except ValueError as e:
-        admission.release()
-        raise from_invalid(e, _RENAMES) from None
-    except BaseException:
-        admission.release()
-        raise
-    job = Job(ids, params, arrival, request_id=request_id.name(request, "embd"), pooling=True)
-    return await respond(request, ctx.state, admission, False, _no_stream, lambda: _collect(ctx, job),
-                         lambda finals: _response(ctx, finals, req.encoding_format))
+    from kvserve.server.lifecycle import Admission
 
 
-def _no_stream():  # embeddings are never streamed
-    raise AssertionError("unreachable")
+class Embedding(Serving):
+    """POST /v1/embeddings: whole only (OpenAI's API has no stream of vectors)."""
+
+    request_model = EmbeddingRequest
+    FIELDS = {"prompt": "input"}  # the engine speaks of prompts
+
+    def streams(self) -> bool:
+        return False
+
+    async def start(self) -> tuple[Admission, Job]:
+        ctx, req = self.ctx, self.req
+        size = ctx.client.model_config.hidden_size
+        reject(req.dimensions is not None and req.dimensions != size, "dimensions",
+               f"is not supported: the embedding is the model's hidden state, {size} numbers (a shorter one would need "
+               f"a model trained to be cut); leave dimensions out or send {size}")
+        inputs = _inputs(req.input)
+        params = SamplingParams(max_tokens=0)
+        admission = ctx.state.admit(len(inputs), 1, param="input")  # before any tokenizing: 400 or 429 at once
+        try:
+            ids = await ctx.client.tokenize(inputs, params, self.request.receive)
+        except BaseException:  # (Serving answers an InvalidParam, in this API's names)
+            admission.release()
+            raise
+        return admission, Job(ids, params, self.arrival, request_id=request_id.name(self.request, "embd"), pooling=True)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return _response(self.ctx, finals, self.req.encoding_format)
 
 
 def _inputs(given: str | list) -> list[str | list[int]]:
@@ -73,14 +69,6 @@ def _inputs(given: str | list) -> list[str | list[int]]:
     if not given:
         raise APIError(400, "input must not be empty", param="input")
     return list(given)
-
-
-async def _collect(ctx: ServerContext, job: Job) -> list[RequestOutput]:
-    finals: list[RequestOutput | None] = [None] * len(job.prompts)
-    async with aclosing(ctx.client.outputs(job)) as outputs:
-        async for i, out in outputs:
-            finals[i] = out
-    return finals  # type: ignore[return-value]
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:

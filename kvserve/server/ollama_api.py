@@ -1,4 +1,4 @@
-"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+"""Ollama's API: /api/chat and /api/generate (the model's routes: kvserve/server/ollama_models.py).
 
 Generation runs as a chat completion does (`ServerContext.start_job`: the same admission, limits,
 abort-on-disconnect and metrics) and is answered as Ollama answers:
@@ -21,51 +21,38 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from kvserve import __version__
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.chat_render import ChatPrompt
-from kvserve.server.errors import OLLAMA, APIError, from_invalid
+from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
+from kvserve.server import ollama_models
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest, chat_messages, generate_messages
+from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, chat_messages, generate_messages
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
 from kvserve.server.parsing import check_limits
-from kvserve.server.streaming import respond
+from kvserve.server.serving import Serving
 from kvserve.structured.spec import Constraint, json_schema
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
+    from kvserve.server.lifecycle import Admission
     from kvserve.server.ollama_protocol import _Generation
 
 log = logging.getLogger("kvserve.server")
-# The Ollama release whose API this follows (tools, structured output, done_reason, /api/ps'
-# context_length); Ollama's clients read /api/version to decide what a server can do.
-OLLAMA_API_VERSION = "0.12.0"
-_RENAMES = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
-            "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
-            "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
-            "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
-            "logprobs": "top_logprobs"}
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _tagged(name: str) -> str:
-    return name if ":" in name else f"{name}:latest"
 
 
 def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
@@ -111,42 +98,76 @@ def _loaded(req: _Generation, key: str, stream: bool) -> Response:
     return JSONResponse(body)
 
 
-async def serve(request: Request, ctx: ServerContext, kind: type[ChatRequest | GenerateRequest]) -> Response:
-    """/api/chat (kind ChatRequest) or /api/generate (GenerateRequest)."""
-    arrival = time.monotonic()
-    ctx.state.require_ready()
-    req = await ctx.parse(request, kind)
-    try:
-        params, context = _params(ctx, req)
-    except ValueError as e:
-        raise from_invalid(e, _RENAMES) from None
-    if isinstance(req, ChatRequest):
-        key, prefix, mode, renames, empty = "message", "chat", ("auto" if req.tools else None), _RENAMES, not req.messages
-    else:
-        key, prefix, mode, renames, empty = "response", "generate", None, {**_RENAMES, "prompt": "prompt"}, not req.prompt
-    if empty:
-        return _loaded(req, key, req.stream)
+class OllamaGeneration(Serving):
+    """What /api/chat and /api/generate share: options, the context (num_ctx), the answer's shape
+    under KEY ("message" or "response")."""
 
-    def encode() -> list[int]:
-        return _fits(_prompt_ids(ctx, req), context)
+    KEY: ClassVar[str]
+    PREFIX: ClassVar[str]  # of the job's id
+    FIELDS = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
+              "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
+              "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
+              "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
+              "speculative": "options.speculative", "logprobs": "top_logprobs"}
+    mode: str | None = None  # tool calls read from the answer ("auto") or not (None)
 
-    admission, job = await ctx.start_job(request, params, encode, arrival=arrival, prefix=prefix,
-                                     fit_within=context, renames=renames)
-    return await respond(request, ctx.state, admission, req.stream, lambda: _stream(ctx, job, req, key, mode),
-                         lambda: ctx.client.finals(job), lambda finals: _whole(ctx, job, req, finals[0], key, mode))
+    async def start(self) -> tuple[Admission, Job] | Response:
+        params, context = _params(self.ctx, self.req)
+        if self.empty():
+            return _loaded(self.req, self.KEY, self.req.stream)
+        return await self.start_job(params, lambda: _fits(self.prompt_ids(), context), prefix=self.PREFIX,
+                                    fit_within=context)
+
+    def empty(self) -> bool:
+        """Nothing to generate: Ollama's way to load a model."""
+        raise NotImplementedError
+
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids, on a worker thread (ServerContext.start_job's)."""
+        raise NotImplementedError
+
+    def events(self, job: Job) -> AsyncIterator[bytes]:
+        return _stream(self.ctx, job, self.req, self.KEY, self.mode)
+
+    def body(self, job: Job, finals: list[RequestOutput]) -> dict:
+        return _whole(self.ctx, job, self.req, finals[0], self.KEY, self.mode)
 
 
-def _prompt_ids(ctx: ServerContext, req: ChatRequest | GenerateRequest) -> list[int]:
-    """On a worker thread (ServerContext.start_job's)."""
-    if isinstance(req, ChatRequest):
+class Chat(OllamaGeneration):
+    """POST /api/chat."""
+
+    request_model = ChatRequest
+    KEY, PREFIX = "message", "chat"
+
+    @property
+    def mode(self) -> str | None:
+        return "auto" if self.req.tools else None
+
+    def empty(self) -> bool:
+        return not self.req.messages
+
+    def prompt_ids(self) -> list[int]:
+        req = self.req
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        return ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
-    if req.raw:
-        ids = ctx.client.encode_now(req.prompt)
-    else:
-        ids = ctx.client.encode_chat_now(ChatPrompt(generate_messages(req.prompt, req.system)))
-    return list(req.context or []) + ids
+        return self.ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
+
+
+class Generate(OllamaGeneration):
+    """POST /api/generate."""
+
+    request_model = GenerateRequest
+    KEY, PREFIX = "response", "generate"
+    FIELDS = {**OllamaGeneration.FIELDS, "prompt": "prompt"}
+
+    def empty(self) -> bool:
+        return not self.req.prompt
+
+    def prompt_ids(self) -> list[int]:
+        req, client = self.req, self.ctx.client
+        ids = client.encode_now(req.prompt) if req.raw else client.encode_chat_now(
+            ChatPrompt(generate_messages(req.prompt, req.system)))
+        return list(req.context or []) + ids
 
 
 def _fits(ids: list[int], context: int) -> list[int]:
@@ -240,83 +261,13 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
         yield OLLAMA.stream_error(e)
 
 
-# -- the model's card -----------------------------------------------------------------------------
-def _size(path: Path) -> int:
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    return path.stat().st_size if path.exists() else 0
-
-
-def _parameter_count(cfg) -> int:
-    """Parameters of a Llama-family decoder from its shapes (no bias terms but Qwen2's, ignored)."""
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    layer = h * q * 2 + h * kv * 2 + 3 * h * cfg.intermediate_size + 2 * h
-    return cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + cfg.num_hidden_layers * layer + h
-
-
-def _human(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-
-
-def _card(ctx: ServerContext) -> dict[str, Any]:
-    c = ctx.client
-    path = Path(c.model_path)
-    modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, timezone.utc)
-    details = {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
-               "family": c.model_config.architecture, "families": [c.model_config.architecture],
-               "parameter_size": _human(_parameter_count(c.model_config)), "quantization_level": c.quantization}
-    name = _tagged(ctx.settings.model_name)
-    return {"name": name, "model": name, "modified_at": modified.isoformat().replace("+00:00", "Z"),
-            "size": _size(path), "digest": ctx.system_fingerprint.removeprefix("fp_").ljust(64, "0"), "details": details}
-
-
 def add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    state = ctx.state
-
     @app.post("/api/chat")
     async def api_chat(request: Request) -> Response:
-        return await serve(request, ctx, ChatRequest)
+        return await Chat.handle(request, ctx)
 
     @app.post("/api/generate")
     async def api_generate(request: Request) -> Response:
-        return await serve(request, ctx, GenerateRequest)
+        return await Generate.handle(request, ctx)
 
-    @app.get("/api/version")
-    async def api_version() -> dict:
-        return {"version": OLLAMA_API_VERSION, "kvserve": __version__}
-
-    @app.get("/api/tags")
-    async def api_tags() -> dict:
-        state.require_ready()
-        return {"models": [_card(ctx)]}
-
-    @app.get("/api/ps")
-    async def api_ps() -> dict:
-        state.require_ready()
-        card = _card(ctx)
-        return {"models": [{**{k: card[k] for k in ("name", "model", "size", "digest", "details")},
-                            "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
-                            "context_length": ctx.client.max_model_len}]}
-
-    @app.post("/api/show")
-    async def api_show(request: Request) -> dict:
-        state.require_ready()
-        req = await ctx.parse(request, ShowRequest)
-        given = req.model or req.name
-        if given is None:
-            raise APIError(400, "model is required", param="model")
-        if given.removesuffix(":latest") != ctx.settings.model_name:
-            raise APIError(404, f"model {given!r} not found: GET /api/tags lists the one served here", param="model")
-        c, card = ctx.client, _card(ctx)
-        cfg, arch = c.model_config, c.model_config.architecture
-        parameters = "\n".join(f"{k} {json.dumps(v)}" for k, v in ctx.settings.defaults.items())
-        return {"modelfile": f"# served by kvserve {__version__}\nFROM {c.model_path}\n",
-                "parameters": parameters, "template": c.tokenizer.chat_template.source,
-                "details": card["details"], "modified_at": card["modified_at"],
-                "model_info": {"general.architecture": arch, "general.parameter_count": _parameter_count(cfg),
-                               f"{arch}.context_length": c.max_model_len,
-                               f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
-                               f"{arch}.attention.head_count": cfg.num_attention_heads,
-                               f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
-                               f"{arch}.vocab_size": cfg.vocab_size},
-                "capabilities": ["completion", "tools"]}
+    ollama_models.add_routes(app, ctx)

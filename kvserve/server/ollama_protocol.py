@@ -4,8 +4,9 @@
 `options` take Ollama's names: temperature, top_p, top_k, min_p, seed, num_predict (-1 or -2:
 until the context is full), stop, repeat_penalty (kvserve's repetition_penalty),
 presence_penalty, frequency_penalty, and num_ctx, which may narrow the served context but not
-widen it. Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change nothing
-here and are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
+widen it; kvserve's own `speculative: false` keeps a request out of speculative decoding.
+Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change nothing here and
+are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
 unless they are at their off values. Unknown fields are refused by name, as everywhere in kvserve.
 
 `chat_messages` and `generate_messages` work on plain JSON so that the router renders exactly what
@@ -42,6 +43,7 @@ class Options(_Strict):
     mirostat_eta: float | None = None
     typical_p: float | None = None
     tfs_z: float | None = None
+    speculative: bool | None = None  # kvserve's: false, never drafted for when the server speculates
     # How Ollama loads and runs a model: nothing to do with kvserve's engine.
     numa: Any = None
     num_batch: Any = None
@@ -75,6 +77,8 @@ class Options(_Strict):
                  "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty"}
         out = {ours: getattr(self, theirs) for theirs, ours in names.items() if getattr(self, theirs) is not None}
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
         if self.stop is not None:
             out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return out

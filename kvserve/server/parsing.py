@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from kvserve.errors import shown
-from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, from_invalid, from_validation_error
+from kvserve.server.errors import APIError, from_validation_error
 from kvserve.web.body import read_body
 
 M = TypeVar("M", bound=BaseModel)
@@ -124,13 +122,6 @@ def reject(condition: bool, param: str, message: str) -> None:
     """400 for a parameter the engine does not support in the value given."""
     if condition:
         raise APIError(400, f"{param} {message}", param=param)
-
-
-def sampling_params(build: Callable[[], SamplingParams], renames: Mapping[str, str] | None = None) -> SamplingParams:
-    try:
-        return build()
-    except ValueError as e:
-        raise from_invalid(e, renames) from None
 
 
 def reject_unsupported_extras(req: Any) -> None:

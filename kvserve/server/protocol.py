@@ -386,6 +386,7 @@ class ResponsesRequest(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int = 0
+    speculative: bool = True  # false: never drafted for when the server speculates (--speculative)
     # OpenAI's, accepted and ignored (logged): they change nothing kvserve does.
     stream_options: Any = None
     reasoning: Any = None

@@ -13,16 +13,13 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from kvserve.server.errors import OPENAI, APIError, Dialect, dialect
-
-if TYPE_CHECKING:
-    from kvserve.server.lifecycle import Admission, ServerState
+from kvserve.server.errors import OPENAI, APIError, Dialect
 
 log = logging.getLogger("kvserve.server")
 T = TypeVar("T")
@@ -121,28 +118,3 @@ class EventStream(Response):
             if aclose is not None:
                 await aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def respond(
-    request: Request,
-    state: ServerState,
-    admission: Admission,
-    stream: bool,
-    events: Callable[[], AsyncIterator[bytes]],
-    collect: Callable[[], Awaitable[T]],
-    render: Callable[[T], dict],
-) -> Response:
-    """Stream the admitted work's events, or collect it and render the body; the admission is
-    released when the response is done, however it ends.
-
-    A client that leaves before a whole answer is ready gets nothing, and its work is dropped.
-    """
-    if stream:
-        return EventStream(events(), admission.release, state.work, dialect(request.url.path))
-    try:
-        result = await run_until_disconnect(request, collect(), state.work)
-    except ClientDisconnected:
-        return Response(status_code=499)  # nobody is listening
-    finally:
-        admission.release()
-    return JSONResponse(render(result))

@@ -1,0 +1,228 @@
+"""OpenAI's Responses API on the way in: a request's items, tools, tool_choice and text.format as
+kvserve's chat sees them (messages for the chat template, OpenAI-form tools, one output
+constraint) and its sampling. Each kind of item or tool kvserve does not serve is refused by name.
+
+`plain_items` and `chat_messages` work on plain JSON so that the router renders exactly what the
+server renders (kvserve/router/request.py).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, from_validation_error
+from kvserve.server.parsing import reject
+from kvserve.server.protocol import (
+    ResponsesContentPart,
+    ResponsesFunctionCallItem,
+    ResponsesFunctionCallOutputItem,
+    ResponsesFunctionTool,
+    ResponsesMessageItem,
+    ResponsesRequest,
+)
+from kvserve.structured.spec import Constraint, json_schema
+from kvserve.structured.tools import forced_call_constraint
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """400 naming each OpenAI field that asks for what kvserve does not do."""
+    reject(req.background is True, "background", "is not supported: kvserve answers a response while the request is "
+           "open (stream it for progress); send false or leave it out")
+    reject(req.background_options is not None, "background_options", "is not supported: kvserve has no background mode")
+    reject(req.conversation is not None, "conversation", "is not supported: kvserve has no Conversations API; chain "
+           "responses with previous_response_id, or send the whole conversation as input")
+    reject(req.prompt is not None, "prompt", "is not supported: kvserve has no stored prompt templates; send "
+           "instructions and input")
+    reject(req.truncation == "auto", "truncation", "\"auto\" is not supported: kvserve never drops input to fit the "
+           "context (a conversation that does not fit is refused); send \"disabled\" or leave it out")
+    reject(req.context_management is not None, "context_management", "is not supported: kvserve does not compact "
+           "conversations")
+    reject(req.moderation is not None, "moderation", "is not supported: kvserve runs no moderation model")
+    reject(req.image is not None, "image", "is not supported: kvserve serves a text-only model")
+
+
+def _validated(model: type[BaseModel], data: Any, where: str) -> Any:
+    """`data` as `model`, or a 400 whose message and param start with `where` (e.g. input[2])."""
+    if not isinstance(data, dict):
+        raise APIError(400, f"{where}: must be an object", param=where)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        inner = from_validation_error(e)
+        if inner.param is None:
+            raise APIError(400, f"{where}: {inner.message}", param=where) from None
+        raise APIError(400, f"{where}.{inner.message}", param=f"{where}.{inner.param}") from None
+
+
+def _text(content: str | list[ResponsesContentPart], where: str) -> str:
+    """A message's or a tool result's content as one string (text parts joined)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type in _TEXT_PARTS:
+            if part.text is None:
+                raise APIError(400, f"{where}[{j}].text: is required", param=f"{where}[{j}].text")
+            texts.append(part.text)
+        elif part.type == "refusal":
+            texts.append(part.refusal or "")
+        else:
+            raise APIError(400, f"{where}[{j}].type: {part.type!r} content is not supported: kvserve serves a "
+                           "text-only model; send input_text parts", param=f"{where}[{j}].type")
+    return "".join(texts)
+
+
+def plain_items(raw: list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+    """Input (or output) items as the plain forms this module works with:
+        {"type": "message", "role", "content": str}
+        {"type": "function_call", "call_id", "name", "arguments"}
+        {"type": "function_call_output", "call_id", "output": str}
+    Reasoning items are dropped (kvserve's models write none, and another's cannot be shown to
+    this one); every other kind is a 400 naming it."""
+    out = []
+    for i, item in enumerate(raw):
+        here = f"{where}[{i}]"
+        kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
+        if kind == "message":
+            m = _validated(ResponsesMessageItem, item, here)
+            out.append({"type": "message", "role": m.role, "content": _text(m.content, f"{here}.content")})
+        elif kind == "function_call":
+            c = _validated(ResponsesFunctionCallItem, item, here)
+            out.append({"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments})
+        elif kind == "function_call_output":
+            r = _validated(ResponsesFunctionCallOutputItem, item, here)
+            out.append({"type": "function_call_output", "call_id": r.call_id, "output": _text(r.output, f"{here}.output")})
+        elif kind == "reasoning":
+            continue
+        elif not isinstance(item, dict):
+            raise APIError(400, f"{here}: must be an object", param=here)
+        elif kind is None:
+            raise APIError(400, f"{here}: give its type (message, function_call or function_call_output), or a role "
+                           "for a message", param=f"{here}.type")
+        else:
+            raise APIError(400, f"{here}.type: {kind!r} items are not supported: kvserve takes message, function_call "
+                           "and function_call_output items", param=f"{here}.type")
+    return out
+
+
+def chat_messages(items: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """Plain items → the messages a chat template renders: developer is system, consecutive
+    function calls are one assistant message's tool_calls (after its text, if any), and each
+    function_call_output is a tool message."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append({"role": "system" if item["role"] == "developer" else item["role"],
+                             "content": item["content"]})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages
+
+
+def function_tools(raw: list[dict[str, Any]] | None) -> list[ResponsesFunctionTool]:
+    tools = []
+    for i, tool in enumerate(raw or []):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            where = f"tools[{i}].type" if isinstance(tool, dict) else f"tools[{i}]"
+            what = f"the built-in tool {kind!r}" if isinstance(kind, str) else "a tool without a type"
+            raise APIError(400, f"{where}: {what} is not supported: kvserve serves function tools only "
+                           "({\"type\": \"function\", \"name\": ..., \"parameters\": {...}})", param=where)
+        tools.append(_validated(ResponsesFunctionTool, tool, f"tools[{i}]"))
+    names = [t.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise APIError(400, f"tools: two tools are named {dup!r}; names must be unique", param="tools")
+    return tools
+
+
+def tool_choice(choice: str | dict[str, Any] | None, tools: list[ResponsesFunctionTool]) -> str | dict[str, Any]:
+    """"none", "auto", "required" or {"type": "function", "name": ...} (400 for the rest)."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in _TOOL_CHOICES:
+            raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or {{\"type\": \"function\", "
+                           f"\"name\": ...}}, got {choice!r:.60}", param="tool_choice")
+        if choice == "required" and not tools:
+            raise APIError(400, "tool_choice \"required\" needs tools: list the functions it may call", param="tool_choice")
+        return choice
+    kind = choice.get("type")
+    if kind != "function":
+        raise APIError(400, f"tool_choice: {kind!r:.60} is not supported: kvserve serves function tools only (\"none\", "
+                       "\"auto\", \"required\" or {\"type\": \"function\", \"name\": ...})", param="tool_choice.type")
+    name = choice.get("name", (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None)
+    if not isinstance(name, str):
+        raise APIError(400, "tool_choice.name: is required (the function to call)", param="tool_choice.name")
+    if name not in {t.name for t in tools}:
+        listed = ", ".join(repr(t.name) for t in tools) or "none"
+        raise APIError(400, f"tool_choice names the function {name!r:.80}, which is not among the tools ({listed})",
+                       param="tool_choice.name")
+    return {"type": "function", "name": name}
+
+
+def chat_tool(t: ResponsesFunctionTool) -> dict[str, Any]:
+    fn = {"name": t.name, "description": t.description, "parameters": t.parameters}
+    return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
+def text_format(req: ResponsesRequest) -> dict[str, Any]:
+    """text.format as the response echoes it."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return {"type": "text"}
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "name": fmt.name, "schema": fmt.schema_, "description": fmt.description,
+            "strict": fmt.strict}
+
+
+def output_constraint(req: ResponsesRequest, tools: list[ResponsesFunctionTool], choice: str | dict) -> Constraint | None:
+    """The output's one constraint. A forced call (tool_choice "required" or named) wins over
+    text.format: that turn's output is the call, and text.format shapes a later turn's message
+    (an agent forcing a tool and then answering in a schema sends both, each turn)."""
+    if tools and choice not in ("auto", "none"):
+        named = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice["name"]}}
+        return forced_call_constraint([chat_tool(t) for t in tools], named, req.parallel_tool_calls is True)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        return Constraint("json_object", "", "text.format")
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format.schema: is required for a json_schema format", param="text.format.schema")
+        return json_schema(fmt.schema_, "text.format.schema")
+    return None
+
+
+def tool_mode(tools: list, choice: str | dict, constraint: Constraint | None) -> str | None:
+    """As openai_compat.tool_mode: None (no tool parsing), "auto" or "forced"."""
+    if not tools or choice == "none":
+        return None
+    if choice == "auto":  # under text.format the answer is the schema's JSON, never a call
+        return None if constraint is not None else "auto"
+    return "forced"
+
+
+def sampling_params(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defaults: dict,
+              constraint: Constraint | None) -> SamplingParams:
+    given = {**defaults, **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                           if getattr(req, k) is not None}}
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(n=1, seed=req.seed, stop=stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                          ignore_eos=req.ignore_eos, logprobs=logprobs, priority=req.priority, constraint=constraint,
+                          speculative=req.speculative, **given)
