@@ -132,8 +132,9 @@ class DraftModelDrafter:
                 same += 1
             st.valid, st.fed = min(st.valid + same, len(tokens) - 1), []  # the newest token is always fed
             while k >= 1 and not self.manager.allocate(seq.seq_id, len(tokens) + k - 1):
-                k = k - 1 if k > 1 else 0
+                k -= 1
             if k >= 1:
+                self.manager.trim(seq.seq_id, len(tokens) + k - 1)  # a shorter draft than last time: blocks back
                 todo.append((i, seq, st.valid, k))
         if not todo:
             return out
