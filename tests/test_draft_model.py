@@ -85,16 +85,40 @@ def test_draft_blocks_go_back_on_preemption_and_abort(make_llm, tiny_llama_dir) 
     assert (pool.num_used_blocks, pool.num_free_blocks) == (0, pool.num_blocks)
 
 
-def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path) -> None:
+def respelt(model_dir, directory, token_id: int, text: str):
+    """A copy of a model directory whose tokenizer spells one token otherwise."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, directory)
+    path = directory / "tokenizer.json"
+    t = json.loads(path.read_text())
+    [added] = [a for a in t["added_tokens"] if a["id"] == token_id]
+    t["model"]["vocab"][text] = t["model"]["vocab"].pop(added["content"])
+    added["content"] = text
+    path.write_text(json.dumps(t))
+    return directory
+
+
+def test_a_draft_model_must_have_the_targets_vocabulary(make_llm, tiny_llama_dir, tmp_path) -> None:
     from tiny_models import make_tiny_hf_model
 
-    _, other = make_tiny_hf_model(tmp_path / "wider", vocab_size=49280, num_layers=1)
-    with pytest.raises(ValueError) as e:
-        LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=16), speculative=draft_config(other))
-    assert str(e.value) == (
-        f"draft model {str(other)!r} has a vocabulary of 49280 (tokenizer 49152) against the target's 49152 (tokenizer "
-        "49152): a draft model must share the target's tokenizer; use a smaller model of the same family, or the "
-        "target itself in a quantized format")
+    # Another model with the same tokens (one layer, other weights: its drafts are mostly wrong).
+    _, other = make_tiny_hf_model(tmp_path / "other", num_layers=1, seed=1)
+    off, on = make_llm(), make_llm(speculative=draft_config(other))
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    assert on.generate(copy_heavy(2), sp, use_tqdm=False)[0].token_ids == \
+        off.generate(copy_heavy(2), sp, use_tqdm=False)[0].token_ids
+    s = on.engine.stats()
+    assert s.spec_draft_tokens > s.spec_accepted_tokens and on.drafter.manager.pool.num_used_blocks == 0
+    _, wider = make_tiny_hf_model(tmp_path / "wider", vocab_size=49280, num_layers=1)
+    for draft, what in ((respelt(other, tmp_path / "respelt", 3, "<other>"), "the same size, but different tokens"),
+                        (wider, "49280 (tokenizer 49152) against the target's 49152 (tokenizer 49152)")):
+        with pytest.raises(ValueError) as e:
+            LLM(str(tiny_llama_dir), dtype="float32", cache=CacheConfig(num_blocks=16), speculative=draft_config(draft))
+        assert str(e.value) == (
+            f"draft model {str(draft)!r} has a vocabulary of {what}: a draft model must share the target's tokenizer; "
+            "use a smaller model of the same family, or the target itself in a quantized format")
     with pytest.raises(ValueError) as e:
         SpeculativeConfig(method="draft")
     assert str(e.value) == ("speculative method 'draft' needs draft_model: a model with the target's vocabulary "
