@@ -4,7 +4,6 @@ and given back on finish, abort and preemption."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve import LLM, CacheConfig, SamplingParams, SpeculativeConfig
 from test_speculative import GREEDY, copy_heavy, random_prompts
@@ -131,27 +130,20 @@ def serve_args(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_serve_flags_build_the_draft_model_and_refuse_a_missing_one(tiny_llama_dir) -> None:
-    from kvserve.server.cli import load_llm, settings_from_args
+def test_serve_refuses_draft_flags_that_do_not_go_together(tiny_llama_dir) -> None:
+    from kvserve.server.cli import settings_from_args
 
-    with pytest.raises(ValueError) as e:
-        settings_from_args(serve_args("--model", str(tiny_llama_dir), "--speculative", "draft"))
-    assert str(e.value) == ("--speculative draft needs --draft-model MODEL: a model with the target's vocabulary "
-                            "(an alias, .gguf file or Hugging Face directory)")
-    with pytest.raises(ValueError) as e:
-        settings_from_args(serve_args("--model", str(tiny_llama_dir), "--draft-model", str(tiny_llama_dir)))
-    assert str(e.value) == "--draft-model only work with --speculative draft: add it, or leave them out"
-    args = serve_args("--model", str(tiny_llama_dir), "--dtype", "float32", "--kv-cache-gib", "0.01", "--speculative",
-                      "draft", "--draft-model", str(tiny_llama_dir), "--draft-quantize", "q8_0",
-                      "--draft-kv-cache-gib", "0.005")
-    settings_from_args(args)
-    llm = load_llm(args)
-    # float16 under quantized weights: 2 x 2 layers x 2 KV heads x 16 dims x 2 bytes = 256 bytes per token,
-    # 4 KiB per block of 16; 0.005 GiB hold 1310 of them
-    assert (llm.drafter.sizing.num_blocks, llm.drafter.sizing.dtype) == (1310, torch.float16)
-    out = llm.generate(copy_heavy(1), SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0]
-    assert len(out.token_ids) == 12 and llm.engine.stats().spec_accepted_tokens > 0
-    assert llm.drafter.manager.pool.num_used_blocks == 0
+    for argv, message in (
+        (["--speculative", "draft"], "--speculative draft needs --draft-model MODEL: a model with the target's "
+                                     "vocabulary (an alias, .gguf file or Hugging Face directory)"),
+        (["--draft-model", str(tiny_llama_dir), "--draft-kv-cache-gib", "1"],
+         "--draft-model and --draft-kv-cache-gib only work with --speculative draft: add it, or leave them out"),
+        (["--speculative", "draft", "--draft-model", str(tiny_llama_dir), "--draft-kv-cache-gib", "0"],
+         "--draft-kv-cache-gib must be > 0, got 0.0"),
+    ):
+        with pytest.raises(ValueError) as e:
+            settings_from_args(serve_args("--model", str(tiny_llama_dir), *argv))
+        assert str(e.value) == message
 
 
 @pytest.mark.slow
@@ -167,3 +159,26 @@ def test_default_model_float32_drafted_by_its_q4_1_file() -> None:
     s = llm.engine.stats()
     assert s.spec_accepted_tokens > 0.5 * s.spec_draft_tokens
     assert llm.drafter.manager.pool.num_used_blocks == 0 and llm.manager.pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_server_drafts_with_a_draft_model(tmp_path_factory) -> None:
+    import openai
+    from server_harness import MODEL_NAME, start_server, tiny_model_dir
+
+    server = start_server(tmp_path_factory, "--speculative", "draft", "--draft-model", str(tiny_model_dir(tmp_path_factory)),
+                          "--draft-quantize", "q8_0", "--draft-kv-cache-gib", "0.005")
+    try:
+        # float16 under quantized weights: 2 x 2 layers x 2 KV heads x 16 dims x 2 bytes = 256 bytes per token,
+        # 4 KiB per block of 16; 0.005 GiB hold 1310 of them
+        assert "draft KV cache: 1310 blocks x 16 tokens" in server.log()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, timeout=60, max_retries=0)
+        ask = dict(model=MODEL_NAME, prompt=copy_heavy(7), max_tokens=20, temperature=0)
+        plain = client.completions.create(**ask, extra_body={"ignore_eos": True, "speculative": False})
+        assert server.metric("kvserve_spec_decode_num_draft_tokens_total") == 0
+        spec = client.completions.create(**ask, extra_body={"ignore_eos": True})
+        assert spec.choices[0].text == plain.choices[0].text and spec.usage.completion_tokens == 20
+        drafted = server.metric("kvserve_spec_decode_num_draft_tokens_total")
+        assert drafted >= server.metric("kvserve_spec_decode_num_accepted_tokens_total") > drafted / 2
+    finally:
+        server.stop()
