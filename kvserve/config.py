@@ -100,7 +100,9 @@ class SpeculativeConfig:
     On a CPU a forward over a few tokens of one sequence costs little more than over one (the
     weights are read once per step), so each accepted draft token is nearly free."""
 
-    method: str = "ngram"  # prompt lookup: the tokens that followed the latest n-gram's earlier match
+    # "ngram": prompt lookup, the tokens that followed the latest n-gram's earlier match;
+    # "draft": a draft model's greedy tokens (engine/draft_model.py)
+    method: str = "ngram"
     num_speculative_tokens: int = 4  # the most tokens drafted per sequence per step
     prompt_lookup_max: int = 3  # n-gram lengths tried, longest first
     prompt_lookup_min: int = 1
@@ -112,10 +114,23 @@ class SpeculativeConfig:
     # What one more row of a decode step costs, as a share of a one-row step's time; None: measured
     # from the engine's own steps (engine/speculative.py's StepTimes). 0 drafts whenever acceptance allows.
     row_cost: float | None = None
+    # method "draft": the draft model (an alias, .gguf file or Hugging Face directory, as the target is
+    # named) with the target's vocabulary, e.g. the target itself in a quantized format; its weights
+    # as LLM's `quantization` says ("auto" keeps a GGUF's quantized blocks).
+    draft_model: str | None = None
+    draft_quantization: str = "auto"
+    # The draft's own KV pool in bytes; None: as many tokens as the target's pool and one block per
+    # sequence more (it then runs dry no sooner than the target's; pages are touched as they fill).
+    draft_kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method must be 'ngram', got {self.method!r}")
+        if self.method not in ("ngram", "draft"):
+            raise ValueError(f"speculative method must be 'ngram' or 'draft', got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model: a model with the target's vocabulary "
+                             "(an alias, .gguf file or Hugging Face directory)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"draft_model is for speculative method 'draft', not {self.method!r}: set method='draft'")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.row_cost is not None and not 0.0 <= self.row_cost <= 10.0:

@@ -25,7 +25,10 @@ of a 512-token prompt; the default (False) multiplies long prefills with sgemm p
 `CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
 pool evicts are saved there and read back by later prompts, after a restart too.
 `speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch
-(engine/speculative.py): greedy output is unchanged, sampled output keeps its distribution.
+(engine/speculative.py): greedy output is unchanged, sampled output keeps its distribution;
+`SpeculativeConfig(method="draft", draft_model="smollm2-135m")` drafts with a model of the same
+vocabulary instead (engine/draft_model.py), e.g. the Q4_1 file for `LLM(dtype="float32",
+quantization="none")`, the same model decoded to float32.
 """
 from __future__ import annotations
 
@@ -214,9 +217,16 @@ class LLM:
         self.runner = ModelRunner(self.model, kv_caches, cache.block_size, self._sampler, self.eos_token_ids,
                                   kv_scales)
         self.scheduler_config = scheduler
+        self.drafter = None  # a draft model, for speculative method "draft" (engine/draft_model.py)
+        if speculative is not None and speculative.method == "draft":
+            from kvserve.engine.draft_model import DraftModelDrafter
+
+            self.drafter = DraftModelDrafter.load(speculative, self.tokenizer, self.config.vocab_size, cache.block_size,
+                                                  self.kv_sizing.num_tokens, scheduler.max_num_seqs,
+                                                  scheduler.max_num_batched_tokens, self.dtype)
         self.engine = LLMEngine(
             self.tokenizer, self.runner, self.manager, scheduler, self.config.vocab_size,
-            self.max_model_len, self.eos_token_ids, speculative,
+            self.max_model_len, self.eos_token_ids, speculative, self.drafter,
         )
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches

@@ -1,11 +1,14 @@
-"""What speculative decoding by prompt lookup gives, in one process: `python -m kvserve.bench.speculative`.
+"""What speculative decoding gives, in one process: `python -m kvserve.bench.speculative`.
 
 One `LLM` with speculation on; each run generates the same prompts with `speculative` false, then
 true (the order alternates between repetitions), so both settings share the process, the weights
-and whatever else the machine is doing. Workloads are `kvserve bench serve`'s: `copy` (rewrite a
-passage of kvserve's source with one word changed) and `random` (random words), chat-templated,
-greedy, a fixed number of output tokens. Reported: the best tokens/s of each setting and their
-ratio, at each number of users (prompts generated together).
+and whatever else the machine is doing. `--method ngram` (default): prompt lookup on the default
+model as served by default; `--method draft`: the default model decoded to float32 (`quantization
+"none"`) drafted for by `--draft-model` (default: its own Q4_1 file). Workloads are `kvserve bench
+serve`'s: `copy` (rewrite a passage of kvserve's source with one word changed) and `random` (random
+words), chat-templated, greedy, a fixed number of output tokens. Reported: the best tokens/s of each
+setting and their ratio, at each number of users (prompts generated together), the drafted and
+accepted tokens, and whether every greedy output was the same with speculation as without.
 """
 from __future__ import annotations
 
@@ -24,18 +27,25 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs of each setting; the best counts (default: 2)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--method", default="ngram", choices=("ngram", "draft"))
+    p.add_argument("--draft-model", default="smollm2-135m", help="with --method draft (default: smollm2-135m, Q4_1)")
     args = p.parse_args()
     users = [int(u) for u in args.users.split(",")]
     # No prefix cache: the second setting's prompt would otherwise be prefilled from it.
-    llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens),
-              cache=CacheConfig(enable_prefix_caching=False))
-    print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    cache = CacheConfig(enable_prefix_caching=False)
+    if args.method == "draft":
+        llm = LLM(dtype="float32", quantization="none", cache=cache, speculative=SpeculativeConfig(
+            method="draft", draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens))
+    else:
+        llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens), cache=cache)
+    print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):
         cfg = DatasetConfig(name=ds, num_prompts=max(users), input_len=args.input_len, output_len=args.output_len)
         prompts = [llm.encode_chat([{"role": "user", "content": s.prompt}]) for s in load_samples(cfg, llm.tokenizer)]
         for n in users:
             best: dict[bool, float] = {}
+            tokens: dict[bool, set[tuple[tuple[int, ...], ...]]] = {False: set(), True: set()}
             before = llm.engine.stats()
             for r in range(args.repeats):
                 for spec in (False, True) if r % 2 == 0 else (True, False):
@@ -45,10 +55,13 @@ def main() -> None:
                     outs = llm.generate(prompts[:n], sp, use_tqdm=False)
                     rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
                     best[spec] = max(best.get(spec, 0.0), rate)
+                    tokens[spec].add(tuple(tuple(o.token_ids) for o in outs))
             s = llm.engine.stats()
+            drafted = s.spec_draft_tokens - before.spec_draft_tokens
+            accepted = s.spec_accepted_tokens - before.spec_accepted_tokens
+            same = "yes" if len(tokens[False]) == 1 and tokens[False] == tokens[True] else "NO"
             print(f"| {ds} | {n} | {best[False]:.1f} | {best[True]:.1f} | {best[True] / best[False]:.2f} | "
-                  f"{s.spec_draft_tokens - before.spec_draft_tokens} | "
-                  f"{s.spec_accepted_tokens - before.spec_accepted_tokens} |", flush=True)
+                  f"{drafted} | {accepted} | {accepted / drafted if drafted else 0:.2f} | {same} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig, SpeculativeConfig
+from kvserve.engine.drafter import Drafter
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.postprocess import append_token, make_output
 from kvserve.engine.request import Request, SeqStatus, Sequence
@@ -65,12 +66,14 @@ class LLMEngine:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         speculative: SpeculativeConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.runner = runner
         self.manager = manager
         # Drafts verified in the batch (engine/speculative.py); None: one token per sequence per step.
-        self.speculator = Speculator(speculative, max_model_len) if speculative else None
+        # drafter: None for prompt lookup; a DraftModelDrafter for method "draft" (LLM builds it).
+        self.speculator = Speculator(speculative, max_model_len, drafter) if speculative else None
         self.scheduler = Scheduler(scheduler_config, manager, self.speculator)
         self.sampler = runner.sampler
         self.vocab_size = vocab_size

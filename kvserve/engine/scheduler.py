@@ -88,6 +88,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.manager.free(seq.seq_id)
+        if self.speculator:  # a draft model's blocks for it go too
+            self.speculator.release(seq)
         if seq.wants_prompt_outputs:  # its prompt's outputs so far are of blocks now gone
             seq.request.reset_prompt_outputs()
         seq.num_computed_tokens = 0

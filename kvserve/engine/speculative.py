@@ -19,6 +19,9 @@ A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY 
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step. Probes are drafted whatever the cost model says.
 
+The drafter is prompt lookup (engine/drafter.py) or, with method "draft", a draft model's greedy
+tokens (engine/draft_model.py): it runs its own forwards, so each drafted row costs a draft step too.
+
 Sequences with a grammar (their token masks would have to advance along the draft) and
 prefill-only requests never draft; a request opts out with SamplingParams(speculative=False).
 """
@@ -182,6 +185,11 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._state.pop(seq.seq_id, None)
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """What the drafter keeps for seq goes (a draft model's KV blocks); its record stays. Called
+        on preemption too."""
         forget = getattr(self.drafter, "forget", None)
         if forget is not None:
             forget(seq)

@@ -87,13 +87,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--kv-disk-gib", type=float, default=None,
                    help="the disk tier's bound; the least recently used blocks are deleted past it (default: 4)")
     e.add_argument("--seed", type=int, default=None, help="seed of the engine's shared random generator")
-    e.add_argument("--speculative", default=None, choices=("ngram",),
+    e.add_argument("--speculative", default=None, choices=("ngram", "draft"),
                    help="speculative decoding: ngram drafts tokens by prompt lookup (the tokens that followed the "
-                        "latest n-gram earlier in the prompt or output) and verifies them in the batch; greedy "
-                        "output is unchanged, sampling keeps its distribution; a request opts out with "
-                        "\"speculative\": false (default: off)")
+                        "latest n-gram earlier in the prompt or output), draft by a draft model's greedy tokens "
+                        "(--draft-model); either is verified in the batch: greedy output is unchanged, sampling "
+                        "keeps its distribution; a request opts out with \"speculative\": false (default: off)")
     e.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="the most tokens drafted per sequence per step, with --speculative (default: 4)")
+    e.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="with --speculative draft: the draft model, named as --model is, with the target's "
+                        "vocabulary, e.g. smollm2-135m (Q4_1) for --model smollm2-135m --quantize none --dtype float32")
+    e.add_argument("--draft-quantize", default="auto", choices=("auto", "none", "q8_0", "q4_0"),
+                   help="the draft model's weights, as --quantize (default: auto)")
+    e.add_argument("--draft-kv-cache-gib", type=float, default=None,
+                   help="the draft model's own KV cache (default: as many tokens as the target's KV cache, and one "
+                        "block per sequence more)")
     d = p.add_argument_group("chat and sampling defaults")
     d.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template file to use instead of the model's")
     d.add_argument("--generation-config", default="auto", choices=("auto", "none"),
@@ -209,7 +217,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
         torch.set_num_threads(threads)
 
+    _check_speculative(args)
     path = resolve_model_path(args.model)  # a wrong name fails now, in one line, not after startup
+    if args.draft_model is not None:
+        resolve_model_path(args.draft_model)
     if args.chat_template is not None:
         from kvserve.tokenizer.chat_template import ChatTemplate
 
@@ -269,6 +280,19 @@ def _check_limits(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {allowed}, got {value}")
 
 
+def _check_speculative(args: argparse.Namespace) -> None:
+    if args.speculative == "draft" and args.draft_model is None:
+        raise ValueError("--speculative draft needs --draft-model MODEL: a model with the target's vocabulary "
+                         "(an alias, .gguf file or Hugging Face directory)")
+    draft_only = [flag for flag, on in (("--draft-model", args.draft_model is not None),
+                                        ("--draft-quantize", args.draft_quantize != "auto"),
+                                        ("--draft-kv-cache-gib", args.draft_kv_cache_gib is not None)) if on]
+    if draft_only and args.speculative != "draft":
+        raise ValueError(f"{' and '.join(draft_only)} only work with --speculative draft: add it, or leave them out")
+    if args.draft_kv_cache_gib is not None and args.draft_kv_cache_gib <= 0:
+        raise ValueError(f"--draft-kv-cache-gib must be > 0, got {args.draft_kv_cache_gib}")
+
+
 def _check_kv_disk(args: argparse.Namespace) -> None:
     if args.kv_disk_path is None:
         if args.kv_disk_gib is not None:
@@ -315,8 +339,13 @@ def load_llm(args: argparse.Namespace) -> LLM:
         disk_bytes=int((args.kv_disk_gib or DEFAULT_DISK_GIB) * (1 << 30)),
     )
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
-    spec = (SpeculativeConfig(args.speculative, num_speculative_tokens=args.num_speculative_tokens)
-            if args.speculative else None)
+    spec = None
+    if args.speculative:
+        draft_kv = int(args.draft_kv_cache_gib * (1 << 30)) if args.draft_kv_cache_gib else None
+        spec = SpeculativeConfig(args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                                 draft_model=args.draft_model,
+                                 draft_quantization=args.draft_quantize,
+                                 draft_kv_cache_bytes=draft_kv)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,
               batch_invariant=args.batch_invariant, speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
     if args.chat_template is not None:
