@@ -160,6 +160,7 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        planned = time.monotonic()  # scheduling includes drafting (a draft model's forwards)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if not sched.preempted:  # a step that only preempted may admit next time
@@ -171,7 +172,8 @@ class LLMEngine:
         accepted = {seq: v.num_accepted for seq, v in zip(result.spec_seqs, result.verified)}
         self.timeline.step(sched, started, ended, accepted)
         if self.speculator and all(n == 1 + len(sched.drafts.get(seq, ())) for seq, n in sched.scheduled):
-            self.speculator.record_step(sched.num_tokens, ended - started)  # what a decode step of these rows costs
+            # what a decode step of these rows costs, drafting included
+            self.speculator.record_step(sched.num_tokens, ended - planned)
         self.scheduler.update(sched, accepted)
         return self._update(result, sched)
 

@@ -8,8 +8,8 @@ it costs, and both are measured, not assumed:
   alpha  = a decayed estimate of the chance that a sequence's drafted token is accepted (tokens
            accepted / tokens tried, a try ending at the first rejection), starting optimistic;
            its j-th drafted token is emitted with probability alpha^j.
-  T(R)   = the time of a decode step of R rows (StepTimes: fitted as a + b·R to this engine's own
-           decode steps, so it knows whether a row is nearly free — a float model reading its
+  T(R)   = the time of a decode step of R rows, drafting included (StepTimes: fitted as a + b·R to
+           this engine's own decode steps, so it knows whether a row is nearly free — a float model reading its
            weights once for any batch — or costs a share of the step, as in the integer kernels).
   A step starts with its decode rows (N = R expected tokens, one each); candidate drafted tokens
   are added best gain first while gain · T(R) > N · (T(R + 1) - T(R)): each row must raise the
