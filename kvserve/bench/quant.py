@@ -101,7 +101,7 @@ def library(args, clock) -> None:
         print(f"\n{name}: µs per call\n")
         print("| kernel | " + " | ".join(f"B={B}" for B in batches) + " |")
         print("|---|" + "---:|" * len(batches))
-        lin = QuantizedLinear(random_weight(qtype, rows, cols))
+        lin = QuantizedLinear(random_weight(qtype, rows, cols).packed())  # the layout the model runs (x8 where it exists)
         lin._blas_from = 1 << 30
         fns = {f"kvserve {qtype.name} integer kernel": lin, **library_kernels(rows, cols)}
         for kname, fn in fns.items():
@@ -136,7 +136,7 @@ def main() -> None:
     for name, rows, cols, qtype in SHAPES:
         if args.shapes not in name:
             continue
-        lin = QuantizedLinear(random_weight(qtype, rows, cols))
+        lin = QuantizedLinear(random_weight(qtype, rows, cols).packed())  # the layout the model runs (x8 where it exists)
         for B in (int(b) for b in args.batches.split(",")):
             x = torch.randn(B, cols)
             calls = max(1, min(100, int(3e7 / (rows * cols / 32 * B))))

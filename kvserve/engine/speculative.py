@@ -14,7 +14,8 @@ it costs, and both are measured, not assumed:
   A step starts with its decode rows (N = R expected tokens, one each); candidate drafted tokens
   are added best gain first while gain · T(R) > N · (T(R + 1) - T(R)): each row must raise the
   step's expected tokens per second. The per-sequence cap k (alpha^k >= MIN_GAIN), the request's
-  max_tokens, the model length and max_step_rows bound it too.
+  max_tokens, the model length and max_step_rows bound it too. After EXPLORE_EVERY steps in a row
+  of refused drafts, one step drafts anyway, so the cost of rows is measured afresh.
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step. Probes are drafted whatever the cost model says.
@@ -40,6 +41,10 @@ PROBE_EVERY, MAX_PROBE_EVERY = 8, 128
 PROBE_TOKENS = 2
 ROW_SHARE = 0.4  # before two row counts are measured: one more row costs this share of a row's step time
 FORGET = 0.98  # per recorded step, the weight of older step times (contexts grow, machines get busy)
+# After this many steps in a row where the cost model refused every wanted draft, one step drafts
+# anyway: its time re-measures what rows cost (an estimate from a few old, slow steps would
+# otherwise never be corrected, since refused rows are never timed).
+EXPLORE_EVERY = 16
 
 
 @dataclass
@@ -90,8 +95,12 @@ class StepTimes:
     def __init__(self, row_cost: float | None = None) -> None:
         self.row_cost = row_cost
         self._by_rows: dict[int, list[float]] = {}  # rows -> [weight, mean seconds]
+        self._warm: set[int] = set()
 
     def record(self, rows: int, seconds: float) -> None:
+        if rows not in self._warm:  # a first step of this many rows also grows the native step's buffers
+            self._warm.add(rows)
+            return
         for point in self._by_rows.values():
             point[0] *= FORGET
         point = self._by_rows.setdefault(rows, [0.0, 0.0])
@@ -126,6 +135,7 @@ class Speculator:
         self.drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self._state: dict[str, SpecState] = {}
         self.step_times = StepTimes(config.row_cost)
+        self._refused = 0  # consecutive steps whose wanted drafts the cost model refused
         self.num_drafted = 0  # tokens drafted and verified
         self.num_accepted = 0  # of which accepted
         self.num_draft_steps = 0  # sequence-steps that verified a draft
@@ -154,16 +164,18 @@ class Speculator:
         if not candidates:
             return {}
         a, b = self.step_times.line()
+        explore = self._refused >= EXPLORE_EVERY
         rows, expected = decoding, float(decoding)
         counts: dict[Sequence, int] = {}
         for gain, probe, seq in sorted(candidates, key=lambda c: (not c[1], -c[0])):  # probes, then best gain
             if rows >= self.config.max_step_rows:
                 break
-            if not probe and gain * (a + b * rows) <= expected * b:  # the row would lower tokens per second
+            if not (probe or explore) and gain * (a + b * rows) <= expected * b:  # the row would lower tokens per second
                 break
             counts[seq] = counts.get(seq, 0) + 1
             rows += 1
             expected += gain
+        self._refused = 0 if counts else self._refused + 1
         if not counts:
             return {}
         asks = list(counts.items())
