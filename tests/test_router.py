@@ -193,6 +193,8 @@ def test_cache_aware_falls_back_to_load_when_loads_are_imbalanced(replicas, rout
     router = router_factory("cache_aware", cache_source="approximate", balance_abs_tokens=100, balance_rel=1.5)
     with router.client() as c, httpx.Client(base_url=router.url, headers=c.headers, timeout=60) as slow:
         home = c.post("/v1/chat/completions", json=chat(SYSTEM, "first")).headers["x-kvserve-replica"]
+        # The router counts an answer's load until its relay ends, a moment after the client has it all.
+        router.wait_for(lambda: all(a["in_flight"] == 0 for a in router.admin().values()))
         # Make the prefix's home busy: a long stream of the same prefix stays in flight there.
         with slow.stream("POST", "/v1/chat/completions", json={**chat(SYSTEM, "long", 400), "stream": True}) as r:
             assert r.headers["x-kvserve-replica"] == home

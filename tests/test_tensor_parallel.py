@@ -120,7 +120,8 @@ class _SplitSum:
     """One process's emulation of a column-split layer: the ranks' partial products, then their sum."""
 
     def __init__(self, lin: QuantizedLinear, cuts: list[int]) -> None:
-        self.parts = [(a, b, QuantizedLinear(_cols(lin.weight, a, b))) for a, b in zip(cuts, cuts[1:])]
+        # cut from the stored blocks and laid out for the kernel again, as each rank's shard is
+        self.parts = [(a, b, QuantizedLinear(_cols(lin.weight.unpacked(), a, b).packed())) for a, b in zip(cuts, cuts[1:])]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ys = [q(x[:, a:b].contiguous()) for a, b, q in self.parts]

@@ -119,6 +119,15 @@ class QuantizedWeight:
         return QuantizedWeight(flat.reshape(self.blocks.shape), self.qtype, self.shape, x8=True)
 
 
+    def unpacked(self) -> QuantizedWeight:
+        """The same weight in the stored GGML layout (itself if it is)."""
+        if not self.x8:
+            return self
+        out, cols = self.shape
+        flat = quant_matmul.pack_x8(self.blocks.contiguous().reshape(-1), self.kernel_type, out, cols, unpack=True)
+        return QuantizedWeight(flat.reshape(self.blocks.shape), self.qtype, self.shape)
+
+
 def x8_enabled() -> bool:
     return os.environ.get("KVSERVE_X8", "1").strip().lower() not in ("0", "false", "no", "off")
 
