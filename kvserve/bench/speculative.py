@@ -27,6 +27,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs of each setting; the best counts (default: 2)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
+                   help="ngram: the shortest n-gram matched (default: SpeculativeConfig's)")
     p.add_argument("--method", default="ngram", choices=("ngram", "draft"))
     p.add_argument("--draft-model", default="smollm2-135m", help="with --method draft (default: smollm2-135m, Q4_1)")
     args = p.parse_args()
@@ -37,7 +39,9 @@ def main() -> None:
         llm = LLM(dtype="float32", quantization="none", cache=cache, speculative=SpeculativeConfig(
             method="draft", draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens))
     else:
-        llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens), cache=cache)
+        llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
+                                                prompt_lookup_min=args.prompt_lookup_min,
+                                                prompt_lookup_max=max(3, args.prompt_lookup_min)), cache=cache)
     print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):
