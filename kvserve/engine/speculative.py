@@ -15,7 +15,7 @@ it costs, and both are measured, not assumed:
   are added best gain first while gain · T(R) > N · (T(R + 1) - T(R)): each row must raise the
   step's expected tokens per second. The per-sequence cap k (alpha^k >= MIN_GAIN), the request's
   max_tokens, the model length and max_step_rows bound it too. After EXPLORE_EVERY steps in a row
-  of refused drafts, one step drafts anyway, so the cost of rows is measured afresh.
+  of refused drafts, one step drafts one token anyway, so the cost of rows is measured afresh.
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step. Probes are drafted whatever the cost model says.
@@ -42,7 +42,7 @@ PROBE_TOKENS = 2
 ROW_SHARE = 0.4  # before two row counts are measured: one more row costs this share of a row's step time
 FORGET = 0.98  # per recorded step, the weight of older step times (contexts grow, machines get busy)
 # After this many steps in a row where the cost model refused every wanted draft, one step drafts
-# anyway: its time re-measures what rows cost (an estimate from a few old, slow steps would
+# one token anyway: its time re-measures what rows cost (an estimate from a few old, slow steps would
 # otherwise never be corrected, since refused rows are never timed).
 EXPLORE_EVERY = 16
 
@@ -170,8 +170,10 @@ class Speculator:
         for gain, probe, seq in sorted(candidates, key=lambda c: (not c[1], -c[0])):  # probes, then best gain
             if rows >= self.config.max_step_rows:
                 break
-            if not (probe or explore) and gain * (a + b * rows) <= expected * b:  # the row would lower tokens per second
-                break
+            if not probe and gain * (a + b * rows) <= expected * b:  # the row would lower tokens per second
+                if not explore:
+                    break
+                explore = False  # one row: enough to time a step one row longer
             counts[seq] = counts.get(seq, 0) + 1
             rows += 1
             expected += gain
