@@ -68,12 +68,16 @@ typedef struct {
 } kv_work;
 
 /* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */
-static acts acts_for(char *buf, long T, long cols) { return acts_over(buf, T, cols / 32); }
+static acts acts_for(char *buf, long T, const kv_linear *L) {
+    int x8 = 0;
+    for (int p = 0; p < L->nparts; p++) x8 |= L->type[p] >= X8;
+    return acts_over(buf, T, L->cols / 32, x8);
+}
 
 /* Inside the parallel region, every thread calls it: quantize x's rows, barrier, then the
  * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
 static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf) {
-    const acts A = acts_for(buf, T, L->cols);
+    const acts A = acts_for(buf, T, L);
 #pragma omp for schedule(static)
     for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
     long chunks = 0;

@@ -122,11 +122,12 @@ typedef struct {
 } acts;
 #define ACT_BYTES 76 /* per 32 values: q 32, d 4, s 4, h 4, qt 32 */
 
-/* The arrays of T rows of nb blocks laid over one buffer of T * nb * ACT_BYTES bytes. */
-static acts acts_over(char *buf, long T, long nb) {
+/* The arrays of T rows of nb blocks laid over one buffer of T * nb * ACT_BYTES bytes; qt only for
+ * a call that multiplies x8 rows (quantize_row transposes nothing otherwise). */
+static acts acts_over(char *buf, long T, long nb, int x8) {
     const size_t n = (size_t)(T * nb);
     const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb,
-                    (int8_t *)(buf + 44 * n)};
+                    x8 ? (int8_t *)(buf + 44 * n) : NULL};
     return A;
 }
 
@@ -168,7 +169,7 @@ static void quantize_row(const float *x, const acts *A, long t) {
     }
 #ifdef KV_AVX2
     /* 8 blocks x 8 words → vector s holding word s of each block: an 8 x 8 transpose of int32 */
-    for (long g = 0; g + 8 <= A->nb; g += 8) {
+    for (long g = 0; A->qt != NULL && g + 8 <= A->nb; g += 8) {
         const __m256i *src = (const __m256i *)(A->q + 32 * (t * A->nb + g));
         __m256i r[8], u[8];
         for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_si256(src + j);
@@ -734,7 +735,7 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     const size_t n = (size_t)(T * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
     char *buf = aligned_alloc(32, bytes);
     if (buf == NULL) return -2;
-    const acts A = acts_over(buf, T, nb);
+    const acts A = acts_over(buf, T, nb, qtype >= X8);
     const long chunks = (rows + 15) / 16;
 #pragma omp parallel num_threads(nthreads) if (rows * nb * T >= 8192)
     {
