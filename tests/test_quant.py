@@ -231,8 +231,9 @@ def test_default_model_keeps_its_blocks(llms) -> None:
     assert isinstance(q.model.layers[0].gate_up, QuantizedLinear)
     assert q.model.layers[0].gate_up.weight.qtype == Q.Q4_1 and q.model.embed.qtype == Q.Q8_0
     assert q.model.lm_head.weight is q.model.embed  # the tied head multiplies the same blocks
-    # The layers' Q4_1 rows are in the kernels' x8 layout where the build multiplies it
-    assert q.model.layers[0].gate_up.weight.x8 == quant_matmul.x8_available() and not q.model.embed.x8
+    # The layers' Q4_1 rows and the tied table's Q8_0 rows are in the kernels' x8 layout where the
+    # build multiplies it (one copy of the table serves the lookup and the LM head)
+    assert q.model.layers[0].gate_up.weight.x8 == quant_matmul.x8_available() == q.model.embed.x8
     # The KV cache: float16 under the quantized weights (half the bytes), float32 on the exact path.
     assert q.kv_dtype == torch.float16 and q.runner.kv_caches[0].dtype == torch.float16
     assert f.kv_dtype == torch.float32 and f.runner.kv_caches[0].dtype == torch.float32

@@ -137,9 +137,15 @@ static void embed_row(const kv_model *m, long id, float *x) {
         memcpy(x, (const float *)m->embed + id * m->hidden, sizeof(float) * m->hidden);
         return;
     }
-    const int bb = block_bytes(m->embed_type), bv = block_values(m->embed_type);
-    const uint8_t *row = m->embed + (size_t)id * (m->hidden / bv) * bb;
-    for (long b = 0; b < m->hidden / bv; b++) dequant_block(m->embed_type, row + b * bb, x + b * bv);
+    const int bb = block_bytes(m->embed_type), bv = block_values(m->embed_type), t = base_type(m->embed_type);
+    const long nb = m->hidden / bv;
+    const uint8_t *row = m->embed + (size_t)id * nb * bb;
+    uint8_t plain[m->embed_type >= X8 ? nb * bb : 1]; /* an x8 row (a tied LM head's) back in the stored layout */
+    if (m->embed_type >= X8) {
+        x8_move(t, row, plain, nb, 0);
+        row = plain;
+    }
+    for (long b = 0; b < nb; b++) dequant_block(t, row + b * bb, x + b * bv);
 }
 
 /* ids, positions, slots: [B] int64; tables [B, max_blocks] int32; seq_lens [B] int32.

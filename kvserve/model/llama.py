@@ -113,7 +113,11 @@ class LlamaModel:
         self.norm = take("model.norm.weight")
         lm_head = take_opt("lm_head.weight")
         self.tied = config.tie_word_embeddings or lm_head is None
-        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype, pack=not self.tied)
+        if self.tied and isinstance(self.embed, QuantizedWeight):
+            # One table for the lookup and the LM head: the kernels' layout serves both (a lookup
+            # unpacks its few rows; the head is the step's largest matmul).
+            self.embed = self.embed.packed()
+        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype)
         # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].down))

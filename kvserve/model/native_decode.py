@@ -111,7 +111,7 @@ class NativeDecode:
             if embed.qtype not in KERNEL_TYPES:
                 raise Unsupported(f"embedding in {embed.qtype.name}")
             flat = embed.blocks.contiguous()
-            m.embed_type, m.embed = int(embed.qtype), flat.data_ptr()
+            m.embed_type, m.embed = embed.kernel_type, flat.data_ptr()
             self._keep.append(flat)
         else:
             m.embed_type, m.embed = 0, _f32(embed, self._keep)

@@ -16,7 +16,8 @@ with the same blocks.
 
 make_linear repacks Q4_0, Q4_1 and Q8_0 weights into the kernels' x8 layout (8 blocks of a row
 interleaved by 32-bit word, quant_matmul.c) where the build multiplies it: the same bytes, about
-2x less arithmetic per block. A tied LM head keeps the embedding's stored blocks (one copy).
+2x less arithmetic per block. A tied LM head and the embedding share one packed copy (a lookup
+unpacks the rows it reads).
 
 `quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
 the rounding of ggml's reference quantizers (tests check it against gguf.quants.quantize).
@@ -229,12 +230,10 @@ class ConcatLinear:
 Weight = torch.Tensor | QuantizedWeight
 
 
-def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype,
-                pack: bool = True) -> Linear | QuantizedLinear | ConcatLinear:
+def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype) -> Linear | QuantizedLinear | ConcatLinear:
     """One linear layer from the row-wise concatenation of `weights` (float tensors in the model
     dtype, or GGML blocks), keeping blocks quantized where the kernels can multiply them, in the
-    kernels' x8 layout where they have one (pack=False keeps the blocks as given: a tied LM head
-    shares the embedding's, which the lookup reads in the stored layout)."""
+    kernels' x8 layout where they have one."""
     kernels = quant_matmul.available()
     if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
         log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
@@ -244,14 +243,14 @@ def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.d
     qtypes = {w.qtype if isinstance(w, QuantizedWeight) else None for w in weights}
     if len(qtypes) == 1:
         if len(weights) == 1:
-            return QuantizedLinear(weights[0].packed() if pack else weights[0], bias)
+            return QuantizedLinear(weights[0].packed(), bias)
         shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
         fused = QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape)
-        return QuantizedLinear(fused.packed() if pack else fused, bias)
+        return QuantizedLinear(fused.packed(), bias)
     parts, start = [], 0
     for w in weights:
         b = None if bias is None else bias[start : start + w.shape[0]]
-        parts.append(make_linear([w], b, dtype, pack))
+        parts.append(make_linear([w], b, dtype))
         start += w.shape[0]
     return ConcatLinear(parts)
 
