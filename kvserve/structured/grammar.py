@@ -19,7 +19,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,10 +29,17 @@ from kvserve.structured.grammar_cache import GrammarCache
 from kvserve.structured.spec import Constraint
 
 if TYPE_CHECKING:
-    from kvserve.engine.request import Sequence
     from kvserve.tokenizer import Tokenizer
 
 FINISH_REASON = "grammar"  # a sequence whose grammar cannot continue
+
+
+class Guided(Protocol):
+    """What the step functions below read and write of a sequence (the engine's `Sequence`,
+    which this layer does not import)."""
+
+    matcher: Any  # xgrammar's GrammarMatcher, or None for a sequence without a grammar
+    grammar_refused: bool
 
 
 def _vocab_type(backend_json: str) -> Any:
@@ -131,7 +138,7 @@ class GrammarCompiler:
         return xgr.GrammarMatcher(self.compile(c))
 
 
-def apply_masks(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+def apply_masks(logits: torch.Tensor, seqs: Seq[Guided]) -> torch.Tensor:
     """Set to -inf every logit the sequences' grammars forbid, in place; rows without a grammar
     are untouched. logits: [len(seqs), >= vocab]; returned as float32 if a mask was applied."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
@@ -148,7 +155,7 @@ def apply_masks(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
     return logits
 
 
-def advance(seq: Sequence, token: int) -> bool:
+def advance(seq: Guided, token: int) -> bool:
     """Feed the sampled token to seq's matcher; False when the grammar cannot accept it."""
     if seq.matcher is None:
         return True
@@ -156,7 +163,7 @@ def advance(seq: Sequence, token: int) -> bool:
     return not seq.grammar_refused
 
 
-def stuck(seq: Sequence) -> bool:
+def stuck(seq: Guided) -> bool:
     """The grammar refused the last token, or ended (its stop token) while the sequence goes on
     (min_tokens, ignore_eos): nothing more can be generated that it allows."""
     return seq.matcher is not None and (seq.grammar_refused or seq.matcher.is_terminated())
