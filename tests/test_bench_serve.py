@@ -324,7 +324,7 @@ def test_export_gives_a_directory_kvserve_and_transformers_load_alike(tmp_path):
 # ------------------------------------------------------------------ the bench-peers report
 def test_report_rewrites_only_its_section(tmp_path, default_gguf):
     pytest.importorskip("matplotlib")  # the `bench` extra
-    from kvserve.bench import compare, report
+    from benchmarks import compare, report
 
     m = metrics.compute([RequestOutput(success=True, ttft=0.5, itl=[0.1] * 15, latency=2.0, output_tokens=16,
                                        prompt_tokens=32, tokens_counted_by="usage")], duration_s=2.0)
