@@ -78,7 +78,7 @@ test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(ARGS)
 
 bench: setup  ## offline throughput vs transformers; writes docs/benchmarks.md
-	$(PY) -m kvserve.bench.offline --write docs/benchmarks.md $(ARGS)
+	$(PY) -m benchmarks.offline --write docs/benchmarks.md $(ARGS)
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"
@@ -88,7 +88,7 @@ $(BENCH_STAMP): $(STAMP)
 # (the llama.cpp build takes ~10 min on 2 cores); measured points are kept there too, so a rerun
 # after an interruption resumes (ARGS=--fresh measures all again).
 bench-peers: $(BENCH_STAMP)  ## kvserve vs llama.cpp, vLLM, transformers under streamed load; writes docs/benchmarks.md
-	$(PY) -m kvserve.bench.compare --write docs/benchmarks.md $(ARGS)
+	$(PY) -m benchmarks.compare --write docs/benchmarks.md $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache
@@ -96,14 +96,14 @@ clean:
 # kvserve beside llama-server on Q4_1 / Q4_0 / Q8_0 / Q4_K_M files of the default model and a
 # random-weight Llama-3.2-1B-shaped Q4_0 (made with llama.cpp's llama-quantize, cached); ~40 min.
 bench-formats: $(BENCH_STAMP)  ## kvserve vs llama-server per weight format and model size; writes docs/benchmarks.md
-	$(PY) -m kvserve.bench.formats --write docs/benchmarks.md $(ARGS)
+	$(PY) -m benchmarks.formats --write docs/benchmarks.md $(ARGS)
 
 bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
-	$(PY) -m kvserve.bench.router --write docs/benchmarks.md $(ARGS)
+	$(PY) -m benchmarks.router --write docs/benchmarks.md $(ARGS)
 
 # Two replicas and a router as real processes, 30 minutes of mixed load (streamed or not, structured
 # output, tools, 20% of streams dropped by their client), replica 0 SIGKILLed every 3 minutes, replica 1
 # drained once; reports failures by cause, KV blocks left in use, RSS over time (docs/soak.md).
 # tests/test_soak.py runs it for 50 s in CI. ARGS=--duration=300 for a shorter one.
 soak: setup  ## 30 min of mixed load through the router while replicas die; writes /tmp/kvserve-soak/soak.{json,md,png}
-	$(PY) -m kvserve.bench.soak $(ARGS)
+	$(PY) -m benchmarks.soak $(ARGS)

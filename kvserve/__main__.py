@@ -1,5 +1,5 @@
 import sys
 
-from kvserve.cli import main
+from kvserve.commands import main
 
 sys.exit(main())

@@ -1,27 +1,14 @@
-"""`kvserve chat`: a conversation in the terminal, streamed token by token.
+"""A conversation's reply, streamed piece by piece (what `kvserve chat` prints).
 
 In-process it drives the seed's loop itself (prefill, then decode until end-of-sequence);
-with --url it streams the same conversation from a running kvserve server.
+from a running kvserve server it streams the same conversation over /v1/chat/completions.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Iterator
 
 from kvserve.sampling_params import SamplingParams
-
-
-def _read_user() -> str | None:
-    try:
-        line = input("\n>>> ") if sys.stdin.isatty() else sys.stdin.readline()
-    except EOFError:
-        return None
-    if not line:
-        return None
-    line = line.strip()
-    return None if line in ("/exit", "/quit") else line
 
 
 def stream_local(llm, messages: list[dict], params: SamplingParams) -> Iterator[str]:
@@ -48,26 +35,28 @@ def chat_url(url: str) -> str:
     return base + "/v1/chat/completions"
 
 
-def stream_remote(url: str, api_key: str | None, messages: list[dict], args: argparse.Namespace) -> Iterator[str]:
-    """Server-Sent Events from POST /v1/chat/completions."""
+def stream_remote(url: str, api_key: str | None, messages: list[dict], params: SamplingParams,
+                  model: str | None = None) -> Iterator[str]:
+    """Server-Sent Events from POST /v1/chat/completions (model None: whatever model the server serves)."""
     import httpx
 
     try:
-        yield from _stream_remote(url, api_key, messages, args)
+        yield from _stream_remote(url, api_key, messages, params, model)
     except httpx.TransportError as e:  # one line, not a traceback
         raise ConnectionError(f"cannot reach the server at {url}: {e or type(e).__name__}; "
                               "is `kvserve serve` running there?") from None
 
 
-def _stream_remote(url: str, api_key: str | None, messages: list[dict], args: argparse.Namespace) -> Iterator[str]:
+def _stream_remote(url: str, api_key: str | None, messages: list[dict], params: SamplingParams,
+                   model: str | None) -> Iterator[str]:
     import httpx
 
-    body = {"messages": messages, "stream": True, "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "top_p": args.top_p}
-    if args.model is not None:  # else whatever model the server serves
-        body["model"] = args.model
-    if args.seed is not None:
-        body["seed"] = args.seed
+    body = {"messages": messages, "stream": True, "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "top_p": params.top_p}
+    if model is not None:
+        body["model"] = model
+    if params.seed is not None:
+        body["seed"] = params.seed
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.stream("POST", chat_url(url), json=body, headers=headers, timeout=None) as r:
         if r.status_code != 200:
@@ -82,30 +71,3 @@ def _stream_remote(url: str, api_key: str | None, messages: list[dict], args: ar
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
                 yield choice.get("delta", {}).get("content") or ""
-
-
-def run_chat(args: argparse.Namespace) -> int:
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
-    llm = None
-    if args.url is None:
-        from kvserve.llm import LLM
-        from kvserve.model.loader import DEFAULT_MODEL
-
-        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, quantization=args.quantize)
-    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
-    print("kvserve chat: type a message, /exit to leave.", file=sys.stderr)
-    while (user := _read_user()) is not None:
-        if not user:
-            continue
-        messages.append({"role": "user", "content": user})
-        if llm is not None:
-            pieces = stream_local(llm, messages, params)
-        else:
-            pieces = stream_remote(args.url, args.api_key, messages, args)
-        reply = []
-        for piece in pieces:
-            print(piece, end="", flush=True)
-            reply.append(piece)
-        print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
-    return 0

@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -270,24 +270,3 @@ def format_explanation(e: Explanation, max_rows: int = 24) -> str:
         out.append(f"   Bound by {bound}; measured median {_ms(med)} ({tb / med:.0%} of the bytes ceiling). Running many")
         out.append("   sequences in one step shares that read among them: the reason for continuous batching.")
     return "\n".join(out)
-
-
-def run_explain(args: Any) -> int:
-    """`kvserve explain` (arguments from cli.py)."""
-    from kvserve.llm import LLM
-
-    if args.max_tokens < 1:  # said before the model loads
-        raise ValueError(f"max_tokens must be at least 1, got {args.max_tokens}")
-    from kvserve.config import CacheConfig
-
-    cache = CacheConfig()
-    if args.kv_disk_path is not None:
-        cache = CacheConfig(disk_path=args.kv_disk_path, disk_bytes=int(args.kv_disk_gib * (1 << 30)))
-    llm = LLM(args.model, args.dtype, cache=cache)
-    prompt: str | list[int] = args.prompt
-    if args.chat:
-        prompt = llm.encode_chat([{"role": "user", "content": args.prompt}])
-    print(format_explanation(explain(llm, prompt, args.max_tokens)))
-    if args.kv_disk_path is not None:  # the prompt's blocks stay for the next run
-        llm.offload_prefix_cache()
-    return 0

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from kvserve.router.cli import make_server
+from kvserve.router.app import make_server
 from kvserve.router.settings import PolicySettings, RouterSettings
 from server_harness import API_KEY, free_port
 

@@ -12,7 +12,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import uvicorn
@@ -135,7 +134,7 @@ def _prompts(cfg: BenchConfig) -> list[Sample]:
 
 @pytest.mark.slow
 def test_cli_writes_a_json_result(kvserve_server, tmp_path):
-    from kvserve.cli import main
+    from kvserve.commands import main
 
     path = tmp_path / "r.json"
     rc = main(["bench", "serve", "--base-url", kvserve_server.url, "--api-key", API_KEY, "--num-prompts", "2",
@@ -289,7 +288,7 @@ def test_open_loop_sends_at_the_asked_rate():
 @pytest.mark.slow
 def test_export_gives_a_directory_kvserve_and_transformers_load_alike(tmp_path):
     from kvserve import LLM, SamplingParams
-    from kvserve.cli import main
+    from kvserve.commands import main
     from kvserve.model.loader import load_checkpoint
     from tiny_models import make_tiny_hf_model, write_tiny_gguf
 
@@ -325,7 +324,7 @@ def test_export_gives_a_directory_kvserve_and_transformers_load_alike(tmp_path):
 # ------------------------------------------------------------------ the bench-peers report
 def test_report_rewrites_only_its_section(tmp_path, default_gguf):
     pytest.importorskip("matplotlib")  # the `bench` extra
-    from kvserve.bench import compare, report
+    from benchmarks import compare, report
 
     m = metrics.compute([RequestOutput(success=True, ttft=0.5, itl=[0.1] * 15, latency=2.0, output_tokens=16,
                                        prompt_tokens=32, tokens_counted_by="usage")], duration_s=2.0)

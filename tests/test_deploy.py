@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvserve.cli import build_parser
+from kvserve.commands import build_parser
 from kvserve.config import CacheConfig
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")

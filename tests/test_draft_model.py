@@ -125,13 +125,13 @@ def test_a_draft_model_must_have_the_targets_vocabulary(make_llm, tiny_llama_dir
 
 
 def serve_args(*argv: str):
-    from kvserve.cli import build_parser
+    from kvserve.commands import build_parser
 
     return build_parser().parse_args(["serve", *argv])
 
 
 def test_serve_refuses_draft_flags_that_do_not_go_together(tiny_llama_dir) -> None:
-    from kvserve.server.cli import settings_from_args
+    from kvserve.commands.serve import settings_from_args
 
     for argv, message in (
         (["--speculative", "draft"], "--speculative draft needs --draft-model MODEL: a model with the target's "

@@ -337,8 +337,8 @@ def test_a_bad_endpoint_is_refused_at_start_saying_what_to_give(tmp_path_factory
      "--kv-events-format must be array (what llm-d reads) or map (what vllm-router's kv_aware reads); got 'json'"),
 ])
 def test_a_bad_events_format_is_refused_by_the_checks_serve_runs_before_loading(given, says):
-    from kvserve.cli import build_parser
-    from kvserve.server.cli import _check_kv_events
+    from kvserve.commands import build_parser
+    from kvserve.commands.serve import _check_kv_events
 
     args = build_parser().parse_args(["serve", "--model", "unused", *given])
     with pytest.raises(ValueError) as refused:

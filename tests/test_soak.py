@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvserve.bench.soak import main
-from kvserve.bench.soak_load import SCHEMAS
+from benchmarks.soak import main
+from benchmarks.soak_load import SCHEMAS
 
 pytestmark = pytest.mark.slow
 

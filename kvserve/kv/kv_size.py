@@ -13,7 +13,6 @@ config.json (or its directory), or a GGUF file's metadata; kv_size() returns the
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -270,12 +269,3 @@ def format_report(s: KVSize) -> str:
             f"in block files of {human(s.disk_block_file_bytes)} ({s.disk_bytes // s.disk_block_file_bytes:,} blocks)",
         ]
     return "\n".join(lines)
-
-
-def run_kv_size(args: Any) -> int:
-    """`kvserve kv-size` (arguments from cli.py)."""
-    disk = int(args.kv_disk_gib * (1 << 30)) if args.kv_disk_gib is not None else None
-    s = kv_size(args.model, context=args.context, dtype=args.dtype, memory=args.memory, weight_dtype=args.weight_dtype,
-                disk=disk, block_size=args.block_size)
-    print(json.dumps(s.to_json(), indent=2) if args.json else format_report(s))
-    return 0

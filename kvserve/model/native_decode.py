@@ -122,7 +122,7 @@ class NativeDecode:
         self.head_rows = 0
         if isinstance(model.lm_head, QuantizedLinear) and model.lm_head.weight.qtype in KERNEL_TYPES:
             m.lm_head = _linear(model.lm_head, self._keep)
-            self.head_rows = model.lm_head._blas_from
+            self.head_rows = model.lm_head.blas_from
         layers = (decode_step.Layer * c.num_hidden_layers)()
         for lw, kv, sc, out in zip(model.layers, kv_caches, scales, layers):
             out.input_norm, out.post_norm = _f32(lw.input_norm, self._keep), _f32(lw.post_norm, self._keep)

@@ -48,7 +48,7 @@ QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
 # From this many activation rows on, QuantizedLinear dequantizes row tiles to float32 and uses
 # sgemm instead of the integer kernel: the crossover is where dequantizing the whole weight once
 # (a fixed cost) is repaid by sgemm's lower cost per activation row. It depends on the integer
-# dot the kernel was built with, so it was measured on each (`python -m kvserve.bench.quant`,
+# dot the kernel was built with, so it was measured on each (`python -m benchmarks.quant`,
 # docs/benchmarks.md, "A tighter AVX2 kernel" and "On AVX-512 VNNI"):
 # - AVX2 (maddubs + madd), Zen 3, one thread: the Q4_1 layers (576→1536, 1536→576, 576→960)
 #   stay ahead up to ~128 rows (B=64: 1.2-1.4x faster), 4-bit blocks being slow to expand; the
@@ -172,10 +172,12 @@ class QuantizedLinear:
         self.bias = bias
         self._flat = weight.blocks.contiguous().reshape(-1)
         self._qtype = weight.kernel_type
+        # blas_from: the row count from which a call dequantizes tiles for BLAS instead of running
+        # the integer kernel (the native decode step and the kernel benchmark read or set it).
         # Without the kernels (make_linear dequantizes on load then; this is for direct use) every
         # call takes the dequantize + BLAS path.
         kernels = quant_matmul.available()
-        self._blas_from = blas_from_rows(weight.qtype) if kernels else 0
+        self.blas_from = blas_from_rows(weight.qtype) if kernels else 0
         self._matmul = quant_matmul.prepare(self._flat, self._qtype, *weight.shape) if kernels else None
 
     @property
@@ -189,12 +191,12 @@ class QuantizedLinear:
         up sgemm's speed past the crossover. Off: sgemm over dequantized tiles from
         `blas_from_rows` on, where a row's result differs in its last bits."""
         if self._matmul is not None:
-            self._blas_from = sys.maxsize if on else blas_from_rows(self.weight.qtype)
+            self.blas_from = sys.maxsize if on else blas_from_rows(self.weight.qtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
         xf = x if x.dtype is torch.float32 else x.float()
-        if x.shape[0] < self._blas_from:
+        if x.shape[0] < self.blas_from:
             y = self._matmul(xf)
         else:
             y = torch.empty(x.shape[0], out)

@@ -29,7 +29,7 @@ REFUSED_FLAGS = ("--host", "--port", "--join", "--advertise-url", "--join-key", 
 
 def parse_serve_args(serve_args: str | list[str]) -> object:
     """`kvserve serve`'s arguments (a string or a list) as its parser reads them."""
-    from kvserve.cli import build_parser
+    from kvserve.commands import build_parser
 
     argv = shlex.split(serve_args) if isinstance(serve_args, str) else [str(a) for a in serve_args]
     refused = [a for a in argv if a.split("=", 1)[0] in REFUSED_FLAGS]
@@ -44,7 +44,7 @@ class KvserveReplica:
         from ray import serve
 
         from kvserve.server.app import build_app
-        from kvserve.server.cli import load_llm, settings_from_args
+        from kvserve.commands.serve import load_llm, settings_from_args
 
         args = parse_serve_args(serve_args)
         settings = settings_from_args(args)  # (sets torch's threads from --threads)

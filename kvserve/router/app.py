@@ -144,3 +144,15 @@ class RouterServer(DrainingServer):
         if not await self.router.wait_idle(self.router.settings.drain_timeout):
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.router.active)
         self.should_exit = True
+
+
+def make_server(settings: RouterSettings, access_log: bool = False) -> RouterServer:
+    """The router app on uvicorn, with httptools' parser and a draining shutdown; `.run()` serves."""
+    from kvserve.web.protocols import httptools_options
+
+    app = build_router_app(settings)
+    # The protocol's connection cap (a JSON 503) is a backstop past the router's 503 (max_concurrent_requests).
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
+                            timeout_graceful_shutdown=2, server_header=False,
+                            **httptools_options(64 << 10, settings.header_timeout, settings.max_connections))
+    return RouterServer(config, app.state)

@@ -42,7 +42,7 @@ class Guided(Protocol):
     grammar_refused: bool
 
 
-def _vocab_type(backend_json: str) -> Any:
+def vocab_type(backend_json: str) -> Any:
     """How the vocabulary spells bytes: GPT-2 byte-level, SentencePiece byte fallback, or raw."""
     import xgrammar as xgr
 
@@ -87,7 +87,7 @@ class GrammarCompiler:
                     raise ValueError("structured output needs the xgrammar package: pip install xgrammar") from None
                 backend = self._tokenizer.backend
                 vocab = [backend.id_to_token(i) or "" for i in range(self._tokenizer.vocab_size)]
-                info = xgr.TokenizerInfo(vocab, _vocab_type(backend.to_str()), vocab_size=self._vocab_size,
+                info = xgr.TokenizerInfo(vocab, vocab_type(backend.to_str()), vocab_size=self._vocab_size,
                                          stop_token_ids=self._stop_token_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler

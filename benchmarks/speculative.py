@@ -1,4 +1,4 @@
-"""What speculative decoding gives, in one process: `python -m kvserve.bench.speculative`.
+"""What speculative decoding gives, in one process: `python -m benchmarks.speculative`.
 
 One `LLM` with speculation on; each run generates the same prompts with `speculative` false, then
 true (the order alternates between repetitions), so both settings share the process, the weights

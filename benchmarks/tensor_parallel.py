@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.tensor_parallel`: decode speed of 2 ranks x 1 thread against one
+"""`python -m benchmarks.tensor_parallel`: decode speed of 2 ranks x 1 thread against one
 process x 2 threads, and the all-reduce that the ranks pay per layer.
 
 Each configuration decodes `--tokens` greedy tokens for each of `--batch` sequences through the

@@ -6,7 +6,7 @@ import math
 import os
 
 
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     p = sub.add_parser("serve", help="streamed load against a server: TTFT, TPOT, ITL, E2EL, throughput, goodput",
@@ -44,7 +44,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     o.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
     o.add_argument("--save-detailed", action="store_true", help="with --save-result: every request's timings too")
     o.add_argument("--disable-tqdm", action="store_true")
-    p.set_defaults(func=run_bench_serve)
+    p.set_defaults(func=run_serve)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -66,7 +66,7 @@ def config_from_args(args: argparse.Namespace):
                        api_key=args.api_key, seed=args.seed, percentiles=percentiles, progress=not args.disable_tqdm)
 
 
-def run_bench_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> int:
     from kvserve.bench.metrics import summary
     from kvserve.bench.serve import run, save
 

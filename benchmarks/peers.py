@@ -207,7 +207,7 @@ HF_FLOOR_PACKAGES = ("torch==2.13.0", "transformers>=4.45", "accelerate>=0.30", 
 
 
 def setup_hf_floor(progress=print) -> Path:
-    """A venv with torch + transformers + fastapi for kvserve/bench/hf_server.py; returns its python."""
+    """A venv with torch + transformers + fastapi for benchmarks/hf_server.py; returns its python."""
     return _pip_venv("transformers-floor", list(HF_FLOOR_PACKAGES), progress)[0]
 
 
@@ -223,7 +223,7 @@ def exported_model(model: str = "smollm2-135m", progress=print) -> Path:
     return out
 
 
-if __name__ == "__main__":  # python -m kvserve.bench.peers [llama|vllm|hf]: set up peers only
+if __name__ == "__main__":  # python -m benchmarks.peers [llama|vllm|hf]: set up peers only
     which = sys.argv[1:] or ["llama"]
     if "llama" in which:
         print(setup_llama_server())

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvserve.bench import peers
-from kvserve.bench.compare import CTX_PER_SLOT, REPO, THREADS, Plan, Server, _tokenizer, resident_mib, results_dir
+from benchmarks import peers
+from benchmarks.compare import CTX_PER_SLOT, REPO, THREADS, Plan, Server, bench_tokenizer, resident_mib, results_dir
 from kvserve.bench.datasets import DatasetConfig, load_samples
 from kvserve.bench.serve import BenchConfig, run
 
@@ -125,7 +125,7 @@ def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, 
         dataset = DatasetConfig("random", max(2 * concurrency, 8), input_len, output_len, seed=concurrency)
         cfg = BenchConfig(base_url=server.url, model=name, dataset=dataset, max_concurrency=concurrency,
                           max_duration=300, timeout=360, num_warmups=1)
-        point = run(cfg, load_samples(dataset, _tokenizer())).to_dict()
+        point = run(cfg, load_samples(dataset, bench_tokenizer())).to_dict()
         point["rss_mib"], point["peak_rss_mib"] = resident_mib(server.proc.pid)
         point["loadavg_1min"] = os.getloadavg()[0]
     finally:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", type=Path, default=REPO / "docs" / "benchmarks.md")
     args = ap.parse_args(argv)
     from kvserve import cpu
-    from kvserve.bench import limits as limits_mod
+    from benchmarks import limits as limits_mod
 
     out = results_dir(args.fresh, Plan(name="formats"))  # the plan names the results folder only
     lim_path = out / "limits.json"

@@ -1,4 +1,4 @@
-"""The soak's mixed load (`make soak`, kvserve/bench/soak.py): clients that loop until a deadline,
+"""The soak's mixed load (`make soak`, benchmarks/soak.py): clients that loop until a deadline,
 each request one of chat or completions, streamed or not, with structured output or tools, a share
 of the streams dropped by their client after the first event; and each outcome classified by cause.
 

@@ -2,10 +2,11 @@
 integer kernel at every batch size (`batch_invariant=True`) against sgemm past the crossover (the
 default). Same process, interleaved, median of 5, prefix cache off.
 
-    python -m kvserve.bench.batch_invariance
+    python -m benchmarks.batch_invariance
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -14,7 +15,8 @@ import torch
 from kvserve import LLM, CacheConfig, SamplingParams
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m benchmarks.batch_invariance", description=__doc__.split("\n\n")[0]).parse_args(argv)
     torch.set_num_threads(2)
     llm = LLM(cache=CacheConfig(enable_prefix_caching=False))
     text = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box holds {i * 7 % 13} marbles."

@@ -11,7 +11,7 @@ The disk hit reads back the very bits the RAM hit used, so their tokens must be 
 the cold prefill they are equal only where chunking does not change the numerics
 (--batch-invariant makes quantized layers use one kernel at every batch size).
 
-    python -m kvserve.bench.kv_disk [--model smollm2-135m] [--tokens 4000]
+    python -m benchmarks.kv_disk [--model smollm2-135m] [--tokens 4000]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.quant`: the quantized matmul kernel per layer shape and batch.
+"""`python -m benchmarks.quant`: the quantized matmul kernel per layer shape and batch.
 
 For each of the default model's matmul shapes (Q4_1 576→1536, 1536→576, 576→960; the Q8_0 LM
 head 49152×576) and each batch B, µs per call of QuantizedLinear's two paths: the integer kernel
@@ -102,7 +102,7 @@ def library(args, clock) -> None:
         print("| kernel | " + " | ".join(f"B={B}" for B in batches) + " |")
         print("|---|" + "---:|" * len(batches))
         lin = QuantizedLinear(random_weight(qtype, rows, cols).packed())  # the layout the model runs (x8 where it exists)
-        lin._blas_from = 1 << 30
+        lin.blas_from = 1 << 30
         fns = {f"kvserve {qtype.name} integer kernel": lin, **library_kernels(rows, cols)}
         for kname, fn in fns.items():
             cells = []
@@ -140,9 +140,9 @@ def main() -> None:
         for B in (int(b) for b in args.batches.split(",")):
             x = torch.randn(B, cols)
             calls = max(1, min(100, int(3e7 / (rows * cols / 32 * B))))
-            lin._blas_from = 1 << 30  # the integer kernel at any B
+            lin.blas_from = 1 << 30  # the integer kernel at any B
             integer = per_call_us(lambda: lin(x), calls, clock)
-            lin._blas_from = 0  # dequantize + sgemm at any B
+            lin.blas_from = 0  # dequantize + sgemm at any B
             blas = per_call_us(lambda: lin(x), calls, clock)
             cyc = integer * 1e-6 * 3e9 / (rows * cols / 32 * B)
             print(f"| {name} | {B} | {integer:,.1f} | {cyc:.2f} | {blas:,.1f} | "

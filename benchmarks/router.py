@@ -196,7 +196,7 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace,
     source = source or "cache_aware"
     port, metrics_port = str(args.port), str(args.port + 60 + k)  # each binds a Prometheus port of its own
     if policy == "sglang":
-        from kvserve.bench.peers import SGLANG_ROUTER, setup_sglang_router
+        from benchmarks.peers import SGLANG_ROUTER, setup_sglang_router
 
         return (f"SGLang router {SGLANG_ROUTER} ({source})",
                 [str(setup_sglang_router()), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", port,
@@ -223,11 +223,11 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace,
 
 
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    from kvserve.router.up import _die_with_parent
+    from kvserve.commands.up import die_with_parent
 
     return subprocess.Popen([sys.executable, "-m", "kvserve", *cmd], env={**os.environ, **env},
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -268,7 +268,8 @@ def write_section(path: Path, section: str, key: str = "bench-router") -> None:
 
 def measure_synthetic(args: argparse.Namespace) -> dict:
     up_port, router_port = args.port + 50, args.port + 51
-    upstream = subprocess.Popen([sys.executable, "-m", "kvserve.bench.router", "--synthetic-upstream", str(up_port)],
+    upstream = subprocess.Popen([sys.executable, "-m", "benchmarks.router", "--synthetic-upstream", str(up_port)],
+                                cwd=Path(__file__).resolve().parents[1],  # where `benchmarks` imports from
                                 start_new_session=True)
     router = spawn(["route", "--port", str(router_port), "--policy", "round_robin", "--no-access-log", "--replica",
                     f"http://127.0.0.1:{up_port}"], {}, args.logs / "router-synthetic.log")
@@ -283,7 +284,7 @@ def measure_synthetic(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.router", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.router", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="in all, divided between replicas")
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             stop(proc)
 
     lines = ["## Router: policies on a shared-prefix workload", "",
-             f"- command: `python -m kvserve.bench.router {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             f"- command: `python -m benchmarks.router {' '.join(argv if argv is not None else sys.argv[1:])}`",
              f"- date: {datetime.date.today()}; machine: {platform.processor() or platform.machine()}, "
              f"{os.cpu_count()} cores (shared with other work: figures are noisy)",
              f"- {args.replicas} replicas of {args.model}, {threads} thread(s) each, {args.kv_cache_gib} GiB KV cache each; "
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def synthetic_section(synth: dict, argv: list[str] | None) -> str:
     d, r = synth["direct"], synth["router"]
-    how = f"; `python -m kvserve.bench.router {' '.join(argv)}`, {datetime.date.today()}" if argv is not None else ""
+    how = f"; `python -m benchmarks.router {' '.join(argv)}`, {datetime.date.today()}" if argv is not None else ""
     return (f"Router overhead alone (a model-free upstream streaming 32 events 2 ms apart, each stamped with the "
             f"time it was sent; {synth['n']} requests each way, alternated{how}): p50 time to first byte direct "
             f"{d[0] * 1e3:.2f} ms, through the router {r[0] * 1e3:.2f} ms (**{(r[0] - d[0]) * 1e3:+.2f} ms**); "

@@ -23,12 +23,12 @@ import time
 
 import httpx
 
-from kvserve.router.cli import add_router_args, make_server, settings_from_args
+from kvserve.commands.route import add_router_args, settings_from_args
 
 log = logging.getLogger("kvserve.router")
 
 
-def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="start N servers and a router in front of them")
     p.add_argument("--replicas", type=int, default=2, help="servers to start (default: 2)")
     p.add_argument("--model", default="smollm2-135m", help="alias, .gguf file or Hugging Face directory")
@@ -44,10 +44,11 @@ def add_up_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="one more argument for every `kvserve serve` (repeat), e.g. --serve-arg=--max-num-seqs=32")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the servers get to load")
     add_router_args(p)
-    p.set_defaults(func=run_up)
+    p.set_defaults(func=run)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """For subprocess.Popen(preexec_fn=...): the child gets SIGTERM when this process dies, even killed outright."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -78,7 +79,7 @@ class Replicas:
             if a.admin_key:  # the router's: a replica that (re)joins with --join needs it
                 env["KVSERVE_ROUTER_ADMIN_KEY"] = a.admin_key
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+                                    start_new_session=True, preexec_fn=die_with_parent)
             threading.Thread(target=_prefix_lines, args=(proc, f"[replica {i + 1}] "), daemon=True).start()
             self.procs.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
@@ -128,7 +129,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_up(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.threads < 1:
@@ -145,6 +146,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         replicas.start()
         replicas.wait_ready(args.startup_timeout)
+        from kvserve.router.app import make_server
+
         settings = settings_from_args(args, replicas.urls)
         server = make_server(settings)
         print(f"kvserve up: router at {settings.url}/v1 in front of {args.replicas} replica(s), policy "

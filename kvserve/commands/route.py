@@ -48,7 +48,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"seconds requests in flight get after SIGTERM (default: {_R.drain_timeout:g})")
 
 
-def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("route", help="a cache-aware load balancer in front of kvserve servers")
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="a kvserve server, e.g. http://10.0.0.2:8000 (repeat; more may join via /admin/replicas)")
@@ -56,7 +56,7 @@ def add_route_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     add_router_args(p)
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    p.set_defaults(func=run_route)
+    p.set_defaults(func=run)
 
 
 def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterSettings:
@@ -85,24 +85,12 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
     )
 
 
-def make_server(settings: RouterSettings, access_log: bool = False):
-    import uvicorn
-
-    from kvserve.router.app import RouterServer, build_router_app
-    from kvserve.web.protocols import httptools_options
-
-    app = build_router_app(settings)
-    # The protocol's connection cap (a JSON 503) is a backstop past the router's 503 (max_concurrent_requests).
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
-                            timeout_graceful_shutdown=2, server_header=False,
-                            **httptools_options(64 << 10, settings.header_timeout, settings.max_connections))
-    return RouterServer(config, app.state)
-
-
-def run_route(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args, args.replica)
     if not settings.replicas and not settings.admin_key:
         print("kvserve route: no --replica yet; servers on this host can join with "
               f"`kvserve serve --join {settings.url}`")
+    from kvserve.router.app import make_server
+
     make_server(settings, access_log=not args.no_access_log).run()
     return 0

@@ -6,6 +6,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from kvserve.commands.options import add_quantize_arg
+
 if TYPE_CHECKING:
     from kvserve.llm import LLM
     from kvserve.server.settings import ServerSettings
@@ -14,9 +16,7 @@ log = logging.getLogger("kvserve.server")
 DEFAULT_DISK_GIB = 4.0  # --kv-disk-gib
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    from kvserve.cli import add_quantize_arg
-
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model (`kvserve serve MODEL`, as vllm serve)")
     p.add_argument("--model", default=None, help="alias, .gguf file or Hugging Face directory (default: smollm2-135m)")
@@ -129,10 +129,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="array: vLLM's positional events, which llm-d reads; map: vLLM's newer tagged-map events, "
                         "which vllm-router's kv_aware policy reads (default: array; kvserve route reads both)")
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
-    p.set_defaults(func=run_serve)
+    p.set_defaults(func=run)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:

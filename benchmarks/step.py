@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.step`: where one decode step's milliseconds go.
+"""`python -m benchmarks.step`: where one decode step's milliseconds go.
 
 At 100+ tokens/s a step lasts under 10 ms, so the cost around the matmuls (Python, torch's
 dispatch, packing the batch, sampling) is worth measuring on its own. This prints:

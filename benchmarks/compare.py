@@ -1,11 +1,11 @@
 """`make bench-peers`: kvserve, llama.cpp, vLLM and transformers, one after another, same load.
 
-Each contender is set up once in its own cached environment (kvserve/bench/peers.py), started on
+Each contender is set up once in its own cached environment (benchmarks/peers.py), started on
 loopback with the same model (the GGUF, or the Hugging Face directory kvserve exports from it)
 and 2 threads, given identical workloads by `kvserve bench serve`'s Python API, and stopped.
 Every measured point is saved as JSON under ~/.cache/kvserve/peers/results/<commit>/, so an
 interrupted run resumes where it stopped (--fresh measures again); the report is then written
-into docs/benchmarks.md between markers (kvserve/bench/report.py).
+into docs/benchmarks.md between markers (benchmarks/report.py).
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ from typing import Callable
 
 import httpx
 
-from kvserve.bench import peers
+from benchmarks import peers
 from kvserve.bench.datasets import DatasetConfig, default_tokenizer, load_samples
 from kvserve.bench.serve import BenchConfig, run
 
 THREADS = 2
 CTX_PER_SLOT = 1024  # llama-server divides -c among its slots; every prompt here fits in 1024
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def contenders(gguf: Path) -> list[Contender]:
     def hf_setup():
         python = peers.setup_hf_floor()
         hf = peers.exported_model()
-        script = REPO / "kvserve" / "bench" / "hf_server.py"
+        script = REPO / "benchmarks" / "hf_server.py"
         return lambda port, slots: [str(python), str(script), "--model", str(hf), "--served-model-name",
                                     "smollm2-135m", "--port", str(port), "--threads", str(THREADS)]
 
@@ -195,7 +195,8 @@ def results_dir(fresh: bool, plan: Plan) -> Path:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 check=True).stdout.strip()
         # Only code counts: the report this run writes into docs/ must not make a resumed run start over.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvserve", "Makefile", "pyproject.toml"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvserve", "benchmarks", "Makefile",
+                                "pyproject.toml"],
                                cwd=REPO, capture_output=True, text=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = "unknown", ""
@@ -243,7 +244,7 @@ def bench_contender(c: Contender, loads: list[Workload], out: Path, max_duration
                                       w.concurrency)
                 cfg = BenchConfig(base_url=server.url, model=model, dataset=dataset, max_concurrency=w.concurrency,
                                   max_duration=max_duration, timeout=max_duration + 60, progress=True)
-                result = run(cfg, load_samples(dataset, _tokenizer()))
+                result = run(cfg, load_samples(dataset, bench_tokenizer()))
                 point = result.to_dict()
                 point["loadavg_1min"] = os.getloadavg()[0]  # a crowded machine shows here, not in the figures
                 point["rss_mib"], point["peak_rss_mib"] = resident_mib(server.proc.pid)
@@ -280,7 +281,7 @@ def saved_record(c: Contender, loads: list[Workload], out: Path) -> dict:
 _TOKENIZER = None
 
 
-def _tokenizer():
+def bench_tokenizer():
     global _TOKENIZER
     if _TOKENIZER is None:
         _TOKENIZER = default_tokenizer(None)
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None,
                     help="where measured points are kept (default: ~/.cache/kvserve/peers/results/<commit>/<plan>)")
     args = ap.parse_args(argv)
-    from kvserve.bench import limits, report
+    from benchmarks import limits, report
     from kvserve.model.loader import resolve_model_path
 
     t0 = time.time()

@@ -59,7 +59,7 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], out_len: int) -> Row:
 
 def _peers_section(doc: Path) -> str:
     """The `make bench-peers` section of the file being rewritten, kept as it was."""
-    from kvserve.bench.report import BEGIN, END
+    from benchmarks.report import BEGIN, END
 
     old = doc.read_text() if doc.exists() else ""
     if BEGIN not in old or END not in old:
@@ -115,7 +115,7 @@ def run_dtype(args: argparse.Namespace, dtype: str, prompts: list[list[int]]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvserve.bench.offline")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.offline")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtypes", default="auto,float32", help="comma-separated; auto is kvserve's default")
     ap.add_argument("--requests", type=int, default=64)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "over wall time, prefill included. transformers runs a subset of the requests (it is slow); its",
         "tokens/s is a rate, so the ratio compares like with like.",
         "",
-        f"- command: `make bench` (`python -m kvserve.bench.offline {' '.join(argv if argv is not None else sys.argv[1:])}`)",
+        f"- command: `make bench` (`python -m benchmarks.offline {' '.join(argv if argv is not None else sys.argv[1:])}`)",
         f"- date: {datetime.date.today().isoformat()}",
         f"- machine: {machine()}",
         f"- model: {args.model}; {args.requests} requests x {args.prompt_len} prompt tokens x {args.output_len} "

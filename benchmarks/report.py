@@ -28,7 +28,7 @@ def _resident(point: dict) -> str:
 
 
 def _formats(records: list[dict], gguf: Path) -> dict[str, object]:
-    from kvserve.bench import limits as L
+    from benchmarks import limits as L
     from kvserve.llm import default_dtype
 
     g = L.gguf_format(gguf)
@@ -40,7 +40,7 @@ def _formats(records: list[dict], gguf: Path) -> dict[str, object]:
 
 
 def _rows(records: list[dict], lim, formats) -> list[str]:
-    from kvserve.bench import limits as L
+    from benchmarks import limits as L
 
     head = ("| contender | workload | conc. | ok / failed | output tok/s | total tok/s | TTFT p50 / p99 ms "
             "| TPOT p50 ms | ITL p50 ms | E2EL p50 ms | of roofline | resident MiB (peak) | load |")
@@ -135,7 +135,7 @@ def _plots(records: list[dict], outdir: Path, plan) -> list[str]:
 
 def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, doc: Path, plan) -> str:
     from kvserve import cpu
-    from kvserve.bench.limits import MachineLimits, roofline_tps
+    from benchmarks.limits import MachineLimits, roofline_tps
 
     lim = MachineLimits(**lim_dict)
     formats = _formats(records, gguf)
@@ -156,7 +156,7 @@ def section(records: list[dict], lim_dict: dict, gguf: Path, elapsed_s: float, d
              "other work, and multi-threaded inference degrades far more than in proportion when its threads "
              "wait for each other.", "",
              f"- command: `make bench-peers{' ARGS=--quick' if plan.name == 'quick' else ''}` "
-             f"(`python -m kvserve.bench.compare`); measuring took {elapsed_s / 60:.0f} min, builds excluded "
+             f"(`python -m benchmarks.compare`); measuring took {elapsed_s / 60:.0f} min, builds excluded "
              "(cached in ~/.cache/kvserve/peers)",
              f"- date: {date}",
              f"- CPU: {cpu.describe()}; Python {platform.python_version()}; load average when this was written "

@@ -1,7 +1,7 @@
 """Grammar engines side by side: xgrammar and llguidance (if installed) on this CPU with the
 default model's vocabulary — set-up, compile, and per-step mask cost at batch 1 and 32.
 
-    python -m kvserve.bench.grammar
+    python -m benchmarks.grammar
 
 Why it exists: docs/server.md explains the choice of xgrammar with these figures.
 """
@@ -27,12 +27,12 @@ SAMPLE = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "
 def _xgrammar(tok: Tokenizer, ids: list[int]) -> None:
     import xgrammar as xgr
 
-    from kvserve.structured.grammar import _vocab_type
+    from kvserve.structured.grammar import vocab_type
 
     vocab_size = tok.vocab_size
     t0 = time.perf_counter()
     vocab = [tok.backend.id_to_token(i) or "" for i in range(vocab_size)]
-    info = xgr.TokenizerInfo(vocab, _vocab_type(tok.backend.to_str()), vocab_size=vocab_size, stop_token_ids=[2])
+    info = xgr.TokenizerInfo(vocab, vocab_type(tok.backend.to_str()), vocab_size=vocab_size, stop_token_ids=[2])
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     t1 = time.perf_counter()
     grammar = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)

@@ -5,10 +5,23 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+from kvserve.commands.options import add_model_args, add_sampling_args
 from kvserve.sampling_params import SamplingParams
 
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="complete one prompt, or a JSONL file of prompts")
+    add_model_args(p)
+    add_sampling_args(p, max_tokens=128)
+    p.add_argument("prompt", nargs="?", help="the prompt (omit with --input)")
+    p.add_argument("--input", type=Path, help='JSONL: one {"prompt": ...} or {"messages": [...]} per line, optional sampling fields')
+    p.add_argument("--output", type=Path, help="JSONL results (default: standard output)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.set_defaults(func=run)
 
 
 def _read_jsonl(path, defaults: dict) -> tuple[list[SamplingParams], list[dict]]:
@@ -53,7 +66,7 @@ def _prompts(path, llm, records: list[dict]) -> list:
     return out
 
 
-def run_generate(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from kvserve.llm import LLM
 
     if (args.prompt is None) == (args.input is None):

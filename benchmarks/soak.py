@@ -2,7 +2,7 @@
 and what is left afterwards. The reliability issue's targets, measured in one run:
 
 - two `kvserve serve` replicas and a `kvserve route` in front, real processes on loopback;
-- clients (kvserve/bench/soak_load.py) send chat and completions, streamed and not, structured
+- clients (benchmarks/soak_load.py) send chat and completions, streamed and not, structured
   output and tools, small `max_tokens`; a share of the streams is dropped by its client;
 - replica 0 is SIGKILLed and restarted every `--kill-every` s; replica 1 is drained once with
   SIGTERM (at `--drain-at` of the run; it must exit 0) and restarted; the two never overlap, so
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.bench.soak_load import classify, run_load
+from benchmarks.soak_load import classify, run_load
 
 
 class Proc:
@@ -46,13 +46,13 @@ class Proc:
         self.starts = 0
 
     def start(self) -> None:
-        from kvserve.router.up import _die_with_parent
+        from kvserve.commands.up import die_with_parent
 
         self.starts += 1
         log = open(self.logs / f"{self.name}.log", "a")
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve", *self.cmd], env=env, stdout=log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
 
     async def wait_healthy(self, timeout: float = 120) -> float:
         t0 = time.monotonic()
@@ -242,7 +242,7 @@ def markdown(r: dict) -> str:
              f"**lost before reaching a replica: {r['lost_never_reached_replica']}**; "
              f"**unexpected: {r['failed_unexpected']}**",
              f"- served by replica: {json.dumps(r['served_by_replica'])}",
-             f"- chaos: " + "; ".join(f"{e['t']:.0f}s {e['event']} {e['replica']}" + (f" (exit {e['exit']}, "
+             "- chaos: " + "; ".join(f"{e['t']:.0f}s {e['event']} {e['replica']}" + (f" (exit {e['exit']}, "
                                       f"{e['drain_seconds']} s)" if e["event"] == "sigterm" else "")
                                       for e in r["events"]),
              f"- router retries/errors: {json.dumps(r['router_retries_and_errors'])}", "",
@@ -289,7 +289,7 @@ def plot(r: dict, path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=1800, help="seconds of load (default: 1800)")
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default: 4)")
     p.add_argument("--max-tokens", type=int, default=16)
