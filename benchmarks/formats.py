@@ -10,7 +10,9 @@ streamed closed-loop load from `kvserve bench serve`, one after the other on a q
 
 Each cell: output tok/s, ITL p50, TTFT p50, resident MiB, and the fraction of the bytes roofline
 (weights read per decode step against this machine's measured read bandwidth, times the clients).
-Points are saved under ~/.cache/kvserve/peers/formats/<commit>/ so an interrupted run resumes.
+Points are saved under ~/.cache/kvserve/peers/results/<commit>/formats/ so an interrupted run
+resumes (`--results DIR` redraws the table and the plot from a folder of saved points). The plot,
+docs/benchmarks/formats.png, draws tok/s and ITL p50 of both servers per format against clients.
 """
 from __future__ import annotations
 
@@ -160,6 +162,43 @@ def table(points: dict[tuple[str, str, int], dict], limits: dict, bytes_per_step
     return rows
 
 
+def plot(points: dict[tuple[str, str, int], dict], path: Path) -> None:
+    """tok/s (higher is better) and ITL p50 (lower is better) per format against clients: kvserve
+    solid, llama-server dashed, one colour per format."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    formats = list(dict.fromkeys(fmt for _, fmt, _ in points))
+    for n, fmt in enumerate(formats):
+        for who, style in (("kvserve", "-"), ("llama", "--")):
+            pts = sorted((c, p) for (w, f, c), p in points.items() if w == who and f == fmt)
+            if not pts:
+                continue
+            xs = [c for c, _ in pts]
+            label = f"{'kvserve' if who == 'kvserve' else 'llama-server'} {fmt}"
+            for ax, key in ((axes[0], "output_throughput"), (axes[1], "itl")):
+                ax.plot(xs, [_m(p, key) for _, p in pts], style, marker="o", color=f"C{n}", label=label)
+    clients = sorted({c for _, _, c in points})
+    for ax, title, ylabel in ((axes[0], "Output tokens/s (higher is better)", "tokens/s"),
+                              (axes[1], "ITL p50 (lower is better)", "ms")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.set_xlabel("concurrent clients (closed loop)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"kvserve (solid) and llama-server (dashed) on each weight format, {THREADS} threads each")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default=",".join((*FORMATS, ONE_B)), help=f"of {', '.join((*FORMATS, ONE_B))}")
@@ -168,18 +207,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--write", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="a folder of saved points (default: this commit's); points missing there are measured")
     args = ap.parse_args(argv)
     from kvserve import cpu
     from benchmarks import limits as limits_mod
 
-    out = results_dir(args.fresh, Plan(name="formats"))  # the plan names the results folder only
+    out = args.results or results_dir(args.fresh, Plan(name="formats"))  # the plan names the results folder only
     lim_path = out / "limits.json"
     if not lim_path.exists():
         lim_path.write_text(json.dumps(limits_mod.measure(THREADS).__dict__, indent=2) + "\n")
     lim = json.loads(lim_path.read_text())
     points: dict[tuple[str, str, int], dict] = {}
     bytes_per_step: dict[str, int] = {}
-    t0 = time.time()
+    stamps = []  # when each point was saved: a table redrawn from saved points keeps their date and span
     for fmt in args.formats.split(","):
         model = model_file(fmt)
         bytes_per_step[fmt] = limits_mod.gguf_format(model).bytes_per_step
@@ -187,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
         for c in (levels[:2] if fmt == ONE_B else levels):  # the 1B model: 1 and 4 clients (minutes per point)
             for who in ("kvserve", "llama"):
                 points[(who, fmt, c)] = measure(who, model, c, out, args.input_len, args.output_len)
+                stamps.append((out / f"{who}-{model.stem}-c{c}.json").stat().st_mtime)
     flags = " ".join(sorted(f for f in cpu.cpu_flags() if f.startswith(("avx2", "avx512", "amx"))))
-    section = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d')} on {cpu.cpu_model()} ({flags}), {THREADS} threads each, "
+    section = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d', time.localtime(min(stamps)))} on {cpu.cpu_model()} "
+               f"({flags}), {THREADS} threads each, "
                f"{args.input_len}-token prompts, {args.output_len} tokens out (EOS ignored), "
                f"measured read bandwidth {lim['bandwidth_gbs']:.1f} GB/s; `make bench-formats` "
-               f"({(time.time() - t0) / 60:.0f} min).", "", *table(points, lim, bytes_per_step), "", END]
+               f"({(max(stamps) - min(stamps)) / 60 + 1:.0f} min).", "", *table(points, lim, bytes_per_step), "",
+               "![formats.png](benchmarks/formats.png)", "", END]
+    plot(points, args.write.parent / "benchmarks" / "formats.png")
     doc = args.write.read_text() if args.write.exists() else ""
     if BEGIN in doc and END in doc:
         doc = doc[: doc.index(BEGIN)] + "\n".join(section) + doc[doc.index(END) + len(END):]
