@@ -109,6 +109,157 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The vector path: the same attention, shaped for the registers. Scores come 4 keys at a time,
+ * each key's row read and widened once for up to 4 query heads, with 4 x 4 independent sums (no
+ * horizontal add per key: one per 4 keys, done by hadds); the weighted sum of V rows keeps 32
+ * output values of up to 4 heads in registers over the whole context. The scalar loops above
+ * leave each key's sum in one dependent chain plus a reduction, and the output in memory. */
+#define QPASS 4 /* query heads per pass over the keys */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, size_t i, int fmt) {
+    if (fmt == FMT_F32) return _mm256_loadu_ps((const float *)base + i);
+    if (fmt == FMT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
+    if (fmt == FMT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i))), 16));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
+}
+/* The pool rows of keys t0, t0 + 1, ... in turn: one division per pass, not two per key. */
+typedef struct {
+    const int32_t *table;
+    int bs, block, off;
+} key_rows;
+static inline key_rows rows_from(const int32_t *table, int bs, int t0) {
+    const key_rows it = {table, bs, t0 / bs, t0 % bs};
+    return it;
+}
+static inline size_t next_row(key_rows *it) {
+    const size_t r = (size_t)it->table[it->block] * it->bs + it->off;
+    if (++it->off == it->bs) it->off = 0, it->block++;
+    return r;
+}
+/* The 4 horizontal sums of a[0..3], in order. */
+static inline __m128 hsum4(const __m256 a[4]) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+static inline __attribute__((always_inline)) float hsum1(__m256 a) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+/* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1. */
+static inline __attribute__((always_inline)) void qk_pass(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
+                                                          size_t k_head, const int32_t *table, int t0, int L, int bs, int D,
+                                                          int kv_fmt, float *restrict scores, int n) {
+    int t = t0;
+    key_rows it = rows_from(table, bs, t0);
+    for (; t + 4 <= L; t += 4) {
+        size_t r[4];
+        for (int j = 0; j < 4; j++) r[j] = k_head + next_row(&it);
+        __m256 acc[QPASS][4];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            __m256 k[4];
+            for (int j = 0; j < 4; j++) k[j] = load8(kv, r[j] * D + i, kv_fmt);
+            for (int g = 0; g < NG; g++) {
+                const __m256 q = _mm256_loadu_ps(qf[g] + i);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(k[j], q, acc[g][j]);
+            }
+        }
+        __m128 ks = _mm_set1_ps(1.f);
+        if (kv_fmt == FMT_I8)
+            ks = _mm_setr_ps(fp16_to_f32(kv_scale[r[0]]), fp16_to_f32(kv_scale[r[1]]), fp16_to_f32(kv_scale[r[2]]),
+                             fp16_to_f32(kv_scale[r[3]]));
+        for (int g = 0; g < NG; g++) _mm_storeu_ps(scores + (size_t)g * n + t - t0, _mm_mul_ps(hsum4(acc[g]), ks));
+    }
+    for (; t < L; t++) {
+        const size_t r = k_head + next_row(&it);
+        __m256 acc[QPASS];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            const __m256 k = load8(kv, r * D + i, kv_fmt);
+            for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qf[g] + i), acc[g]);
+        }
+        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
+        for (int g = 0; g < NG; g++) scores[(size_t)g * n + t - t0] = hsum1(acc[g]) * ks;
+    }
+}
+/* out[g] = sum_t p[g][t] v_t for NG heads, 32 values of D at a time. */
+static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
+                                                          size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
+                                                          int kv_fmt, const float *restrict scores, int n) {
+    for (int c = 0; c < D; c += 32) {
+        __m256 acc[QPASS][4];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+        key_rows it = rows_from(table, bs, t0);
+        for (int t = t0; t < L; t++) {
+            const size_t r = v_head + next_row(&it);
+            const float vs = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) v[j] = load8(kv, r * D + c + 8 * j, kv_fmt);
+            for (int g = 0; g < NG; g++) {
+                const __m256 p = _mm256_set1_ps(kv_fmt == FMT_I8 ? scores[(size_t)g * n + t - t0] * vs : scores[(size_t)g * n + t - t0]);
+                for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc_out[g] + c + 8 * j, acc[g][j]);
+    }
+}
+#define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#define PV_PASS(NG) pv_pass(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+static inline __attribute__((always_inline)) void attend_simd(const void *q, const void *kv, const uint16_t *kv_scale, void *out,
+                                                              const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
+                                                              size_t head_rows, int bs, int D, float scale, int q_fmt,
+                                                              int kv_fmt, float *restrict scores) {
+    const int G = H / Hkv, n = L - t0;
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
+    for (int g = 0; g < G; g++) {
+        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, q_fmt, buf);
+        for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
+    }
+    const size_t k_head = (size_t)h * head_rows, v_head = (size_t)(Hkv + h) * head_rows; /* in rows */
+    for (int g0 = 0; g0 < G; g0 += QPASS) {
+        switch (G - g0 < QPASS ? G - g0 : QPASS) {
+        case 1: QK_PASS(1); break;
+        case 2: QK_PASS(2); break;
+        case 3: QK_PASS(3); break;
+        default: QK_PASS(4); break;
+        }
+    }
+    for (int g = 0; g < G; g++) { /* softmax over the context */
+        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
+        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < n; t++) {
+            s[t] = exp_approx(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+    for (int g0 = 0; g0 < G; g0 += QPASS) {
+        switch (G - g0 < QPASS ? G - g0 : QPASS) {
+        case 1: PV_PASS(1); break;
+        case 2: PV_PASS(2); break;
+        case 3: PV_PASS(3); break;
+        default: PV_PASS(4); break;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const size_t o = ((size_t)b * H + h * G + g) * D;
+        if (q_fmt == FMT_BF16)
+            for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
+        else
+            memcpy((float *)out + o, acc[g], sizeof(float) * D);
+    }
+}
+#undef QK_PASS
+#undef PV_PASS
+#endif
+
 /* One work item: sequence b's query heads of KV head h. Literal formats and head sizes: each
  * inlined copy has them as constants (a format read at run time leaves gcc vectorizing every
  * branch with slow masked loads). The pairs the models run with get their own copies; any other
@@ -119,7 +270,13 @@ static void attend_item(const void *q, const void *kv, const uint16_t *kv_scale,
                         float *restrict scores) {
     const int t0 = window_start(L, window);
 #define ATTEND(DIM, QF, KVF) attend_one(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTEND_V(DIM, QF, KVF) attend_simd(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, QF, KVF, scores)
+#define ATTEND_D(QF, KVF) if (D == 64) ATTEND_V(64, QF, KVF); else if (D == 128) ATTEND_V(128, QF, KVF); \
+                          else if (D % 32 == 0) ATTEND_V(D, QF, KVF); else ATTEND(D, QF, KVF)
+#else
 #define ATTEND_D(QF, KVF) if (D == 64) ATTEND(64, QF, KVF); else if (D == 128) ATTEND(128, QF, KVF); else ATTEND(D, QF, KVF)
+#endif
     if (q_fmt == FMT_F32 && kv_fmt == FMT_F32) {
         ATTEND_D(FMT_F32, FMT_F32);
     } else if (q_fmt == FMT_F32 && kv_fmt == FMT_F16) {
@@ -136,6 +293,7 @@ static void attend_item(const void *q, const void *kv, const uint16_t *kv_scale,
         ATTEND(D, q_fmt, kv_fmt);
     }
 #undef ATTEND_D
+#undef ATTEND_V
 #undef ATTEND
 }
 

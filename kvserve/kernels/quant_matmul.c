@@ -18,7 +18,7 @@
  * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
  * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
  * convert and one FMA per block and row pair; one horizontal sum per output at the end.
- * Q4_0, Q4_1 and Q8_0 rows are repacked at load into the x8 layout (kvserve_pack_x8, as
+ * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows are repacked at load into the x8 layout (kvserve_pack_x8, as
  * llama.cpp's and ik_llama.cpp's repacked types are, here 8 blocks of one row): one integer dot
  * instruction then advances 8 blocks at once, each block's sum in its own lane, and the float
  * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8).
@@ -75,7 +75,7 @@ static inline float f16_to_f32(const uint8_t *p) {
  * id is the GGML id + X8. Same bytes per row, so block sizes are the base type's. */
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
-static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0; }
+static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1; }
 
 /* Bytes and values per block of each type; 0 for an unknown type. */
 static int block_bytes(int t) {
@@ -358,10 +358,10 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
     store_sums(acc, RW, RT, y, ldy);
 }
 
-/* x8 rows (Q4_0, Q4_1, Q8_0 repacked by kvserve_pack_x8): per group of 8 blocks the integer dots
+/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 repacked by kvserve_pack_x8): per group of 8 blocks the integer dots
  * of all 8 blocks advance together, block j's in int32 lane j (Q4: 4 words of low nibbles, codes
- * 0-15 against activation words 0-3, and of high nibbles, codes 16-31 against words 4-7; Q8_0: 8
- * words), then one convert and one FMA by the 8 blocks' scale products per row pair, and one FMA
+ * 0-15 against activation words 0-3, and of high nibbles, codes 16-31 against words 4-7, Q5's with
+ * their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8 blocks' scale products per row pair, and one FMA
  * for the offset / minimum term. The blocks past the last whole group are stored as GGML's, and
  * summed as tile32 sums them. Every (i, k) sum runs the same operations whatever the tile. */
 #ifdef KV_VNNI
@@ -369,8 +369,20 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
 #else
 #define DP(acc, u, a) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)))
 #endif
+/* Q5_0 / Q5_1 x8 groups hold the 8 blocks' fifth bits as one more word before the nibbles (lane
+ * j: block j's 32 bits); word s of the nibbles (values 4s..4s+3 low, 16+4s.. high) takes its bits
+ * from byte s / 2 (low) and 2 + s / 2 (high) of that word. */
+static inline __m256i x8_fifth_bits(__m256i qh, int byte, int s) {
+    const __m256i idx = _mm256_add_epi8(_mm256_set1_epi8((char)byte), /* each lane's 4 bytes <- its byte `byte` */
+                                        _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                         0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    const uint32_t o = 4 * (s & 1), bits = (1u << o) | (2u << o) << 8 | (4u << o) << 16 | (8u << o) << 24;
+    const __m256i bit = _mm256_set1_epi32((int)bits); /* byte b of a lane: bit o + b */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, idx), bit), bit), _mm256_set1_epi8(0x10));
+}
 KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
-    const int bs = block_bytes(t), gb = 8 * bs, codes = t == T_Q4_1 ? 32 : 16;
+    const int five = t == T_Q5_0 || t == T_Q5_1, mins = t == T_Q4_1 || t == T_Q5_1;
+    const int bs = block_bytes(t), gb = 8 * bs, codes = (mins ? 32 : 16) + (five ? 32 : 0);
     const long nb = A->nb, groups = nb / 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[RWMAX][RTMAX];
@@ -383,6 +395,10 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
             for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
         prefetch_next(w, rb, RW, gb, g);
         if (t != T_Q8_0) {
+            __m256i qh[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++)
+                if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes - 32));
             KV_UNROLL
             for (int s = 0; s < 4; s++) {
                 __m256i lo[RWMAX], hi[RWMAX];
@@ -391,6 +407,10 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes + 32 * s));
                     lo[i] = _mm256_and_si256(v, m4);
                     hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (five) {
+                        lo[i] = _mm256_or_si256(lo[i], x8_fifth_bits(qh[i], s / 2, s));
+                        hi[i] = _mm256_or_si256(hi[i], x8_fifth_bits(qh[i], 2 + s / 2, s));
+                    }
                 }
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
@@ -401,7 +421,7 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
                     for (int i = 0; i < RW; i++) {
 #ifdef KV_VNNI
                         dot[i][k] = DP(DP(dot[i][k], lo[i], a0), hi[i], a1);
-#else /* codes < 16: two maddubs' int16 pairs add without overflow before one madd */
+#else /* codes < 32: two maddubs' int16 pairs add without overflow before one madd */
                         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], a0), _mm256_maddubs_epi16(hi[i], a1));
                         dot[i][k] = _mm256_add_epi32(dot[i][k], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
@@ -430,8 +450,9 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
             const uint8_t *o = w + i * rb + g * gb;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             __m256 m = _mm256_setzero_ps();
-            if (t == T_Q4_1) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+            if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
             if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             KV_UNROLL
             for (int k = 0; k < RT; k++) {
@@ -556,6 +577,8 @@ KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, 
     case T_Q8_0 + X8: tile_x8(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0 + X8: tile_x8(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1 + X8: tile_x8(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_0 + X8: tile_x8(T_Q5_0, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_1 + X8: tile_x8(T_Q5_1, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
@@ -812,13 +835,15 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
     }
 }
 
-/* ---- the x8 layout: rows of Q4_0, Q4_1 or Q8_0 repacked 8 blocks at a time --------------------
- * Each whole group of 8 blocks becomes: the 8 scales d (f16), for Q4_1 the 8 minimums m, then the
- * blocks' codes as 32-bit words transposed: 32 bytes per word index, block j's word in bytes
- * 4j..4j+3 (4 words of a Q4 block's 16 bytes, 8 of a Q8_0 block's 32). Blocks past the last whole
+/* ---- the x8 layout: rows of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 repacked 8 blocks at a time ----------
+ * Each whole group of 8 blocks becomes: the 8 scales d (f16), for Q4_1 / Q5_1 the 8 minimums m,
+ * then the blocks' words (4 bytes) transposed: 32 bytes per word index, block j's word in bytes
+ * 4j..4j+3 (a Q4 block's 16 bytes of codes are 4 words, a Q8_0 block's 32 are 8, a Q5 block's
+ * fifth bits and codes 5). Blocks past the last whole
  * group are copied as they are. A row keeps its size, so rows can still be sliced and fused. */
 static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) {
-    const int bs = block_bytes(t), head = t == T_Q4_1 ? 4 : 2, words = t == T_Q8_0 ? 8 : 4;
+    const int bs = block_bytes(t), head = t == T_Q4_1 || t == T_Q5_1 ? 4 : 2;
+    const int words = t == T_Q8_0 ? 8 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 4; /* a Q5 block's first word: its fifth bits */
     for (long g = 0; g + 8 <= nb; g += 8) {
         const uint8_t *in = src + g * bs;
         uint8_t *out = dst + g * bs;
@@ -846,7 +871,7 @@ int kvserve_x8(void) {
 #endif
 }
 
-/* dst = rows of src (GGML type qtype: Q4_0, Q4_1 or Q8_0) in the x8 layout, or back (unpack != 0,
+/* dst = rows of src (GGML type qtype: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) in the x8 layout, or back (unpack != 0,
  * qtype the x8 id). Returns 0, or -1 for another type or a cols that is not whole blocks. */
 int kvserve_pack_x8(int qtype, const uint8_t *src, uint8_t *dst, long rows, long cols, int unpack) {
     const int t = unpack ? qtype - X8 : qtype;
