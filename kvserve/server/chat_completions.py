@@ -7,7 +7,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import legacy_functions, openai_compat
+from kvserve.server import openai_compat
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
@@ -30,7 +30,7 @@ class ChatCompletion(Serving):
         ctx, req = self.ctx, self.req
         openai_compat.log_ignored(req)
         reject_unsupported_extras(req)
-        legacy_functions.apply(req)  # functions / function_call: as tools / tool_choice from here on
+        openai_compat.apply_legacy_functions(req)  # functions / function_call: as tools / tool_choice from here on
         reject(not req.messages, "messages", "must not be empty")
         reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
         check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
@@ -66,7 +66,7 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
     for c in final.outputs:
         message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req))
         if req.functions is not None:
-            message, finish_reason = legacy_functions.message(message, finish_reason)
+            message, finish_reason = openai_compat.legacy_message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
                         "finish_reason": finish_reason})
@@ -78,7 +78,7 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
 
-    legacy = legacy_functions.LegacyDeltas() if req.functions is not None else None
+    legacy = openai_compat.LegacyDeltas() if req.functions is not None else None
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
               extra: dict | None = None) -> bytes | None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvserve.server import legacy_functions
+from kvserve.server import openai_compat
 from kvserve.server.protocol import ChatCompletionRequest
 from kvserve.tokenizer import Tokenizer
 from kvserve.web.errors import APIError
@@ -36,7 +36,7 @@ class ChatPrompt:
         """The prompt of a raw chat completion body, or None where the server would refuse it."""
         try:
             req = ChatCompletionRequest.model_validate(body)
-            legacy_functions.apply(req)
+            openai_compat.apply_legacy_functions(req)
         except (ValidationError, APIError, ValueError):
             return None
         return cls.of(req) if req.messages else None

@@ -15,7 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.openai_compat import IGNORED_FIELDS
+
+# OpenAI request fields (chat and completions) that change nothing kvserve does: accepted, and
+# logged by the route (server/openai_compat.py), instead of failing as misspellings.
+IGNORED_FIELDS = frozenset({
+    "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
+    "modalities", "audio", "prediction", "web_search_options", "verbosity", "function_call", "functions",
+    "prompt_cache_retention", "truncation",
+})
 
 ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # function: legacy tool results
 
@@ -213,7 +220,7 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The plain message a chat template expects: content as one string; developer is system;
-        legacy function calls and results as tool calls and results (server/legacy_functions.py)."""
+        legacy function calls and results as tool calls and results (server/openai_compat.py)."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
@@ -264,7 +271,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/legacy_functions.py).
+    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/openai_compat.py).
     functions: list[FunctionDef] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from kvserve.server import legacy_functions, openai_compat
+from kvserve.server import openai_compat
 from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import from_invalid
@@ -25,7 +25,7 @@ def add_render_routes(app: FastAPI, ctx: ServerContext) -> None:
         req = await ctx.parse(request, ChatCompletionRequest)
         openai_compat.log_ignored(req)
         reject_unsupported_extras(req)
-        legacy_functions.apply(req)
+        openai_compat.apply_legacy_functions(req)
         reject(not req.messages, "messages", "must not be empty")
         try:
             ids = await ctx.client.encode_chat(ChatPrompt.of(req))
