@@ -57,9 +57,9 @@ def constraint(req: Any) -> Constraint | None:
         c = from_vllm({k: so.get(k) for k in so}, "structured_outputs.")
         if c is not None:
             found.append(c)
-    c = from_vllm({k: getattr(req, f"guided_{k}", None) for k in GUIDED_KINDS}, "guided_")
-    if c is not None:
-        found.append(c)
+    guided = {k: v for k in GUIDED_KINDS if (v := getattr(req, f"guided_{k}", None)) is not None}
+    if guided:  # most requests set none of these, nor the fields above: nothing to read then
+        found.append(from_vllm(guided, "guided_"))
     tools = getattr(req, "tools", None)
     choice = getattr(req, "tool_choice", None)
     if tools and choice not in (None, "auto", "none"):
