@@ -9,6 +9,7 @@ for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -139,7 +140,7 @@ class _Sampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
         """Raises ValueError "<param> must be ..." for a value out of range. `defaults` fill the
         sampling fields the request left out (the model's or the server's, generation_defaults.py)."""
         given = {**(defaults or {}), **{
