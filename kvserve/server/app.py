@@ -49,8 +49,8 @@ from kvserve.server.protocol import (
 from kvserve.server.render import add_render_routes
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
+from kvserve.web.body import FramingCheck
 from kvserve.web.errors import install_handlers
-from kvserve.web.framing import FramingCheck
 from kvserve.web.hosts import HostAllowList
 
 if TYPE_CHECKING:
