@@ -96,6 +96,7 @@ class Message(Serving):
 
     request_model = MessagesRequest
     FIELDS = {"prompt": "messages", "stop": "stop_sequences"}
+    dialect = ANTHROPIC
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req
