@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("kvserve.engine", "kvserve.parallel")),
     ("llm", ("kvserve.llm",)),
     ("server", ("kvserve.server",)),
-    ("router", ("kvserve.router",)),  # renders prompts with the server's ChatPrompt
+    ("router", ("kvserve.router",)),  # reads request bodies with the server's protocols
     # Commands and tools on top: the CLI, what each command runs, benchmarks, Ray Serve.
     ("commands", ("kvserve.__main__", "kvserve.cli", "kvserve.commands", "kvserve.chat", "kvserve.generate",
                   "kvserve.explain", "kvserve.server.cli", "kvserve.router.cli", "kvserve.router.up",

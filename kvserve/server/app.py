@@ -32,7 +32,7 @@ from kvserve.server import (
     responses,
 )
 from kvserve.server.chat_completions import ChatCompletion
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.completions import Completion
 from kvserve.server.context import ServerContext
 from kvserve.server.embeddings import Embedding

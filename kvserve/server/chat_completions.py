@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat
-from kvserve.server.chat_render import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
@@ -43,7 +42,7 @@ class ChatCompletion(Serving):
                "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req))
-        prompt = ChatPrompt.of(req)
+        prompt = req.chat_prompt()
         return await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="chatcmpl",
                                     # a default the client never sent must not be the reason its request is refused
                                     fit_within=ctx.client.max_model_len if defaulted else None)

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
 from kvserve.server import ollama_models

@@ -25,12 +25,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvserve.errors import InvalidParam, shown
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, NamedFunction, NamedToolChoice, Tool
 from kvserve.structured.spec import Constraint, from_response_format, from_vllm
 from kvserve.structured.tool_calls import ToolCallStream
 from kvserve.structured.tools import forced_call_constraint
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 log = logging.getLogger("kvserve.server")
 GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -137,6 +140,17 @@ def apply_legacy_functions(req: ChatCompletionRequest) -> None:
             raise APIError(400, f"function_call names {shown(choice.name)}, which is not in functions",
                            param="function_call")
         req.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+
+def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The prompt of a raw chat completion body, as the chat route renders it (legacy functions as
+    tools), or None where the server would refuse the body: a router's rendering of it."""
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+        apply_legacy_functions(req)
+    except (ValidationError, APIError, ValueError):
+        return None
+    return req.chat_prompt() if req.messages else None
 
 
 def legacy_message(message: dict[str, Any], finish_reason: str | None) -> tuple[dict[str, Any], str | None]:

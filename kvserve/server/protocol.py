@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 # OpenAI request fields (chat and completions) that change nothing kvserve does: accepted, and
 # logged by the route (server/openai_compat.py), instead of failing as misspellings.
@@ -278,6 +279,11 @@ class ChatCompletionRequest(_Sampling):
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The prompt of a checked request (its legacy `functions` already turned into tools)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools and self.tool_choice != "none" else None
+        return ChatPrompt([m.for_template() for m in self.messages], self.add_generation_prompt, tools)
 
 
 class EmbeddingRequest(_Strict):
