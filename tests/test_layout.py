@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("kvserve.engine", "kvserve.parallel")),
     ("llm", ("kvserve.llm",)),
     ("server", ("kvserve.server",)),
-    ("router", ("kvserve.router",)),  # renders prompts with the server's ChatPrompt
+    ("router", ("kvserve.router",)),  # reads request bodies with the server's protocols
     # Commands and tools on top: the CLI, what each command runs, benchmarks, Ray Serve.
     ("commands", ("kvserve.__main__", "kvserve.commands", "kvserve.chat", "kvserve.explain", "kvserve.bench",
                   "kvserve.ray_serve")),

@@ -147,7 +147,7 @@ def test_serve_answers_routes_by_prefix_and_survives_a_killed_replica(serve_url,
     from openai import OpenAI
 
     from kvserve import LLM, CacheConfig, SamplingParams
-    from kvserve.server.chat_render import ChatPrompt
+    from kvserve.tokenizer.chat_template import ChatPrompt
 
     # Correct answers through Serve's proxy: the same greedy tokens as the engine run here.
     llm = LLM(str(tiny_model_dir(tmp_path_factory)), dtype="float32", cache=CacheConfig(num_blocks=64))
@@ -164,7 +164,7 @@ def test_serve_answers_routes_by_prefix_and_survives_a_killed_replica(serve_url,
     # A shared system prompt: the first request lands somewhere; every later one follows it and
     # finds the prefix cached there (its whole blocks), in the second round its whole prompt.
     def ids(user: str) -> list[int]:
-        return ChatPrompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]).encode(llm.tokenizer)
+        return llm.tokenizer.encode_prompt(ChatPrompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]))
 
     shared = next(i for i, (a, b) in enumerate(zip(ids("Question 0?"), ids("Question 1?"))) if a != b)
     with httpx.Client(base_url=url, timeout=60) as http:

@@ -31,7 +31,7 @@ RENDERED = {
     "messages[].tool_calls[].function.arguments":
         lambda b, v: b["messages"][2]["tool_calls"][0]["function"].update(arguments=json.dumps({"city": v, v: 1})),
     "messages[].tool_call_id": lambda b, v: b["messages"][3].update(tool_call_id=v),
-    # OpenAI's legacy form of one tool call (kvserve/server/legacy_functions.py), in place of tool_calls.
+    # OpenAI's legacy form of one tool call (kvserve/server/openai_compat.py), in place of tool_calls.
     "messages[].function_call.name": lambda b, v: b["messages"][2].update(
         tool_calls=None, function_call={"name": v, "arguments": '{"city": "Paris"}'}),
     "messages[].function_call.arguments": lambda b, v: b["messages"][2].update(

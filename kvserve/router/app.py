@@ -29,8 +29,8 @@ from kvserve.router.proxy import handle
 from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
+from kvserve.web.body import FramingCheck
 from kvserve.web.errors import APIError, install_handlers
-from kvserve.web.framing import FramingCheck
 from kvserve.web.draining import DrainingServer
 from kvserve.web.hosts import host_error
 

@@ -4,7 +4,7 @@ Each replica publishes `GET /kv/events` (kvserve/server/kv_events.py): its model
 size, the fingerprint of its chat renderer, and the chained SHA-256 of every full block it stores
 or evicts. The router follows it, loads kvserve's own Tokenizer from the same model file (and, if
 the replica renders chats otherwise, its chat template and special-token rule from
-`/kv/renderer`), renders a request with the server's own ChatPrompt, and hashes its tokens with
+`/kv/renderer`), renders a request to the server's own ChatPrompt, and hashes its tokens with
 the KV manager's own walk, so a match here is what the replica will find. A replica whose
 rendering the router cannot reproduce (the fingerprints still differ) is routed by text instead.
 
@@ -40,8 +40,9 @@ from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_bo
 from kvserve.router.kv_stream import StreamSource
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.server.openai_compat import prompt_of_body
 from kvserve.tokenizer import Tokenizer
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 log = logging.getLogger("kvserve.router")
 
@@ -249,7 +250,7 @@ class KVIndex:
 def prepare_hashes(req: RoutedRequest, renderers: dict[str, Renderer], keys: set[tuple[str, int]]) -> None:
     """req's prompt ids per renderer and block hashes per (renderer, block size), as each replica
     will see them; what a request already has is kept (it may be routed again)."""
-    chat = req.chat_prompt or (ChatPrompt.from_body(req.chat_body) if req.chat_body is not None else None)
+    chat = req.chat_prompt or (prompt_of_body(req.chat_body) if req.chat_body is not None else None)
     for renderer, block_size in keys:
         if renderer not in req.token_ids:
             req.token_ids[renderer] = encode_prompt(req, chat, renderers[renderer])
@@ -269,7 +270,7 @@ def encode_prompt(req: RoutedRequest, chat: ChatPrompt | None, renderer: Rendere
         return renderer.tokenizer.encode(req.prompt)
     if chat is not None:
         try:
-            return chat.encode(renderer.tokenizer, renderer.special_tokens_in_content)
+            return renderer.tokenizer.encode_prompt(chat, renderer.special_tokens_in_content)
         except ValueError:  # the replica answers this one with its own 400
             return []
     return []

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvserve.router.response_homes import named_id
 from kvserve.server import anthropic_protocol, ollama_protocol, responses_protocol
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.web.errors import APIError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",

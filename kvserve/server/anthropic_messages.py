@@ -32,7 +32,7 @@ from kvserve.errors import InvalidParam
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import ANTHROPIC, APIError, from_invalid
 from kvserve.server.generation import Job
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
@@ -96,6 +96,7 @@ class Message(Serving):
 
     request_model = MessagesRequest
     FIELDS = {"prompt": "messages", "stop": "stop_sequences"}
+    dialect = ANTHROPIC
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req

@@ -32,7 +32,7 @@ from kvserve.server import (
     responses,
 )
 from kvserve.server.chat_completions import ChatCompletion
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.completions import Completion
 from kvserve.server.context import ServerContext
 from kvserve.server.embeddings import Embedding
@@ -49,8 +49,8 @@ from kvserve.server.protocol import (
 from kvserve.server.render import add_render_routes
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
+from kvserve.web.body import FramingCheck
 from kvserve.web.errors import install_handlers
-from kvserve.web.framing import FramingCheck
 from kvserve.web.hosts import HostAllowList
 
 if TYPE_CHECKING:

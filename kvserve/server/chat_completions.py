@@ -7,16 +7,14 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import legacy_functions, openai_compat
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.server import openai_compat
 from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import Serving
-from kvserve.server.streaming import sse
+from kvserve.server.serving import Serving, sse
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -30,7 +28,7 @@ class ChatCompletion(Serving):
         ctx, req = self.ctx, self.req
         openai_compat.log_ignored(req)
         reject_unsupported_extras(req)
-        legacy_functions.apply(req)  # functions / function_call: as tools / tool_choice from here on
+        openai_compat.apply_legacy_functions(req)  # functions / function_call: as tools / tool_choice from here on
         reject(not req.messages, "messages", "must not be empty")
         reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
         check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
@@ -44,7 +42,7 @@ class ChatCompletion(Serving):
                "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req))
-        prompt = ChatPrompt.of(req)
+        prompt = req.chat_prompt()
         return await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="chatcmpl",
                                     # a default the client never sent must not be the reason its request is refused
                                     fit_within=ctx.client.max_model_len if defaulted else None)
@@ -66,7 +64,7 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
     for c in final.outputs:
         message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req))
         if req.functions is not None:
-            message, finish_reason = legacy_functions.message(message, finish_reason)
+            message, finish_reason = openai_compat.legacy_message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
                         "finish_reason": finish_reason})
@@ -78,7 +76,7 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
 
-    legacy = legacy_functions.LegacyDeltas() if req.functions is not None else None
+    legacy = openai_compat.LegacyDeltas() if req.functions is not None else None
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
               extra: dict | None = None) -> bytes | None:

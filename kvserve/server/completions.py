@@ -25,8 +25,7 @@ from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import Serving
-from kvserve.server.streaming import sse
+from kvserve.server.serving import Serving, sse
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext

@@ -23,7 +23,7 @@ from kvserve.fim import encode_fim
 from kvserve.kv.events import BlockEventLog
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import ServerState
@@ -133,7 +133,7 @@ class EngineClient:
         calling thread: a worker's, never the event loop's)."""
         tok, limit = self.tokenizer, self.max_model_len
         try:
-            return prompt.encode(tok, self.state.settings.special_tokens_in_messages, limit)
+            return tok.encode_prompt(prompt, self.state.settings.special_tokens_in_messages, limit)
         except PromptTooLong:
             raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
                                "shorten the messages") from None

@@ -83,7 +83,7 @@ class ServerState:
         self.num_admitted_requests = 0
         self._idle = asyncio.Event()  # set while no request is admitted (drain waits on it)
         self._idle.set()
-        self.work: set[asyncio.Future] = set()  # responses being generated (see streaming.py)
+        self.work: set[asyncio.Future] = set()  # responses being generated (see serving.py)
 
     # -- lifecycle ------------------------------------------------------------------------
     def set_ready(self, llm: LLM) -> None:

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
 from kvserve.server import ollama_models
@@ -104,6 +104,7 @@ class OllamaGeneration(Serving):
 
     KEY: ClassVar[str]
     PREFIX: ClassVar[str]  # of the job's id
+    dialect = OLLAMA
     FIELDS = {"prompt": "messages", "max_tokens": "options.num_predict", "stop": "options.stop",
               "temperature": "options.temperature", "top_p": "options.top_p", "top_k": "options.top_k",
               "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",

@@ -6,25 +6,36 @@
   become one output Constraint (kvserve/structured/).
 - With tools, the choice's text is read for tool calls (kvserve/structured/tool_calls.py):
   whole for a response, as deltas for a stream.
+- OpenAI's deprecated function calling, still sent by older clients and agents, is mapped onto
+  tools (`apply_legacy_functions`), and answered in its own shape (`legacy_message`,
+  `LegacyDeltas`):
+
+    functions=[f, ...]             ->  tools=[{"type": "function", "function": f}, ...]
+    function_call="none" | "auto"  ->  tool_choice="none" | "auto"
+    function_call={"name": n}      ->  tool_choice={"type": "function", "function": {"name": n}}
+
+  Messages (protocol.ChatMessage.for_template): an assistant's `function_call` becomes one tool
+  call and a `function` message a `tool` result, paired by the id `call_<name>`
+  (protocol.legacy_call_id). A request that used `functions` is answered in the legacy shape:
+  `message.function_call` (the first call) with finish_reason "function_call", streamed as
+  `function_call` deltas.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from kvserve.errors import InvalidParam
+from pydantic import ValidationError
+
+from kvserve.errors import InvalidParam, shown
+from kvserve.server.errors import APIError
+from kvserve.server.protocol import ChatCompletionRequest, NamedFunction, NamedToolChoice, Tool
 from kvserve.structured.spec import Constraint, from_response_format, from_vllm
 from kvserve.structured.tool_calls import ToolCallStream
 from kvserve.structured.tools import forced_call_constraint
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 log = logging.getLogger("kvserve.server")
-
-# OpenAI request fields (chat and completions) that change nothing kvserve does.
-IGNORED_FIELDS = frozenset({
-    "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
-    "modalities", "audio", "prediction", "web_search_options", "verbosity", "function_call", "functions",
-    "prompt_cache_retention", "truncation",
-})
 GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -49,9 +60,9 @@ def constraint(req: Any) -> Constraint | None:
         c = from_vllm({k: so.get(k) for k in so}, "structured_outputs.")
         if c is not None:
             found.append(c)
-    c = from_vllm({k: getattr(req, f"guided_{k}", None) for k in GUIDED_KINDS}, "guided_")
-    if c is not None:
-        found.append(c)
+    guided = {k: v for k in GUIDED_KINDS if (v := getattr(req, f"guided_{k}", None)) is not None}
+    if guided:  # most requests set none of these, nor the fields above: nothing to read then
+        found.append(from_vllm(guided, "guided_"))
     tools = getattr(req, "tools", None)
     choice = getattr(req, "tool_choice", None)
     if tools and choice not in (None, "auto", "none"):
@@ -106,3 +117,64 @@ class ChoiceDeltas:
         if self.stream.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return deltas, finish_reason
+
+def apply_legacy_functions(req: ChatCompletionRequest) -> None:
+    """Turn the request's functions/function_call into tools/tool_choice, in place (400 if it mixes both)."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise APIError(400, "function_call needs functions: list the functions it may call (or use tools "
+                           "and tool_choice)", param="function_call")
+        return
+    if req.tools is not None or req.tool_choice is not None:
+        raise APIError(400, "functions cannot be combined with tools or tool_choice: give one or the other "
+                       "(functions is OpenAI's deprecated form of tools)", param="functions")
+    if not req.functions:
+        raise APIError(400, "functions must not be empty: list at least one function or leave it out",
+                       param="functions")
+    req.tools = [Tool(type="function", function=f) for f in req.functions]
+    choice = req.function_call
+    if choice is None or isinstance(choice, str):
+        req.tool_choice = choice
+    else:
+        if choice.name not in {f.name for f in req.functions}:
+            raise APIError(400, f"function_call names {shown(choice.name)}, which is not in functions",
+                           param="function_call")
+        req.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+
+
+def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The prompt of a raw chat completion body, as the chat route renders it (legacy functions as
+    tools), or None where the server would refuse the body: a router's rendering of it."""
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+        apply_legacy_functions(req)
+    except (ValidationError, APIError, ValueError):
+        return None
+    return req.chat_prompt() if req.messages else None
+
+
+def legacy_message(message: dict[str, Any], finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A tool-call reply in the legacy shape: the first call as `function_call`."""
+    calls = message.pop("tool_calls", None)
+    if not calls:
+        return message, finish_reason
+    message["function_call"] = dict(calls[0]["function"])
+    return message, ("function_call" if finish_reason == "tool_calls" else finish_reason)
+
+
+class LegacyDeltas:
+    """Streamed tool_calls deltas as function_call deltas (the first call only)."""
+
+    def delta(self, delta: dict[str, Any]) -> dict[str, Any] | None:
+        calls = delta.get("tool_calls")
+        if calls is None:
+            return delta
+        first = [c for c in calls if c.get("index", 0) == 0]
+        if not first:
+            return None  # a second call: the legacy shape has room for one
+        rest = {k: v for k, v in delta.items() if k != "tool_calls"}
+        return {**rest, "function_call": {k: v for k, v in first[0]["function"].items() if v is not None}}
+
+    @staticmethod
+    def finish_reason(reason: str | None) -> str | None:
+        return "function_call" if reason == "tool_calls" else reason

@@ -9,13 +9,22 @@ for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.openai_compat import IGNORED_FIELDS
+from kvserve.tokenizer.chat_template import ChatPrompt
+
+# OpenAI request fields (chat and completions) that change nothing kvserve does: accepted, and
+# logged by the route (server/openai_compat.py), instead of failing as misspellings.
+IGNORED_FIELDS = frozenset({
+    "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
+    "modalities", "audio", "prediction", "web_search_options", "verbosity", "function_call", "functions",
+    "prompt_cache_retention", "truncation",
+})
 
 ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # function: legacy tool results
 
@@ -132,7 +141,7 @@ class _Sampling(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
         """Raises ValueError "<param> must be ..." for a value out of range. `defaults` fill the
         sampling fields the request left out (the model's or the server's, generation_defaults.py)."""
         given = {**(defaults or {}), **{
@@ -213,7 +222,7 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The plain message a chat template expects: content as one string; developer is system;
-        legacy function calls and results as tool calls and results (server/legacy_functions.py)."""
+        legacy function calls and results as tool calls and results (server/openai_compat.py)."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
@@ -264,12 +273,17 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/legacy_functions.py).
+    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/openai_compat.py).
     functions: list[FunctionDef] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
+
+    def chat_prompt(self) -> ChatPrompt:
+        """The prompt of a checked request (its legacy `functions` already turned into tools)."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools and self.tool_choice != "none" else None
+        return ChatPrompt([m.for_template() for m in self.messages], self.add_generation_prompt, tools)
 
 
 class EmbeddingRequest(_Strict):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from kvserve.server import legacy_functions, openai_compat
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.server import openai_compat
 from kvserve.server.context import ServerContext
 from kvserve.server.errors import from_invalid
 from kvserve.server.parsing import reject, reject_unsupported_extras
@@ -25,10 +24,10 @@ def add_render_routes(app: FastAPI, ctx: ServerContext) -> None:
         req = await ctx.parse(request, ChatCompletionRequest)
         openai_compat.log_ignored(req)
         reject_unsupported_extras(req)
-        legacy_functions.apply(req)
+        openai_compat.apply_legacy_functions(req)
         reject(not req.messages, "messages", "must not be empty")
         try:
-            ids = await ctx.client.encode_chat(ChatPrompt.of(req))
+            ids = await ctx.client.encode_chat(req.chat_prompt())
         except ValueError as e:
             raise from_invalid(e, {"prompt": "messages"}) from None
         return {"model": ctx.settings.model_name, "token_ids": ids}

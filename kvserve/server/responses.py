@@ -28,7 +28,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.chat_render import ChatPrompt
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job
 from kvserve.server.logprobs import chat_logprobs

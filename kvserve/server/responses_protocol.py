@@ -7,6 +7,7 @@ server renders (kvserve/router/request.py).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -218,7 +219,7 @@ def tool_mode(tools: list, choice: str | dict, constraint: Constraint | None) ->
     return "forced"
 
 
-def sampling_params(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defaults: dict,
+def sampling_params(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any],
               constraint: Constraint | None) -> SamplingParams:
     given = {**defaults, **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
                            if getattr(req, k) is not None}}

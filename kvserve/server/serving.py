@@ -1,31 +1,44 @@
 """The shape every generation route shares: parse the body, start its job (admitted, encoded and
-checked in one worker hop: `ServerContext.start_job`), then answer it streamed or whole. The
-admission is released when the answer is done, however it ends, and a client that leaves stops
-the work (kvserve/server/streaming.py). A subclass per API says only what differs: how a body
-becomes a job (`start`), its stream's events (`events`) and its whole answer (`body`), and
-`FIELDS`, its names for the engine's words, so that a check made by the engine names the field
-as the client sent it. A route with no stream (embeddings) says so in `streams`.
+checked in one worker hop: `ServerContext.start_job`), then answer it streamed or whole. A
+subclass per API says only what differs: how a body becomes a job (`start`), its stream's events
+(`events`) and its whole answer (`body`), `FIELDS`, its names for the engine's words, so that a
+check made by the engine names the field as the client sent it, and `dialect`, the error shape
+of its stream. A route with no stream (embeddings) says so in `streams`.
 
 One instance serves one HTTP request, so what `start` learns (the parsed body, per-prompt
 extras such as echoed texts) is kept on it for `events` and `body`.
+
+How an answer is sent, below the class: both kinds watch the connection for http.disconnect
+while the engine works. When the client leaves, the work is cancelled; the engine iterator's
+cleanup then aborts the request, and the engine frees its KV blocks before its next step. The
+work is also registered in `tracked` (ServerState.work), so that a drain past its timeout can
+cancel it; the client then gets a 503 (or, mid-stream, a final error event) instead of a dropped
+connection. The admission is released in every case, even if the client left before the first
+byte.
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import dialect, from_invalid
+from kvserve.server.errors import OPENAI, APIError, Dialect, from_invalid
 from kvserve.server.generation import Job
-from kvserve.server.streaming import ClientDisconnected, EventStream, run_until_disconnect
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
     from kvserve.server.lifecycle import Admission
+
+log = logging.getLogger("kvserve.server")
+T = TypeVar("T")
 
 
 class Serving:
@@ -33,6 +46,7 @@ class Serving:
     # The engine's words (SamplingParams' fields, "prompt") that this API spells otherwise:
     # an InvalidParam about "max_tokens" is reported as, say, "max_output_tokens".
     FIELDS: ClassVar[Mapping[str, str]] = {}
+    dialect: ClassVar[Dialect] = OPENAI  # how an error is said once a stream has begun
 
     def __init__(self, ctx: ServerContext, request: Request) -> None:
         self.ctx = ctx
@@ -60,7 +74,7 @@ class Serving:
         is ready gets nothing, and its work is dropped."""
         state = self.ctx.state
         if self.streams():
-            return EventStream(self.events(job), admission.release, state.work, dialect(self.request.url.path))
+            return EventStream(self.events(job), admission.release, state.work, self.dialect)
         try:
             result = await run_until_disconnect(self.request, self.collect(job), state.work)
         except ClientDisconnected:
@@ -94,3 +108,99 @@ class Serving:
     def body(self, job: Job, result: Any) -> dict:
         """The whole answer's JSON body."""
         raise NotImplementedError
+
+
+# -- how an answer is sent (the module docstring's second half) --------------------------------
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+def cut_off() -> APIError:
+    return APIError(503, "the server shut down before this request finished (drain timeout)", code="shutdown")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first_of(work: asyncio.Future, receive: Receive, tracked: set[asyncio.Future]) -> bool:
+    """Wait for work or a disconnect; True if the client left. Nothing is left running after."""
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    tracked.add(work)
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return watch.done() and not work.done()
+    finally:
+        tracked.discard(work)
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[T], tracked: set[asyncio.Future]) -> T:
+    """The result of work; ClientDisconnected if the client left first, a 503 if it was cut off."""
+    task = asyncio.ensure_future(work)
+    if await _first_of(task, request.receive, tracked):
+        raise ClientDisconnected
+    if task.cancelled():
+        raise cut_off()
+    return task.result()
+
+
+def sse(data: dict | str) -> bytes:
+    """One Server-Sent Event: `data: <json>` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+class EventStream(Response):
+    """A stream of ready-made events (SSE, or NDJSON for Ollama's API); a failure after the head
+    was sent ends it with the dialect's error event."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None], tracked: set[asyncio.Future],
+                 dialect: Dialect = OPENAI) -> None:
+        self.events = events
+        self.on_close = on_close
+        self.tracked = tracked
+        self.dialect = dialect
+        self.media_type = dialect.stream_media_type
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._started = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        try:
+            if await _first_of(pump, receive, self.tracked):
+                return  # the client left; nobody to tell
+            if pump.cancelled():  # cut off by the server (drain timeout, or a client that reads nothing)
+                if self._started:
+                    last = {"type": "http.response.body", "body": self.dialect.stream_error(cut_off()), "more_body": False}
+                    try:  # bounded: a client that reads nothing cannot hold this task
+                        await asyncio.wait_for(send(last), 1.0)
+                    except (asyncio.TimeoutError, OSError):
+                        log.info("a stream was cut off without its last event: its client is not reading")
+                else:
+                    await cut_off().response(scope["path"])(scope, receive, send)
+            elif pump.exception() is not None:
+                log.error("a stream failed", exc_info=pump.exception())
+                if self._started:
+                    error = APIError(500, "internal server error (see the server log)")
+                    await send({"type": "http.response.body", "body": self.dialect.stream_error(error),
+                                "more_body": False})
+        finally:
+            self.on_close()
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._started = True
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        finally:
+            aclose = getattr(self.events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,7 +1,10 @@
 """What the HTTP layer of `kvserve serve` needs to know (the engine has its own config)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
@@ -42,10 +45,13 @@ class ServerSettings:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_format: str = "array"  # kvserve/kv/event_wire.py: array (llm-d) or map (vllm-router)
+    # sampling_defaults as SamplingParams keyword arguments, worked out once when the settings are
+    # made (every generation request reads them) and read-only like the rest.
+    defaults: Mapping[str, Any] = field(init=False, repr=False, compare=False)
 
-    @property
-    def defaults(self) -> dict:
-        return self.sampling_defaults.given() if self.sampling_defaults is not None else {}
+    def __post_init__(self) -> None:
+        given = self.sampling_defaults.given() if self.sampling_defaults is not None else {}
+        object.__setattr__(self, "defaults", MappingProxyType(given))  # frozen: set past the guard
 
     @property
     def url(self) -> str:

@@ -1,14 +1,23 @@
-"""A model's chat template: Jinja source shipped with the model, rendered in a sandbox.
+"""A model's chat template: Jinja source shipped with the model, rendered in a sandbox; and
+`ChatPrompt`, the conversation it renders.
 
 Templates come with downloaded models, so they are untrusted code: they run in Jinja's immutable
 sandbox (no underscore attributes, no mutation of the inputs). The environment offers what chat
 templates are written against: trim_blocks/lstrip_blocks, loop controls, `raise_exception`,
 `strftime_now`, a `tojson` that does not HTML-escape, and a no-op `{% generation %}` block.
+
+`ChatPrompt` is one rule for the server and the router: the server renders every chat request
+through it (`Tokenizer.encode_prompt`); a cache-aware router renders the same request body to
+the same `ChatPrompt` (server/openai_compat.py) with the replica's own tokenizer, chat template
+and special-token rule (checked by `Tokenizer.fingerprint`), so the prompt ids it hashes are the
+ones the replica will look up (kvserve/router/kv_index.py). How each API's request becomes one
+(tools, tool calls, tool results, legacy functions, content parts) is its protocol's business.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +34,15 @@ DEFAULT_CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation as its chat template sees it."""
+
+    messages: list[dict[str, Any]]  # as the template wants them: content as one string, and so on
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function list; None when tool_choice is "none"
 
 
 class ChatTemplateError(KVServeError, ValueError):

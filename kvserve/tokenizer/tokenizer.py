@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.structured.tools import template_messages
-from kvserve.tokenizer.chat_template import DEFAULT_CHATML, ChatTemplate, ChatTemplateError
+from kvserve.tokenizer.chat_template import DEFAULT_CHATML, ChatPrompt, ChatTemplate, ChatTemplateError
 from kvserve.tokenizer.gguf_vocab import build_gguf_vocab, read_gguf_metadata
 from kvserve.tokenizer.special_text import SpecialTextMask
 
@@ -262,6 +262,13 @@ class Tokenizer:
         if self.adds_bos and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_prompt(self, prompt: ChatPrompt, special_tokens_in_content: bool = False,
+                      max_tokens: int | None = None) -> list[int]:
+        """A ChatPrompt's ids (`encode_chat`: client text stays text unless allowed)."""
+        extra = {"tools": prompt.tools} if prompt.tools else {}
+        return self.encode_chat(prompt.messages, prompt.add_generation_prompt, max_tokens=max_tokens,
+                                special_tokens_in_content=special_tokens_in_content, **extra)
 
 
 class IncrementalDetokenizer:
