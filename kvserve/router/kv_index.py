@@ -75,18 +75,34 @@ class KVIndex:
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
+        self._first_read: dict[Replica, asyncio.Event] = {}  # set once the first answer was taken in (or failed)
         self.streams = StreamSource(client, self.headers, max_bytes, max_held, max(poll_interval, 0.05), stream_check)
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
         if replica not in self._tasks:
+            self._first_read[replica] = asyncio.Event()
             self._tasks[replica] = asyncio.create_task(self._follow(replica), name=f"kv-events {replica.url}")
+
+    async def first_reads(self, timeout: float) -> list[Replica]:
+        """Wait (at most timeout seconds) until every followed replica's first /kv/events answer is
+        in and its tokenizer loaded, or known not to come; the replicas still unread then. A router
+        answering before would route its first burst blind: the requests of one new prefix would
+        scatter over the replicas, each computing it (the blocks of a prompt routed somewhere count
+        there only once the prompt can be hashed)."""
+        waits = {r: asyncio.ensure_future(e.wait()) for r, e in self._first_read.items()}
+        if waits:
+            await asyncio.wait(waits.values(), timeout=timeout)
+        for w in waits.values():
+            w.cancel()
+        return [r for r, e in self._first_read.items() if not e.is_set()]
 
     def forget(self, replica: Replica) -> None:
         task = self._tasks.pop(replica, None)
         if task is not None:
             task.cancel()
         self.blocks.pop(replica, None)
+        self._first_read.pop(replica, None)
         self.streams.forget(replica)
 
     async def close(self) -> None:
@@ -108,10 +124,14 @@ class KVIndex:
             wait = self.poll_interval
             if replica.state != HEALTHY:
                 self.blocks.pop(replica, None)  # it may come back empty (restarted)
+                self._read(replica)  # nothing to wait for
                 await asyncio.sleep(wait)
                 continue
             try:
-                wait = await self._poll(replica)
+                try:
+                    wait = await self._poll(replica)
+                finally:
+                    self._read(replica)
                 b = self.blocks.get(replica)
                 if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
                     await self.streams.follow(replica, b, lambda: self._current(replica, b),
@@ -129,6 +149,10 @@ class KVIndex:
             except Exception:  # noqa: BLE001 - following a replica must survive anything
                 log.exception("kv events of %s failed", replica.url)
             await asyncio.sleep(wait)
+
+    def _read(self, replica: Replica) -> None:
+        if (first := self._first_read.get(replica)) is not None:
+            first.set()
 
     async def _poll(self, replica: Replica) -> float:
         b = self.blocks.get(replica)
