@@ -71,7 +71,7 @@ class KVIndex:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
         self.blocks: dict[Replica, ReplicaBlocks] = {}
-        self._tokenizers: dict[str, Tokenizer | None] = {}  # per model file
+        self._tokenizers: dict[str, asyncio.Future[Tokenizer | None]] = {}  # per model file
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
@@ -198,16 +198,21 @@ class KVIndex:
         return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
-        if model in self._tokenizers:
-            return self._tokenizers[model]
-        self._tokenizers[model] = None  # one attempt per model file
+        """One attempt per model file, awaited by every replica that uses it: a replica read while
+        another's load was under way used to take it for failed and be routed by text for good."""
+        if model not in self._tokenizers:
+            self._tokenizers[model] = asyncio.ensure_future(self._load_tokenizer_once(model, replica))
+        return await asyncio.shield(self._tokenizers[model])  # (a replica that leaves stops no one's load)
+
+    async def _load_tokenizer_once(self, model: str, replica: Replica) -> Tokenizer | None:
         try:
-            self._tokenizers[model] = await asyncio.to_thread(Tokenizer.load, model)
-            log.info("cache_aware (precise): tokenizer of %s loaded from %s", replica.url, model)
+            tokenizer = await asyncio.to_thread(Tokenizer.load, model)
         except Exception as e:  # noqa: BLE001 - the model file is on another host: fall back
             log.warning("cache_aware: cannot load the tokenizer of %s from %s (%s); using the text it "
                         "was sent instead", replica.url, model, e)
-        return self._tokenizers[model]
+            return None
+        log.info("cache_aware (precise): tokenizer of %s loaded from %s", replica.url, model)
+        return tokenizer
 
     async def _load_renderer(self, b: ReplicaBlocks, replica: Replica) -> None:
         """Render as the replica does: its model file's tokenizer, with its chat template and
