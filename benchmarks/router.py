@@ -57,12 +57,13 @@ class Result:
     prompt_tokens: int
     seconds: float
     errors: int
+    split: str = ""  # requests per replica, from the replicas' own counters
 
     def row(self) -> str:
         mean, p90 = statistics.fmean(self.ttft), sorted(self.ttft)[int(0.9 * (len(self.ttft) - 1))]
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0
         return (f"| {self.name} | {len(self.ttft)} | {mean:.2f} | {p90:.2f} | {self.output_tokens / self.seconds:.1f} "
-                f"| {hit:.0%} | {self.seconds:.0f} | {self.errors} |")
+                f"| {hit:.0%} | {self.split} | {self.seconds:.0f} | {self.errors} |")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float, float, int, int, int]:
@@ -91,31 +92,60 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
         usage.get("prompt_tokens_details", {}).get("cached_tokens", 0), usage.get("prompt_tokens", 0)
 
 
-async def run_workload(name: str, url: str, prompts: list[str], args: argparse.Namespace, seed: int) -> Result:
-    rng = random.Random(seed)
+async def run_workload(name: str, url: str, prompts: list[str], args: argparse.Namespace, log: Path) -> Result:
+    # The same sequence of prompt numbers and questions for every policy (only the prompts' text is
+    # fresh), so that the policies differ in nothing but their routing.
+    rng = random.Random(0)
+    picks = [(rng.randrange(len(prompts)), rng.choice(WORDS)) for _ in range(args.requests)]
     bodies = [{"model": args.served_name, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True},
-               "messages": [{"role": "system", "content": rng.choice(prompts)},
-                            {"role": "user", "content": f"Question {i}: which rule mentions {rng.choice(WORDS)}?"}]}
-              for i in range(args.requests)]
+               "messages": [{"role": "system", "content": prompts[p]},
+                            {"role": "user", "content": f"Question {i}: which rule mentions {word}?"}]}
+              for i, (p, word) in enumerate(picks)]
     sem = asyncio.Semaphore(args.concurrency)
-    results, errors = [], 0
+    results, errors, records = [], 0, []
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=args.auth) as client:
-        async def go(body: dict) -> None:
+        async def go(i: int, body: dict) -> None:
             nonlocal errors
             async with sem:
+                sent = time.perf_counter() - t0
                 try:
-                    results.append(await one_request(client, url, body))
+                    results.append(r := await one_request(client, url, body))
+                    records.append({"i": i, "prompt": picks[i][0], "sent": round(sent, 3), "ttft": round(r[0], 3),
+                                    "cached": r[3], "prompt_tokens": r[4]})
                 except (RuntimeError, httpx.HTTPError) as e:
                     errors += 1
                     print(f"  {name}: request failed: {e}", file=sys.stderr)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(go(b) for b in bodies))
+        await asyncio.gather(*(go(i, b) for i, b in enumerate(bodies)))
         seconds = time.perf_counter() - t0
+    log.write_text("".join(json.dumps(r) + "\n" for r in sorted(records, key=lambda r: r["i"])))
     return Result(name, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results),
                   sum(r[3] for r in results), sum(r[4] for r in results), seconds, errors)
+
+
+def replica_counters(urls: list[str]) -> list[tuple[float, float]]:
+    """(requests finished, prompt tokens computed) of each replica, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for url in urls:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        n = computed = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvserve_request_finished":
+                n = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            elif family.name == "kvserve_prompt_tokens":
+                computed = sum(s.value for s in family.samples)
+        out.append((n, computed))
+    return out
+
+
+def split(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> str:
+    """Requests per replica during a run, and the prompt tokens each computed (k: thousands)."""
+    return " / ".join(f"{a[0] - b[0]:.0f} ({(a[1] - b[1]) / 1000:.1f}k)" for b, a in zip(before, after))
 
 
 async def overhead(direct: str, routed: str, args: argparse.Namespace) -> dict:
@@ -218,7 +248,10 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace,
         for i, url in enumerate(urls):
             argv += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i)}",
                      "--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{kv_events_port(args, i) + 1}"]
-        argv += ["--kv-event-block-size", "16", "--kv-event-model", args.served_name]
+        # kvserve's block size (16), and full credit for its blocks: its events name their medium
+        # "CPU" (its KV cache lives in main memory, where it computes), which vllm-router takes for a
+        # host offload tier and credits 0.8 of a hit by default, as if each needed a transfer first.
+        argv += ["--kv-event-block-size", "16", "--kv-event-model", args.served_name, "--kv-penalty-host", "1.0"]
     return f"vllm-router {release} ({source})", argv, {}
 
 
@@ -356,9 +389,12 @@ def main(argv: list[str] | None = None) -> int:
                 router = spawn(cmd, {}, args.logs / f"router-{k}.log")
             try:
                 wait_healthy(f"http://127.0.0.1:{args.port}", router)
-                time.sleep(1.0)  # the precise source reads the replicas' events and loads the tokenizer
+                time.sleep(1.0)  # a gateway subscribes to the replicas' events (kvserve's router waits for them at its start)
                 print(f"running {name}: {args.requests} requests, concurrency {args.concurrency}", file=sys.stderr)
-                res = asyncio.run(run_workload(name, f"http://127.0.0.1:{args.port}", prompts, args, seed=k))
+                before = replica_counters(urls)
+                res = asyncio.run(run_workload(name, f"http://127.0.0.1:{args.port}", prompts, args,
+                                               args.logs / f"requests-{k}.jsonl"))
+                res.split = split(before, replica_counters(urls))
                 print(res.row(), file=sys.stderr)
                 results.append(res)
                 if k == 0 and args.overhead_requests:
@@ -378,8 +414,9 @@ def main(argv: list[str] | None = None) -> int:
              f"- {args.replicas} replicas of {args.model}, {threads} thread(s) each, {args.kv_cache_gib} GiB KV cache each; "
              f"{args.prompts} system prompts of ~{args.prompt_tokens} tokens, {args.requests} chat requests, "
              f"concurrency {args.concurrency}, {args.max_tokens} output tokens each (ignore_eos), streamed", "",
-             "| policy | requests | mean TTFT s | p90 TTFT s | output tok/s | prompt tokens cached | seconds | errors |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| policy | requests | mean TTFT s | p90 TTFT s | output tok/s | prompt tokens cached "
+             "| requests per replica (prompt tokens computed) | seconds | errors |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     lines += [r.row() for r in results]
     base = next((r for r in results if r.name == "round_robin"), None)
     if base:

@@ -178,6 +178,22 @@ def test_cache_aware_precise_routes_to_the_replica_holding_the_prefix(replicas, 
     assert 'kvserve_router_decisions_total{outcome="prefix_hit",policy="cache_aware"} 3.0' in hits
 
 
+def test_a_precise_router_answers_only_once_it_can_read_every_replicas_blocks(replicas, router_factory):
+    """Its start waits for each replica's first /kv/events read and tokenizer: a burst sent at once
+    is matched on the replicas' blocks (and on the blocks of its own requests, pending), not
+    dealt out blind, which scattered each new prefix over the replicas."""
+    router = router_factory("cache_aware", cache_source="precise")
+    fresh = " ".join(f"Point {i}: speak as a patient museum guide would." for i in range(12))  # held nowhere
+    state = router.state  # started: uvicorn has run the router's start
+    assert all(state.index.usable(r) is not None for r in state.replicas)
+    notes = [a.get("kv_events") for a in router.admin().values()]
+    assert all(n.startswith("followed") for n in notes), notes  # (or "… over ZMQ")
+    with router.client() as c:
+        routes = [c.post("/v1/chat/completions", json=chat(fresh, f"Q{i}?")) for i in range(2)]
+    assert routes[0].headers["x-kvserve-replica"] == routes[1].headers["x-kvserve-replica"]
+    assert [r.headers["x-kvserve-route"] for r in routes] == ["no_match", "prefix_hit"]
+
+
 def test_cache_aware_approximate_keeps_a_shared_prefix_on_one_replica(replicas, router_factory):
     router = router_factory("cache_aware", cache_source="approximate")
     other_system = " ".join(f"Clause {i}: reply as a terse ship's captain would." for i in range(12))

@@ -2,6 +2,7 @@
 retries / Retry-After / circuit breaker against small real HTTP servers on loopback."""
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -17,7 +18,7 @@ from starlette.routing import Route
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.events import BlockEventLog
 from kvserve.kv.manager import KVCacheManager
-from kvserve.router.kv_index import KVIndex, ReplicaBlocks, block_hashes
+from kvserve.router.kv_index import KVIndex, Renderer, ReplicaBlocks, block_hashes, prepare_hashes
 from kvserve.router.policies import CacheAware, LeastLoad, RoundRobin
 from kvserve.router.prefix_tree import PrefixTree
 from kvserve.router.proxy import retry_after_seconds
@@ -165,13 +166,74 @@ def test_cache_aware_deals_new_prefixes_by_footprint_not_momentary_load():
         assert policy.choose([a, b], fresh).replica is a
 
 
-def test_a_request_counts_its_uncached_prompt_and_output_as_work_until_released():
+def _precise(prompts: dict[str, list[int]]) -> tuple[KVIndex, dict]:
+    """An index whose one renderer takes token ids as they are, and a request per prompt, hashed."""
+    index = KVIndex(None, 0.1, None)  # type: ignore[arg-type]
+    index._renderers["r"] = Renderer(None)  # type: ignore[arg-type]  (token-id prompts need no tokenizer)
+    reqs = {}
+    for name, ids in prompts.items():
+        reqs[name] = req = parse_request("/v1/completions", json.dumps({"prompt": ids}).encode())
+        prepare_hashes(req, index._renderers, {("r", 16)})
+    return index, reqs
+
+
+def test_cache_aware_cost_counts_the_prompt_tokens_a_replica_would_compute():
+    """The prefix's replica loses only when its cost — outstanding work plus the prompt tokens it
+    lacks — exceeds the cheapest's beyond both thresholds; an idle replica without the prefix costs
+    the whole prompt. (Balancing raw loads, a = 2500 against an idle b was "imbalanced": b got a
+    1000-token prompt to compute while a would have answered after 2500 + 8.)"""
+    index, reqs = _precise({"p": list(range(1000, 2000))})
+    req = reqs["p"]
+    policy = CacheAware(PolicySettings(cache_source="precise", balance_abs_tokens=2000, balance_rel=1.5), index)
+    a, b = _replicas(0, 0)
+    index.blocks[a] = ReplicaBlocks("m", 16, renderer="r", held=set(req.hashes[("r", 16)]))  # 62 blocks: 992 tokens
+    index.blocks[b] = ReplicaBlocks("m", 16, renderer="r")
+    for work_a, work_b, to, outcome, cost in [
+            (0, 0, a, "prefix_hit", 8),  # b would compute all 1000
+            (2500, 0, a, "prefix_hit", 2508),  # 2508 against 1000: 1508 apart, under 2000
+            (3500, 0, b, "load_fallback", 1000),  # 3508 against 1000: beyond both
+            (7200, 4000, a, "prefix_hit", 7208),  # 7208 against 5000: beyond 2000 but under 1.5x
+            (9000, 3000, b, "load_fallback", 4000)]:  # 9008 against 4000: beyond both
+        a.outstanding_work, b.outstanding_work = work_a, work_b
+        d = policy.choose([a, b], req)
+        assert (d.replica, d.outcome, d.matched_tokens if d.replica is a else 0, d.cost) == \
+            (to, outcome, 992 if to is a else 0, cost), (work_a, work_b)
+    # Held on both: the cheaper of the two, whichever comes first in the list.
+    index.blocks[b].held = set(req.hashes[("r", 16)])
+    a.outstanding_work, b.outstanding_work = 300, 200
+    assert policy.choose([a, b], req).replica is b and policy.choose([b, a], req).replica is b
+
+
+def test_cache_aware_keeps_a_bursts_new_prefixes_together_before_any_replica_publishes_them():
+    """Requests of two new prompts arriving together, none answered yet: each prompt's first
+    request is dealt out by footprint, the rest follow it (its blocks count as pending there)."""
+    index, reqs = _precise({f"p{i}": [i] * 40 + list(range(500)) for i in range(2)})
+    policy = CacheAware(PolicySettings(cache_source="precise"), index)
+    a, b = _replicas(0, 0)
+    index.blocks[a] = ReplicaBlocks("m", 16, renderer="r")
+    index.blocks[b] = ReplicaBlocks("m", 16, renderer="r")
+    placed = []
+    for name in ["p0", "p1", "p0", "p0", "p1"]:
+        d = policy.choose([a, b], reqs[name])
+        a_load = a.start(540, 32, d.matched_tokens) if d.replica is a else None
+        b_load = b.start(540, 32, d.matched_tokens) if d.replica is b else None
+        assert (a_load or b_load) is not None
+        policy.routed(d, reqs[name])
+        placed.append((name, d.replica.url, d.outcome))
+    assert placed == [("p0", "http://r0", "no_match"), ("p1", "http://r1", "no_match"),
+                      ("p0", "http://r0", "prefix_hit"), ("p0", "http://r0", "prefix_hit"),
+                      ("p1", "http://r1", "prefix_hit")]
+
+
+def test_a_request_counts_its_uncached_prompt_as_work_until_its_first_output_and_its_output_until_released():
     r = Replica("http://r0", state=HEALTHY)
     hit = r.start(prompt_tokens=1000, max_tokens=32, matched=960)
     miss = r.start(prompt_tokens=1000, max_tokens=32, matched=0)
     assert (r.outstanding_tokens, r.outstanding_work) == (2064, 40 + 32 + 1000 + 32)
-    hit.produced(30)
-    assert (r.outstanding_tokens, r.outstanding_work) == (2034, 40 + 2 + 1032)
+    hit.produced(30)  # its first output: its prompt is computed, only its output is still work
+    assert (r.outstanding_tokens, r.outstanding_work) == (2034, 2 + 1032)
+    miss.produced(1)
+    assert (r.outstanding_tokens, r.outstanding_work) == (2033, 2 + 31)
     hit.release()
     miss.release()
     miss.release()  # once only

@@ -72,22 +72,38 @@ class KVIndex:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.pending_grace = pending_grace
         self.blocks: dict[Replica, ReplicaBlocks] = {}
-        self._tokenizers: dict[str, Tokenizer | None] = {}  # per model file
+        self._tokenizers: dict[str, asyncio.Future[Tokenizer | None]] = {}  # per model file
         self._renderers: dict[str, Renderer | None] = {}  # per renderer fingerprint
         self._renderer_notes: dict[str, str] = {}  # why a fingerprint has no renderer here
         self._tasks: dict[Replica, asyncio.Task] = {}
+        self._first_read: dict[Replica, asyncio.Event] = {}  # set once the first answer was taken in (or failed)
         self.streams = StreamSource(client, self.headers, max_bytes, max_held, max(poll_interval, 0.05), stream_check)
 
     # -- following replicas -----------------------------------------------------------------
     def follow(self, replica: Replica) -> None:
         if replica not in self._tasks:
+            self._first_read[replica] = asyncio.Event()
             self._tasks[replica] = asyncio.create_task(self._follow(replica), name=f"kv-events {replica.url}")
+
+    async def first_reads(self, timeout: float) -> list[Replica]:
+        """Wait (at most timeout seconds) until every followed replica's first /kv/events answer is
+        in and its tokenizer loaded, or known not to come; the replicas still unread then. A router
+        answering before would route its first burst blind: the requests of one new prefix would
+        scatter over the replicas, each computing it (the blocks of a prompt routed somewhere count
+        there only once the prompt can be hashed)."""
+        waits = {r: asyncio.ensure_future(e.wait()) for r, e in self._first_read.items()}
+        if waits:
+            await asyncio.wait(waits.values(), timeout=timeout)
+        for w in waits.values():
+            w.cancel()
+        return [r for r, e in self._first_read.items() if not e.is_set()]
 
     def forget(self, replica: Replica) -> None:
         task = self._tasks.pop(replica, None)
         if task is not None:
             task.cancel()
         self.blocks.pop(replica, None)
+        self._first_read.pop(replica, None)
         self.streams.forget(replica)
 
     async def close(self) -> None:
@@ -109,10 +125,14 @@ class KVIndex:
             wait = self.poll_interval
             if replica.state != HEALTHY:
                 self.blocks.pop(replica, None)  # it may come back empty (restarted)
+                self._read(replica)  # nothing to wait for
                 await asyncio.sleep(wait)
                 continue
             try:
-                wait = await self._poll(replica)
+                try:
+                    wait = await self._poll(replica)
+                finally:
+                    self._read(replica)
                 b = self.blocks.get(replica)
                 if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
                     await self.streams.follow(replica, b, lambda: self._current(replica, b),
@@ -130,6 +150,10 @@ class KVIndex:
             except Exception:  # noqa: BLE001 - following a replica must survive anything
                 log.exception("kv events of %s failed", replica.url)
             await asyncio.sleep(wait)
+
+    def _read(self, replica: Replica) -> None:
+        if (first := self._first_read.get(replica)) is not None:
+            first.set()
 
     async def _poll(self, replica: Replica) -> float:
         b = self.blocks.get(replica)
@@ -175,16 +199,21 @@ class KVIndex:
         return replica.state == HEALTHY and not replica.removed and self.blocks.get(replica) is b
 
     async def _load_tokenizer(self, model: str, replica: Replica) -> Tokenizer | None:
-        if model in self._tokenizers:
-            return self._tokenizers[model]
-        self._tokenizers[model] = None  # one attempt per model file
+        """One attempt per model file, awaited by every replica that uses it: a replica read while
+        another's load was under way used to take it for failed and be routed by text for good."""
+        if model not in self._tokenizers:
+            self._tokenizers[model] = asyncio.ensure_future(self._load_tokenizer_once(model, replica))
+        return await asyncio.shield(self._tokenizers[model])  # (a replica that leaves stops no one's load)
+
+    async def _load_tokenizer_once(self, model: str, replica: Replica) -> Tokenizer | None:
         try:
-            self._tokenizers[model] = await asyncio.to_thread(Tokenizer.load, model)
-            log.info("cache_aware (precise): tokenizer of %s loaded from %s", replica.url, model)
+            tokenizer = await asyncio.to_thread(Tokenizer.load, model)
         except Exception as e:  # noqa: BLE001 - the model file is on another host: fall back
             log.warning("cache_aware: cannot load the tokenizer of %s from %s (%s); using the text it "
                         "was sent instead", replica.url, model, e)
-        return self._tokenizers[model]
+            return None
+        log.info("cache_aware (precise): tokenizer of %s loaded from %s", replica.url, model)
+        return tokenizer
 
     async def _load_renderer(self, b: ReplicaBlocks, replica: Replica) -> None:
         """Render as the replica does: its model file's tokenizer, with its chat template and

@@ -4,13 +4,18 @@ round_robin   in turn, blind to load: the baseline.
 least_load    fewest outstanding tokens (prompt + max_tokens still to come, counted by the router).
 power_of_two  the less loaded of two picked at random: near least_load, without herding every
               router of a fleet onto the same idlest replica.
-cache_aware   the replica holding the longest prefix of the prompt, unless the loads are
-              imbalanced beyond both thresholds (then the least loaded); "holds" is precise (the
-              replica's published block hashes) or approximate (a prefix tree of the text sent).
-              Its load is outstanding work: the tokens a replica must still compute, so prompt
-              tokens it was expected to find cached do not count (a hit costs almost nothing).
+cache_aware   the replica where the request's first token is expected soonest, the prefix
+              counted: each replica's cost is its outstanding work (prompt tokens it must still
+              compute, output still to come) plus the prompt tokens this request would compute
+              there (all but the prefix it holds). "Holds" is precise (the replica's published
+              block hashes) or approximate (a prefix tree of the text sent). The replica holding
+              the longest prefix wins unless its cost exceeds the cheapest replica's beyond both
+              thresholds (then the cheapest): a short wait behind a busy replica costs less than
+              computing the prefix again elsewhere and caching it twice. Counting the request's own
+              uncached tokens is what makes this fair: an idle replica without the prefix is not
+              "free", it must compute the whole prompt first.
               A prompt no replica holds goes to the replica this router has sent the least
-              prompt text (then the least loaded): new prefixes are dealt out by footprint, so
+              prompt text (then the cheapest): new prefixes are dealt out by footprint, so
               each replica keeps an even share of the prefixes in its cache and, prefixes being
               equally popular, of the requests. Dealing them out by momentary load instead left
               one replica with more prefixes than it could cache and more of the requests.
@@ -38,14 +43,11 @@ class Decision:
     matched_tokens: int = 0
     source: str | None = None  # precise | approximate, when a prefix decided
     hashes: list[bytes] | None = None  # the prompt's blocks on that replica (precise)
+    cost: int | None = None  # cache_aware: tokens that replica was expected to compute before this one's first
 
 
 def _load(r: Replica) -> tuple[int, int]:
     return r.outstanding_tokens, r.in_flight
-
-
-def _work(r: Replica) -> tuple[int, int]:
-    return r.outstanding_work, r.in_flight
 
 
 class Policy:
@@ -108,17 +110,22 @@ class CacheAware(Policy):
         self.settings = settings
         self.index = index if settings.cache_source != "approximate" else None
         self.trees: dict[Replica, PrefixTree] = {}
-        self._least = LeastLoad(_work)
+        self._turn = itertools.count()
 
     def tree(self, r: Replica) -> PrefixTree:
         if r not in self.trees:
             self.trees[r] = PrefixTree(self.settings.tree_chunk_chars, self.settings.tree_max_chunks)
         return self.trees[r]
 
-    def imbalanced(self, candidates: list[Replica]) -> bool:
-        loads = [r.outstanding_work for r in candidates]
-        hi, lo = max(loads), min(loads)
-        return hi - lo > self.settings.balance_abs_tokens and hi > self.settings.balance_rel * lo
+    def cost(self, r: Replica, prompt_tokens: int, matched: int) -> int:
+        """Tokens r must compute before this request's first token (roughly): its outstanding work
+        plus the prompt tokens it does not hold. Time to first token grows with it on a busy replica."""
+        return r.outstanding_work + max(0, prompt_tokens - matched)
+
+    def much_dearer(self, a: int, b: int) -> bool:
+        """Cost a is beyond both thresholds above cost b: a small gap is noise, and between two busy
+        replicas a large one still costs less than a prefix computed twice (as SGLang's router's)."""
+        return a - b > self.settings.balance_abs_tokens and a > self.settings.balance_rel * b
 
     def match(self, r: Replica, req: RoutedRequest) -> tuple[int, str | None, list[bytes] | None]:
         """Tokens of req's prompt that r holds, by which source, and the prompt's block hashes."""
@@ -132,18 +139,25 @@ class CacheAware(Policy):
         return self.tree(r).match(req.text) // APPROX_CHARS_PER_TOKEN, "approximate", None
 
     def choose(self, candidates: list[Replica], req: RoutedRequest) -> Decision:
-        least = self._least.choose(candidates, req).replica
+        # Ties (all idle, say) go round, so an idle fleet still spreads its requests.
+        start = next(self._turn) % len(candidates)
+        candidates = candidates[start:] + candidates[:start]
+        none = (0, None, None)
         matches = {r: self.match(r, req) for r in candidates} if req.routable else {}
-        if len(candidates) > 1 and self.imbalanced(candidates):
-            m = matches.get(least, (0, None, None))
-            return Decision(least, "load_fallback", m[0], m[1], m[2])
-        best = max(candidates, key=lambda r: (matches[r][0] if matches else 0, r is least, -r.outstanding_work))
-        tokens, source, hashes = matches.get(best, (0, None, None))
+        prompt = (self.index.prompt_tokens(req) if self.index is not None else None) or req.estimated_prompt_tokens()
+        cost = {r: self.cost(r, prompt, matches.get(r, none)[0]) for r in candidates}
+        cheapest = min(candidates, key=lambda r: (cost[r], r.in_flight))
+        best = max(candidates, key=lambda r: (matches.get(r, none)[0], -cost[r]))
+        tokens = matches.get(best, none)[0]
         if tokens < max(1, self.settings.min_match_tokens):
-            emptiest = min(candidates, key=lambda r: (self.footprint(r), r is not least))
-            m = matches.get(emptiest, (0, None, None))
-            return Decision(emptiest, "no_match", m[0], m[1], m[2])
-        return Decision(best, "prefix_hit", tokens, source, hashes)
+            best = min(candidates, key=lambda r: (self.footprint(r), cost[r]))
+            outcome = "no_match"
+        else:
+            outcome = "prefix_hit"
+        if self.much_dearer(cost[best], cost[cheapest]):
+            best, outcome = cheapest, "load_fallback"
+        m = matches.get(best, none)
+        return Decision(best, outcome, m[0], m[1], m[2], cost[best])
 
     def footprint(self, r: Replica) -> int:
         """Tokens of prompt text this router has sent r (its text tree, least recently used

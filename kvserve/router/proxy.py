@@ -78,7 +78,7 @@ class Attempt:
         state.policy.routed(decision, req)
         state.metrics.child(state.metrics.requests, self.replica.url).inc()
         state.metrics.child(state.metrics.decisions, state.settings.policy.name, decision.outcome).inc()
-        state.record(self.replica.url, decision.outcome, decision.matched_tokens, req.path)
+        state.record(self.replica.url, decision.outcome, decision.matched_tokens, req.path, decision.cost)
         if decision.source is not None:
             state.metrics.matched.observe(decision.matched_tokens)
 

@@ -28,7 +28,14 @@ class Load:
     done: bool = False
 
     def produced(self, n: int) -> None:
-        """n more output tokens reached the client."""
+        """n more output tokens reached the client. The first means its prompt is computed (a
+        replica streams nothing before its first token), so its uncached prompt tokens stop counting
+        as work: kept until the answer ended, a replica that had just computed a burst of new
+        prompts looked busy for as long as it streamed them, and new requests of the prompts it
+        holds were sent elsewhere to compute them again."""
+        if self.uncached:
+            self.replica.outstanding_work -= self.uncached
+            self.uncached = 0
         n = min(n, self.remaining)
         self.remaining -= n
         self.replica.outstanding_tokens -= n
@@ -54,8 +61,9 @@ class Replica:
     wait_until: float = 0.0  # a 429's Retry-After
     in_flight: int = 0
     outstanding_tokens: int = 0
-    # The work those requests still cost: prompt tokens not expected in its prefix cache, plus
-    # output still to come (a prefix hit is nearly free to prefill; cache_aware balances this).
+    # The work those requests still cost: prompt tokens not expected in its prefix cache and not
+    # computed yet (until a request's first output), plus output still to come (a prefix hit is
+    # nearly free to prefill; cache_aware balances this).
     outstanding_work: int = 0
     requests: int = 0
     errors: int = 0

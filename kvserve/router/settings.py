@@ -17,11 +17,13 @@ class PolicySettings:
     # cache_aware: where "holds the prefix" comes from. auto: the replica's published block hashes
     # when it publishes them and the router can load its tokenizer, else the text it was sent.
     cache_source: str = "auto"
-    # Loads are imbalanced (the least loaded replica wins, prefix or not) when the busiest and the
-    # idlest replica differ by more than balance_abs_tokens of outstanding work (uncached prompt
-    # tokens plus output still to come: replicas.py) AND the busiest has
-    # more than balance_rel times the idlest's. Both must hold: a small absolute gap is noise, and
-    # a large gap between two busy replicas costs less than recomputing a long prefix.
+    # A replica's cost for a request: its outstanding work (prompt tokens not yet computed and not
+    # in its cache, plus output still to come: replicas.py) plus the request's own prompt tokens
+    # it does not hold. The replica holding the prefix (or, for a new one, the smallest footprint)
+    # loses to the cheapest replica only when its cost exceeds the cheapest's by more than
+    # balance_abs_tokens AND is more than balance_rel times it. Both must hold: a small absolute
+    # gap is noise, and a large gap between two busy replicas costs less than recomputing a long
+    # prefix (and caching it twice, which evicts another).
     balance_abs_tokens: int = 4096
     balance_rel: float = 1.5
     # A match shorter than this many tokens is no reason to pick a replica (the least loaded wins):
@@ -33,6 +35,11 @@ class PolicySettings:
     tree_max_chunks: int = 16384
     # How often the router reads each replica's /kv/events (seconds).
     kv_poll_interval: float = 0.1
+    # How long the router's start waits for each replica's first /kv/events answer and its
+    # tokenizer (seconds; a tokenizer loads in about one). Routed before, a burst of requests
+    # sharing a new prefix scatters over the replicas, each computing the prefix: on the router
+    # bench, most of the precise source's lag behind the approximate one.
+    kv_ready_timeout: float = 15.0
     # What a replica's /kv/events may say: block hashes held (256 Ki: a pool of 4 Mi tokens in
     # 16-token blocks; ~25 MiB of the router's memory) and bytes per answer (a snapshot of that
     # many is ~17 MiB). A replica past either is taken out (kvserve/router/kv_page.py).

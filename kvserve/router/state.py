@@ -77,6 +77,10 @@ class RouterState:
         await self.check_all()  # know who is up before the first request
         for r in self.replicas:
             self._follow(r)
+        if self.index is not None:  # ... and what they hold
+            for r in await self.index.first_reads(s.policy.kv_ready_timeout):
+                log.warning("cache_aware: %s's /kv/events not read within %.0f s of starting: its first requests are "
+                            "routed without it", r.url, s.policy.kv_ready_timeout)
         self._health = asyncio.create_task(self._health_loop(), name="router health")
 
     async def stop(self) -> None:
@@ -106,11 +110,12 @@ class RouterState:
             return False
         return True
 
-    def record(self, replica_url: str, outcome: str, matched_tokens: int, path: str) -> None:
-        """One routing decision, for the page at / (GET /router/state)."""
+    def record(self, replica_url: str, outcome: str, matched_tokens: int, path: str, cost: int | None = None) -> None:
+        """One routing decision, for the page at / (GET /router/state); cost: cache_aware's tokens
+        that replica was expected to compute before this request's first."""
         self._decided += 1
         self.decisions.append({"n": self._decided, "time": round(time.time(), 3), "replica": replica_url,
-                               "outcome": outcome, "matched_tokens": matched_tokens, "path": path})
+                               "outcome": outcome, "matched_tokens": matched_tokens, "cost": cost, "path": path})
 
     # -- replicas joining and leaving -------------------------------------------------------
     async def add(self, url: str) -> tuple[Replica, bool]:

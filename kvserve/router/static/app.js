@@ -47,7 +47,8 @@ function drawDecisions(st) {
     tr.dataset.n = d.n;
     if (d.n > view.lastDecision) tr.className = "new";
     tr.append(cell(String(d.n)), cell(new Date(d.time * 1000).toLocaleTimeString()), cell(d.path, "url"),
-      cell(d.replica, "url"), cell(d.outcome, `reason-${d.outcome}`), cell(String(d.matched_tokens)));
+      cell(d.replica, "url"), cell(d.outcome, `reason-${d.outcome}`), cell(String(d.matched_tokens)),
+      cell(d.cost == null ? "" : String(d.cost)));
     return tr;
   }));
   if (st.decisions.length) view.lastDecision = st.decisions[st.decisions.length - 1].n;
