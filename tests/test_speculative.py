@@ -152,17 +152,18 @@ def test_a_sequence_behind_drafts_only_when_its_budget_repays_the_catch_up(make_
 
     llm = make_llm()
     eng = llm.engine
-    for rid, max_tokens in (("short", 14), ("long", 15)):
+    for rid, max_tokens in (("short", 15), ("long", 16)):
         eng.add_request(rid, random_prompts([5], seed=4)[0], SamplingParams(max_tokens=max_tokens, **GREEDY))
-    eng.step()  # prompts computed: one token out each, 13 and 14 to go
+    eng.step()  # prompts computed: one token out each, 14 and 15 to go
     short, long = eng.scheduler.running
     drafter = BehindDrafter({short.seq_id: 100, long.seq_id: 100})
     sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, row_cost=0.1), 1000, drafter)
     for _ in range(3):
         sp.record_step(2, 0.020)  # T(R) = 18 ms + 1 ms a row (row_cost: a tenth of a row's share)
     sp.catch_up = CatchUpCost(fixed=0.001)  # catching up 100 tokens: 0.1 s
-    # Untried (gains 1, 1, 1, 1): a token is worth T(2) / 2 = 10 ms, a row saves 9 ms net, 36 ms a step
-    # of 5 tokens: 13 tokens to go repay 13 / 5 * 36 = 93.6 ms < 100, 14 repay 100.8 ms.
+    # Untried (gains 1): a token is worth T(2) / 2 = 10 ms, a row saves 9 ms net; each may have 3 of
+    # the 6 drafted rows a step (max_step_rows 8): 27 ms a step of 4 tokens, so 14 tokens to go repay
+    # 14 / 4 * 27 = 94.5 ms < 100, 15 repay 101.25 ms.
     assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {long.seq_id: 4}
     drafter.lag = {}  # caught up (the drafter read nothing more): both draft
     assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {short.seq_id: 3, long.seq_id: 3}

@@ -34,8 +34,8 @@ is P tokens behind starts drafting only when what its drafts are expected to sav
 budget (max_tokens left, at most HORIZON) repays P · c, c the drafter's measured seconds per
 catch-up token (CatchUpCost), and the catch-up's time is taken out of the step's before StepTimes
 sees it. Saved time is counted at the step's rate: a drafted token of gain g is worth (step time) /
-N seconds times g, less the b + d1 its row costs, and the sequence has about left / (1 + its
-gains) steps to go. (Catching up in chunks over several steps would spread the same work, not
+N seconds times g, less the b + d1 its row costs, over its share of the step's drafted rows, and
+the sequence has about left / (1 + those gains) steps to go. (Catching up in chunks over several steps would spread the same work, not
 save it: what pays is not starting a catch-up that the sequence's remaining tokens cannot repay.)
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
@@ -221,6 +221,10 @@ class Speculator:
             left[seq] = (min(room + 1, HORIZON), gains)
         if not candidates:
             return {}
+        # A sequence's catch-up is weighed against the drafts it can expect per step: its share of
+        # the step's rows (with four users and max_step_rows 8, one each), not its k.
+        share = max(1, (self.config.max_step_rows - decoding) // len(left))
+        left = {seq: (n, gains[:share]) for seq, (n, gains) in left.items()}
         a, b = self.step_times.line()
         # A draft model's forwards, timed apart (zero for a drafter that runs none, or unmeasured):
         # one reads the drafting sequences' newest tokens and gives d_1, the j-th after it gives
