@@ -165,6 +165,8 @@ def test_a_sequence_behind_drafts_only_when_its_budget_repays_the_catch_up(make_
     # the 6 drafted rows a step (max_step_rows 8): 27 ms a step of 4 tokens, so 14 tokens to go repay
     # 14 / 4 * 27 = 94.5 ms < 100, 15 repay 101.25 ms.
     assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {long.seq_id: 4}
+    fresh = Speculator(SpeculativeConfig(num_speculative_tokens=4), 1000, BehindDrafter(drafter.lag))
+    assert list(fresh.plan([short, long])) == [short]  # nothing measured: one catch-up a step, to time it
     drafter.lag = {}  # caught up (the drafter read nothing more): both draft
     assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {short.seq_id: 3, long.seq_id: 3}
     for rid in ("short", "long"):

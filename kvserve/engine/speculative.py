@@ -35,7 +35,8 @@ budget (max_tokens left, at most HORIZON) repays P · c, c the drafter's measure
 catch-up token (CatchUpCost), and the catch-up's time is taken out of the step's before StepTimes
 sees it. Saved time is counted at the step's rate: a drafted token of gain g is worth (step time) /
 N seconds times g, less the b + d1 its row costs, over its share of the step's drafted rows, and
-the sequence has about left / (1 + those gains) steps to go. (Catching up in chunks over several steps would spread the same work, not
+the sequence has about left / (1 + those gains) steps to go. While the step times or the catch-up
+cost are not measured yet, one sequence a step catches up unweighed (and is timed), not all at once. (Catching up in chunks over several steps would spread the same work, not
 save it: what pays is not starting a catch-up that the sequence's remaining tokens cannot repay.)
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
@@ -158,8 +159,8 @@ class StepTimes:
 
 class CatchUpCost:
     """Seconds per token of the drafter's catch-up (a decayed ratio of measured seconds to tokens).
-    Nothing measured: 0, so the first catch-up goes ahead and is timed, as acceptance starts
-    optimistic. `fixed` sets the cost instead."""
+    Nothing measured: 0 (the speculator then lets one catch-up a step go ahead, to be timed).
+    `fixed` sets the cost instead."""
 
     def __init__(self, fixed: float | None = None) -> None:
         self.fixed = fixed
@@ -168,6 +169,10 @@ class CatchUpCost:
     def record(self, tokens: int, seconds: float) -> None:
         self._tokens = CATCH_UP_FORGET * self._tokens + tokens
         self._seconds = CATCH_UP_FORGET * self._seconds + seconds
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed is not None or self._tokens > 0
 
     @property
     def per_token(self) -> float:
@@ -188,6 +193,7 @@ class Speculator:
         self.catch_up = CatchUpCost()
         self.draft_times = StepTimes()  # a draft model's forwards (not its catch-up), by rows
         self._draft_seconds = 0.0  # this step's drafting, timed apart from its rows
+        self._blind_catch_up = False
         self.num_catch_up_tokens = 0  # tokens the drafter read to catch up (prompts, idle stretches)
         self._refused = 0  # consecutive steps whose wanted drafts the cost model refused
         self.num_drafted = 0  # tokens drafted and verified
@@ -205,6 +211,7 @@ class Speculator:
         left: dict[Sequence, tuple[int, list[float]]] = {}  # tokens each may still emit (up to HORIZON), its gains
         decoding = 0
         self._draft_seconds = 0.0
+        self._blind_catch_up = False  # one catch-up a step may go unweighed, while costs are unmeasured
         for seq in seqs:
             decoding += seq.num_uncomputed == 1
             if not self.eligible(seq):
@@ -280,8 +287,11 @@ class Speculator:
         `row` seconds a drafted row costs."""
         behind = getattr(self.drafter, "behind", None)
         lag = behind(seq) if behind is not None else 0
-        if lag == 0 or not self.step_times.measured:  # (unmeasured: times are not in seconds yet)
+        if lag == 0:
             return True
+        if not (self.step_times.measured and self.catch_up.measured):  # nothing to weigh it with yet:
+            go, self._blind_catch_up = not self._blind_catch_up, True  # one a step goes, and is timed
+            return go
         saved_per_step = sum(max(0.0, g * per_token - row) for g in gains)
         return left / (1 + sum(gains)) * saved_per_step > lag * self.catch_up.per_token
 
