@@ -60,6 +60,36 @@ def test_greedy_output_is_the_targets_alone_in_mixed_batches(make_llm, tiny_llam
     assert (pool.num_used_blocks, pool.num_free_blocks) == (0, pool.num_blocks)
 
 
+def test_sequences_whose_catch_up_does_not_pay_never_draft_and_output_stays_the_same(make_llm, tiny_llama_dir) -> None:
+    from kvserve.engine.speculative import CatchUpCost
+
+    off = make_llm(caching=False, max_num_batched_tokens=16, max_num_seqs=16)
+    on = make_llm(caching=False, speculative=draft_config(tiny_llama_dir, "q8_0"), max_num_batched_tokens=16,
+                  max_num_seqs=16)
+    short = random_prompts([5, 7], seed=4)  # the draft reads prompts this short as decode rows: no catch-up
+    long = random_prompts([40, 33], seed=5)  # behind by a prompt, at a second a token: never repaid
+    params = [SamplingParams(max_tokens=60, **GREEDY)] * 2 + [SamplingParams(max_tokens=12, **GREEDY)] * 2
+    ref = off.generate(short + long, params, use_tqdm=False)
+    eng = on.engine
+    eng.speculator.catch_up = CatchUpCost(fixed=1.0)
+    for i, p in enumerate(short):
+        eng.add_request(f"s{i}", p, params[i])
+    got = {}
+    for _ in range(6):  # decode steps are timed: the latecomers' catch-up is weighed in seconds
+        eng.step()
+        check_draft_pool(on)
+    assert eng.speculator.step_times.measured and eng.has_unfinished_requests()
+    for i, p in enumerate(long):
+        eng.add_request(f"l{i}", p, params[2 + i])
+    while eng.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        check_draft_pool(on)
+    assert [got[r] for r in ("s0", "s1", "l0", "l1")] == [o.token_ids for o in ref]
+    drafted = {r: eng.timeline.get(r)["summary"]["drafted_tokens"] for r in ("s0", "s1", "l0", "l1")}
+    assert drafted["s0"] > 0 and drafted["s1"] > 0 and drafted["l0"] == drafted["l1"] == 0
+    assert eng.speculator.num_catch_up_tokens == 0
+
+
 def test_draft_blocks_go_back_on_preemption_and_abort(make_llm, tiny_llama_dir) -> None:
     llm = make_llm(num_blocks=10, speculative=draft_config(tiny_llama_dir, "q8_0"))
     eng, pool = llm.engine, llm.drafter.manager.pool

@@ -81,10 +81,11 @@ def test_drafted_rows_per_step_are_capped_best_acceptance_first(make_llm) -> Non
     eng.step()  # the prompts are computed: three decoding sequences
     seqs = list(eng.scheduler.running)
     sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=8), 1000, FixedDrafter())
-    assert [len(d) for d in sp.plan(seqs).values()] == [4, 1]  # 3 decode rows + 5 drafted = 8
+    # 3 decode rows + 5 drafted = 8; equal gains go shallowest first (one draft forward serves them)
+    assert [len(d) for d in sp.plan(seqs).values()] == [2, 2, 1]
     sp.observe(seqs[0], 4, 1)  # the first sequence's record falls below the others' (untried)
     drafts = sp.plan(seqs)
-    assert [len(drafts.get(s, [])) for s in seqs] == [0, 4, 1]
+    assert [len(drafts.get(s, [])) for s in seqs] == [0, 3, 2]
     for rid in ("r0", "r1", "r2"):
         eng.abort_request(rid)
 
@@ -128,6 +129,92 @@ def test_a_draft_is_planned_only_where_its_rows_pay(make_llm) -> None:
         costly.record_step(2, 0.011)
     a, b = costly.step_times.line()
     assert [len(d) for d in costly.plan([seq]).values()] == [3 if 8 / 27 * (a + 3 * b) > (1 + 2 / 3 + 4 / 9) * b else 2]
+    eng.abort_request("r")
+
+
+class BehindDrafter(FixedDrafter):
+    """FixedDrafter that must first read `lag[seq_id]` tokens of a sequence, and reports a catch-up."""
+
+    def __init__(self, lag: dict[str, int], prefill: tuple[int, float] = (0, 0.0)) -> None:
+        self.lag = lag
+        self.prefill = prefill
+
+    def behind(self, seq) -> int:
+        return self.lag.get(seq.seq_id, 0)
+
+    def propose(self, requests):
+        self.prefill_tokens, self.prefill_seconds = self.prefill
+        return super().propose(requests)
+
+
+def test_a_sequence_behind_drafts_only_when_its_budget_repays_the_catch_up(make_llm) -> None:
+    from kvserve.engine.speculative import CatchUpCost, Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    for rid, max_tokens in (("short", 15), ("long", 16)):
+        eng.add_request(rid, random_prompts([5], seed=4)[0], SamplingParams(max_tokens=max_tokens, **GREEDY))
+    eng.step()  # prompts computed: one token out each, 14 and 15 to go
+    short, long = eng.scheduler.running
+    drafter = BehindDrafter({short.seq_id: 100, long.seq_id: 100})
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, row_cost=0.1), 1000, drafter)
+    for _ in range(3):
+        sp.record_step(2, 0.020)  # T(R) = 18 ms + 1 ms a row (row_cost: a tenth of a row's share)
+    sp.catch_up = CatchUpCost(fixed=0.001)  # catching up 100 tokens: 0.1 s
+    # Untried (gains 1): a token is worth T(2) / 2 = 10 ms, a row saves 9 ms net; each may have 3 of
+    # the 6 drafted rows a step (max_step_rows 8): 27 ms a step of 4 tokens, so 14 tokens to go repay
+    # 14 / 4 * 27 = 94.5 ms < 100, 15 repay 101.25 ms.
+    assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {long.seq_id: 4}
+    fresh = Speculator(SpeculativeConfig(num_speculative_tokens=4), 1000, BehindDrafter(drafter.lag))
+    assert list(fresh.plan([short, long])) == [short]  # nothing measured: one catch-up a step, to time it
+    drafter.lag = {}  # caught up (the drafter read nothing more): both draft
+    assert {s.seq_id: len(d) for s, d in sp.plan([short, long]).items()} == {short.seq_id: 3, long.seq_id: 3}
+    for rid in ("short", "long"):
+        eng.abort_request(rid)
+
+
+def test_a_draft_models_forwards_are_weighed_with_the_targets_rows(make_llm) -> None:
+    from kvserve.engine.speculative import Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    for i in range(4):
+        eng.add_request(f"r{i}", random_prompts([5], seed=20 + i)[0], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    seqs = list(eng.scheduler.running)
+
+    def speculator(d0: float) -> Speculator:
+        sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=8), 1000, FixedDrafter())
+        for rows in (1, 2, 3, 4) * 2:  # (the first step of a row count is not counted)
+            sp.record_step(rows, 0.010 + 0.001 * rows)  # the target: 10 ms + 1 ms a row
+            sp.draft_times.record(rows, d0 + 0.0005 * rows)  # a draft forward: d0 + 0.5 ms a row
+        return sp
+
+    # Four untried sequences, d0 = 4 ms: one drafted row alone costs a whole draft forward (4 tokens
+    # in 14 ms against 5 in 19.5 ms), four side by side share it (8 tokens in 24 ms): all four draft one.
+    assert [len(d) for d in speculator(0.004).plan(seqs).values()] == [1, 1, 1, 1]
+    # One sequence, d0 = 20 ms: each draft token costs a forward of its own, and none pays.
+    assert speculator(0.020).plan(seqs[:1]) == {}
+    for i in range(4):
+        eng.abort_request(f"r{i}")
+
+
+def test_a_catch_up_is_timed_per_token_and_kept_out_of_the_step_times(make_llm) -> None:
+    from kvserve.engine.speculative import Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    eng.add_request("r", random_prompts([5], seed=5)[0], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    [seq] = eng.scheduler.running
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=2), 1000, BehindDrafter({}, prefill=(200, 0.5)))
+    assert sp.catch_up.per_token == 0.0  # unmeasured: the first catch-up goes ahead
+    sp.plan([seq])
+    assert sp.catch_up.per_token == pytest.approx(0.0025) and sp.num_catch_up_tokens == 200
+    for _ in range(3):  # each step: 0.5 s of catch-up and 30 ms of three rows
+        sp.plan([seq])
+        sp.record_step(3, 0.530)
+    assert sp.step_times.line() == pytest.approx((0.030 - 3 * 0.4 * 0.010, 0.4 * 0.010))  # (ROW_SHARE)
     eng.abort_request("r")
 
 

@@ -19,12 +19,16 @@ has K/V for the sequence's tokens and d_1..d_{k-1}; next time the fed drafts tha
 accepted are kept (their K/V are the same tokens at the same positions), the rest of the draft's
 K/V is invalid and simply overwritten: `valid` tracks how far it holds real tokens.
 
+Each propose() times its forwards (the catch-up prefill apart from the rest), so that the
+speculator weighs what drafting costs from this drafter's own timings (engine/speculative.py).
+
 A sequence the draft pool cannot cover, or longer than the draft's context, gets no draft that
 step (drafting never preempts anything).
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +87,11 @@ class DraftModelDrafter:
         self.manager = KVCacheManager(BlockPool(kv.num_blocks, enable_caching=False), kv.block_size,
                                       step_tokens=step_tokens)
         self._state: dict[str, _DraftState] = {}
+        # The last propose()'s timings, for the speculator's cost model: its catch-up prefill
+        # (tokens read in forwards that held a prompt-like chunk, and their seconds: charged per
+        # sequence, not per step) and its other forwards, (rows, seconds) each.
+        self.prefill_tokens, self.prefill_seconds = 0, 0.0
+        self.forward_times: list[tuple[int, float]] = []
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target_tokenizer: Tokenizer, target_vocab: int, block_size: int,
@@ -116,7 +125,25 @@ class DraftModelDrafter:
                  "quantized" if quantized else str(dtype).removeprefix("torch."), model.nbytes / 1e6, sizing.describe())
         return drafter
 
+    def behind(self, seq: Sequence) -> int:
+        """Tokens the draft must read for seq before its next draft, when more than the one or two
+        a verified step leaves (a new sequence: its whole prompt); else 0."""
+        st = self._state.get(seq.seq_id)
+        lag = len(seq.token_ids) - (st.valid + self._kept(st, seq.token_ids) if st else 0)
+        return lag if lag > ONE_TOKEN_ROWS else 0
+
+    @staticmethod
+    def _kept(st: _DraftState, tokens: list[int]) -> int:
+        """How many of the fed drafts became the sequence's tokens (their K/V stay valid)."""
+        same = 0
+        for a, b in zip(st.fed, tokens[st.valid :]):
+            if a != b:
+                break
+            same += 1
+        return same
+
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        self.prefill_tokens, self.prefill_seconds, self.forward_times = 0, 0.0, []
         out: list[list[int]] = [[] for _ in requests]
         todo: list[tuple[int, Sequence, int, int]] = []  # (index in requests, seq, start, k)
         for i, (seq, k) in enumerate(requests):
@@ -125,12 +152,7 @@ class DraftModelDrafter:
             if k < 1:
                 continue
             st = self._state.setdefault(seq.seq_id, _DraftState())
-            same = 0  # fed drafts that became the sequence's tokens
-            for a, b in zip(st.fed, tokens[st.valid :]):
-                if a != b:
-                    break
-                same += 1
-            st.valid, st.fed = min(st.valid + same, len(tokens) - 1), []  # the newest token is always fed
+            st.valid, st.fed = min(st.valid + self._kept(st, tokens), len(tokens) - 1), []  # the newest token is always fed
             while k >= 1 and not self.manager.allocate(seq.seq_id, len(tokens) + k - 1):
                 k -= 1
             if k >= 1:
@@ -147,7 +169,10 @@ class DraftModelDrafter:
             rows = [(i, seq) for i, seq, _, k in todo if k > j]
             chunks = [SeqChunk([out[i][-1]], len(seq.token_ids) + j - 1, self.manager.block_ids(seq.seq_id), True)
                       for i, seq in rows]
-            for (i, seq), d in zip(rows, self._argmax(self.runner.run(chunks))):
+            t = time.perf_counter()
+            drafted = self._argmax(self.runner.run(chunks))
+            self.forward_times.append((len(chunks), time.perf_counter() - t))
+            for (i, seq), d in zip(rows, drafted):
                 self._state[seq.seq_id].fed.append(out[i][-1])
                 out[i].append(d)
         return out
@@ -160,6 +185,7 @@ class DraftModelDrafter:
         while True:
             budget = self.step_tokens
             chunks, owners = [], []
+            prefill = False
             for n, (seq, _) in enumerate(seqs):
                 left = len(seq.token_ids) - pos[n]
                 if left == 0 or budget == 0:
@@ -171,14 +197,21 @@ class DraftModelDrafter:
                                for p in range(pos[n], pos[n] + take)]
                 else:
                     chunks.append(SeqChunk(seq.token_ids[pos[n] : pos[n] + take], pos[n], table, take == left))
+                    prefill = True
                 if take == left:
                     owners.append(n)
                 pos[n] += take
                 budget -= take
             if not chunks:
                 return firsts
+            t = time.perf_counter()
             for n, d in zip(owners, self._argmax(self.runner.run(chunks))):
                 firsts[n] = d
+            if prefill:  # (the forward's one-token rows ride along; they are what a decode step has anyway)
+                self.prefill_tokens += self.step_tokens - budget
+                self.prefill_seconds += time.perf_counter() - t
+            else:
+                self.forward_times.append((len(chunks), time.perf_counter() - t))
 
     def _argmax(self, logits: torch.Tensor) -> list[int]:
         return argmax(logits[:, : self.vocab_size]).tolist()

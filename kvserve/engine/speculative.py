@@ -8,14 +8,36 @@ it costs, and both are measured, not assumed:
   alpha  = a decayed estimate of the chance that a sequence's drafted token is accepted (tokens
            accepted / tokens tried, a try ending at the first rejection), starting optimistic;
            its j-th drafted token is emitted with probability alpha^j.
-  T(R)   = the time of a decode step of R rows, drafting included (StepTimes: fitted as a + b·R to
-           this engine's own decode steps, so it knows whether a row is nearly free — a float model reading its
-           weights once for any batch — or costs a share of the step, as in the integer kernels).
-  A step starts with its decode rows (N = R expected tokens, one each); candidate drafted tokens
-  are added best gain first while gain · T(R) > N · (T(R + 1) - T(R)): each row must raise the
-  step's expected tokens per second. The per-sequence cap k (alpha^k >= MIN_GAIN), the request's
-  max_tokens, the model length and max_step_rows bound it too. After EXPLORE_EVERY steps in a row
-  of refused drafts, one step drafts one token anyway, so the cost of rows is measured afresh.
+  T(R)   = the time of the target's decode step of R rows (StepTimes: fitted as a + b·R to this
+           engine's own decode steps, so it knows whether a row is nearly free — a float model
+           reading its weights once for any batch — or costs a share of the step, as in the
+           integer kernels).
+  D(n)   = with a draft model: the time of one of its forwards over n rows, d0 + d1·n, fitted the
+           same way to its own timed forwards (and taken out of the step's time before StepTimes
+           sees it). A step's drafting is a forward over the drafting sequences' newest tokens
+           (giving d_1), then one per further draft position j over those drafting past j. So a
+           drafted row costs b + d1, and the first row at a new depth j a whole forward's d0 too:
+           with several users, one sequence drafting 4 costs four draft forwards where four
+           sequences drafting 1 cost one. A linear fit of whole steps by rows cannot see that.
+  A step starts with its decode rows (N expected tokens, one each); candidate drafted tokens are
+  taken best gain first, each adding its gain to the expected tokens and its cost to the step's
+  time, and the prefix with the most expected tokens per second is drafted (none, if no prefix
+  beats the plain step). Costs linear in rows make that the marginal rule, gain · time > N · b;
+  the draft's fixed forward costs are why the whole prefix is weighed. The per-sequence cap k
+  (alpha^k >= MIN_GAIN), the request's max_tokens, the model length and max_step_rows bound it
+  too. After EXPLORE_EVERY steps in a row of refused drafts, one step drafts one token anyway,
+  so the cost of rows is measured afresh.
+A drafter may have to read a sequence's tokens before its first draft (a draft model's KV starts
+empty: it reads the whole prompt, and again whatever a sequence emitted while it did not draft).
+That catch-up is paid once per sequence, not per step, so it is not a row of T(R): a sequence that
+is P tokens behind starts drafting only when what its drafts are expected to save over its remaining
+budget (max_tokens left, at most HORIZON) repays P · c, c the drafter's measured seconds per
+catch-up token (CatchUpCost), and the catch-up's time is taken out of the step's before StepTimes
+sees it. Saved time is counted at the step's rate: a drafted token of gain g is worth (step time) /
+N seconds times g, less the b + d1 its row costs, over its share of the step's drafted rows, and
+the sequence has about left / (1 + those gains) steps to go. While the step times or the catch-up
+cost are not measured yet, one sequence a step catches up unweighed (and is timed), not all at once. (Catching up in chunks over several steps would spread the same work, not
+save it: what pays is not starting a catch-up that the sequence's remaining tokens cannot repay.)
 A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY steps, twice as
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step. Probes are drafted whatever the cost model says.
@@ -45,6 +67,10 @@ FORGET = 0.98  # per recorded step, the weight of older step times (contexts gro
 # one token anyway: its time re-measures what rows cost (an estimate from a few old, slow steps would
 # otherwise never be corrected, since refused rows are never timed).
 EXPLORE_EVERY = 16
+# The most of a sequence's remaining max_tokens that its drafts' savings are counted over, when
+# weighing its catch-up: a stop often comes first, and a request without max_tokens has the model's length.
+HORIZON = 256
+CATCH_UP_FORGET = 0.9  # per measured catch-up, the weight of older ones
 
 
 @dataclass
@@ -107,6 +133,11 @@ class StepTimes:
         point[0] += 1.0
         point[1] += (seconds - point[1]) / point[0]
 
+    @property
+    def measured(self) -> bool:
+        """Whether line() is in seconds (a step was timed), not in units of a one-row step."""
+        return bool(self._by_rows)
+
     def line(self) -> tuple[float, float]:
         """(a, b) of T(R) = a + b·R."""
         pts = [(r, w, t) for r, (w, t) in self._by_rows.items() if w > 0.05]
@@ -126,6 +157,30 @@ class StepTimes:
         return mt - b * mr, b
 
 
+class CatchUpCost:
+    """Seconds per token of the drafter's catch-up (a decayed ratio of measured seconds to tokens).
+    Nothing measured: 0 (the speculator then lets one catch-up a step go ahead, to be timed).
+    `fixed` sets the cost instead."""
+
+    def __init__(self, fixed: float | None = None) -> None:
+        self.fixed = fixed
+        self._tokens = self._seconds = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self._tokens = CATCH_UP_FORGET * self._tokens + tokens
+        self._seconds = CATCH_UP_FORGET * self._seconds + seconds
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed is not None or self._tokens > 0
+
+    @property
+    def per_token(self) -> float:
+        if self.fixed is not None:
+            return self.fixed
+        return self._seconds / self._tokens if self._tokens else 0.0
+
+
 class Speculator:
     """Plans each step's drafts (for the scheduler) and keeps the acceptance counters."""
 
@@ -135,6 +190,11 @@ class Speculator:
         self.drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self._state: dict[str, SpecState] = {}
         self.step_times = StepTimes(config.row_cost)
+        self.catch_up = CatchUpCost()
+        self.draft_times = StepTimes()  # a draft model's forwards (not its catch-up), by rows
+        self._draft_seconds = 0.0  # this step's drafting, timed apart from its rows
+        self._blind_catch_up = False
+        self.num_catch_up_tokens = 0  # tokens the drafter read to catch up (prompts, idle stretches)
         self._refused = 0  # consecutive steps whose wanted drafts the cost model refused
         self.num_drafted = 0  # tokens drafted and verified
         self.num_accepted = 0  # of which accepted
@@ -147,8 +207,11 @@ class Speculator:
 
     def plan(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
         """Drafts for those of seqs that draft this step (non-empty lists only)."""
-        candidates: list[tuple[float, bool, Sequence]] = []  # (gain, probe, seq), one per drafted token
+        candidates: list[tuple[float, bool, int, Sequence]] = []  # (gain, probe, j, seq), one per drafted token
+        left: dict[Sequence, tuple[int, list[float]]] = {}  # tokens each may still emit (up to HORIZON), its gains
         decoding = 0
+        self._draft_seconds = 0.0
+        self._blind_catch_up = False  # one catch-up a step may go unweighed, while costs are unmeasured
         for seq in seqs:
             decoding += seq.num_uncomputed == 1
             if not self.eligible(seq):
@@ -160,33 +223,84 @@ class Speculator:
             state = self._state.setdefault(seq.seq_id, SpecState())
             k = state.k(limit)
             probe = state.probing
-            candidates += [(state.alpha ** j, probe, seq) for j in range(1, k + 1)]
+            gains = [state.alpha ** j for j in range(1, k + 1)]
+            candidates += [(g, probe, j, seq) for j, g in enumerate(gains, 1)]
+            left[seq] = (min(room + 1, HORIZON), gains)
         if not candidates:
             return {}
+        # A sequence's catch-up is weighed against the drafts it can expect per step: its share of
+        # the step's rows (with four users and max_step_rows 8, one each), not its k.
+        share = max(1, (self.config.max_step_rows - decoding) // len(left))
+        left = {seq: (n, gains[:share]) for seq, (n, gains) in left.items()}
         a, b = self.step_times.line()
+        # A draft model's forwards, timed apart (zero for a drafter that runs none, or unmeasured):
+        # one reads the drafting sequences' newest tokens and gives d_1, the j-th after it gives
+        # d_{j+1} for those drafting more than j. A row costs d1 in each; a forward d0 more.
+        d0, d1 = self.draft_times.line() if self.draft_times.measured and self.step_times.measured else (0.0, 0.0)
         explore = self._refused >= EXPLORE_EVERY
-        rows, expected = decoding, float(decoding)
-        counts: dict[Sequence, int] = {}
-        for gain, probe, seq in sorted(candidates, key=lambda c: (not c[1], -c[0])):  # probes, then best gain
+        rows, expected, seconds = decoding, float(decoding), a + b * decoding
+        taken: list[Sequence] = []  # candidates taken, in order; the best prefix of them is planned
+        best, best_rate = 0, expected / seconds
+        depth: dict[int, int] = {}  # j -> sequences drafting at least j tokens
+        skipped: set[Sequence] = set()  # behind by more than their drafts would repay
+        # Probes, then best gain; among equal gains the shallower (untried sequences draft side by
+        # side: one draft forward for all, where one drafting deep costs a forward per token).
+        for gain, probe, j, seq in sorted(candidates, key=lambda c: (not c[1], -c[0], c[2])):
             if rows >= self.config.max_step_rows:
                 break
-            if not probe and gain * (a + b * rows) <= expected * b:  # the row would lower tokens per second
-                if not explore:
-                    break
-                explore = False  # one row: enough to time a step one row longer
-            counts[seq] = counts.get(seq, 0) + 1
+            if seq in skipped:
+                continue
+            if j == 1 and not probe and not self._repays(seq, *left[seq], seconds / expected, b + d1):
+                skipped.add(seq)
+                continue
+            seconds += b + d1 + (d0 if not depth.get(j) else 0.0)
+            depth[j] = depth.get(j, 0) + 1
             rows += 1
             expected += gain
-        self._refused = 0 if counts else self._refused + 1
-        if not counts:
+            taken.append(seq)
+            if probe or expected / seconds > best_rate:  # probes go whatever the cost
+                best, best_rate = len(taken), max(best_rate, expected / seconds)
+        if explore and best < len(taken):
+            best += 1  # one row more than pays: enough to time a step one row longer
+        self._refused = 0 if best else self._refused + 1
+        if not best:
             return {}
+        counts: dict[Sequence, int] = {}
+        for seq in taken[:best]:
+            counts[seq] = counts.get(seq, 0) + 1
         asks = list(counts.items())
         drafts = self.drafter.propose(asks)
+        self._draft_seconds = 0.0
+        for n, t in getattr(self.drafter, "forward_times", ()):
+            self.draft_times.record(n, t)
+            self._draft_seconds += t
+        tokens = getattr(self.drafter, "prefill_tokens", 0)
+        if tokens:
+            self._draft_seconds += self.drafter.prefill_seconds
+            self.catch_up.record(tokens, self.drafter.prefill_seconds)
+            self.num_catch_up_tokens += tokens
         return {seq: d[:k] for (seq, k), d in zip(asks, drafts) if d}
 
+    def _repays(self, seq: Sequence, left: int, gains: list[float], per_token: float, row: float) -> bool:
+        """Whether seq's drafts save more than its catch-up costs (the module docstring's rule):
+        `left` tokens to emit, `gains` its drafted tokens', `per_token` seconds a token is worth,
+        `row` seconds a drafted row costs."""
+        behind = getattr(self.drafter, "behind", None)
+        lag = behind(seq) if behind is not None else 0
+        if lag == 0:
+            return True
+        if not (self.step_times.measured and self.catch_up.measured):  # nothing to weigh it with yet:
+            go, self._blind_catch_up = not self._blind_catch_up, True  # one a step goes, and is timed
+            return go
+        saved_per_step = sum(max(0.0, g * per_token - row) for g in gains)
+        return left / (1 + sum(gains)) * saved_per_step > lag * self.catch_up.per_token
+
     def record_step(self, rows: int, seconds: float) -> None:
-        """A decode step (every row a decoding sequence's token or a drafted one) took this long."""
-        self.step_times.record(rows, seconds)
+        """A decode step (every row a decoding sequence's token or a drafted one) took this long,
+        drafting included: the draft model's forwards are taken out here (they are timed apart, and
+        a catch-up is charged per sequence), so StepTimes fits the target's rows alone."""
+        self.step_times.record(rows, seconds - self._draft_seconds)
+        self._draft_seconds = 0.0
 
     def observe(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A draft of `drafted` tokens was verified, and `accepted` of them kept."""
