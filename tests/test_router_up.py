@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from router_harness import ADMIN_KEY, RouterThread
-from server_harness import API_KEY, MODEL_NAME, REPO, free_port, start_server, tiny_model_dir
+from server_harness import MODEL_NAME, REPO, free_port, start_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 

@@ -52,6 +52,43 @@ static inline const float *row_f32(const void *base, size_t index, int D, int fm
 /* The first key position a query at position L - 1 sees: 0, or L - window under a window. */
 static inline int window_start(int L, int window) { return window > 0 && L > window ? L - window : 0; }
 
+/* The G query heads of KV head h for sequence b, as float32, times the softmax scale. */
+static inline __attribute__((always_inline)) void scaled_queries(const void *q, int b, int h, int H, int G, int D, float scale,
+                                                                 int q_fmt, float (*qf)[MAX_D]) {
+    float buf[MAX_D];
+    for (int g = 0; g < G; g++) {
+        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, q_fmt, buf);
+        for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
+    }
+}
+
+/* Each head's n scores → its softmax weights, in place. */
+static inline void softmax_rows(float *restrict scores, int G, int n) {
+    for (int g = 0; g < G; g++) {
+        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
+        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < n; t++) {
+            s[t] = exp_approx(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+}
+
+/* The G heads' outputs into out [B, H, D], in the activations' format. */
+static inline __attribute__((always_inline)) void store_heads(void *out, float (*acc)[MAX_D], int b, int h, int H, int G, int D,
+                                                              int q_fmt) {
+    for (int g = 0; g < G; g++) {
+        const size_t o = ((size_t)b * H + h * G + g) * D;
+        if (q_fmt == FMT_BF16)
+            for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
+        else
+            memcpy((float *)out + o, acc[g], sizeof(float) * D);
+    }
+}
+
 /* Inlined per head size so that D is a constant the loops are unrolled for. Keys t0 .. L - 1. */
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv,
                                                              const uint16_t *kv_scale, void *out,
@@ -60,10 +97,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
                                                              int kv_fmt, float *restrict scores) {
     const int G = H / Hkv;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
-    for (int g = 0; g < G; g++) {
-        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, q_fmt, buf);
-        for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
-    }
+    scaled_queries(q, b, h, H, G, D, scale, q_fmt, qf);
     const size_t k_head = (size_t)h * head_rows, v_head = (size_t)(Hkv + h) * head_rows; /* in rows */
     const int n = L - t0; /* keys seen; scores[g][t - t0] */
 
@@ -78,18 +112,8 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
             scores[(size_t)g * n + t - t0] = kv_fmt == FMT_I8 ? s * ks : s;
         }
     }
-    for (int g = 0; g < G; g++) { /* softmax over the context */
-        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
-        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < n; t++) {
-            s[t] = exp_approx(s[t] - m);
-            sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int t = 0; t < n; t++) s[t] *= inv;
-        memset(acc[g], 0, sizeof(float) * D);
-    }
+    softmax_rows(scores, G, n);
+    for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * D);
     for (int t = t0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
         const size_t r = v_head + (size_t)table[t / bs] * bs + t % bs;
         const float *v = row_f32(kv, r, D, kv_fmt, buf);
@@ -100,13 +124,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
             for (int i = 0; i < D; i++) acc[g][i] += p * v[i];
         }
     }
-    for (int g = 0; g < G; g++) {
-        const size_t o = ((size_t)b * H + h * G + g) * D;
-        if (q_fmt == FMT_BF16)
-            for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
-        else
-            memcpy((float *)out + o, acc[g], sizeof(float) * D);
-    }
+    store_heads(out, acc, b, h, H, G, D, q_fmt);
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -215,11 +233,8 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
                                                               size_t head_rows, int bs, int D, float scale, int q_fmt,
                                                               int kv_fmt, float *restrict scores) {
     const int G = H / Hkv, n = L - t0;
-    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
-    for (int g = 0; g < G; g++) {
-        const float *src = row_f32(q, (size_t)b * H + h * G + g, D, q_fmt, buf);
-        for (int i = 0; i < D; i++) qf[g][i] = src[i] * scale;
-    }
+    float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D];
+    scaled_queries(q, b, h, H, G, D, scale, q_fmt, qf);
     const size_t k_head = (size_t)h * head_rows, v_head = (size_t)(Hkv + h) * head_rows; /* in rows */
     for (int g0 = 0; g0 < G; g0 += QPASS) {
         switch (G - g0 < QPASS ? G - g0 : QPASS) {
@@ -229,17 +244,7 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
         default: QK_PASS(4); break;
         }
     }
-    for (int g = 0; g < G; g++) { /* softmax over the context */
-        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
-        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < n; t++) {
-            s[t] = exp_approx(s[t] - m);
-            sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int t = 0; t < n; t++) s[t] *= inv;
-    }
+    softmax_rows(scores, G, n);
     for (int g0 = 0; g0 < G; g0 += QPASS) {
         switch (G - g0 < QPASS ? G - g0 : QPASS) {
         case 1: PV_PASS(1); break;
@@ -248,13 +253,7 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
         default: PV_PASS(4); break;
         }
     }
-    for (int g = 0; g < G; g++) {
-        const size_t o = ((size_t)b * H + h * G + g) * D;
-        if (q_fmt == FMT_BF16)
-            for (int i = 0; i < D; i++) ((uint16_t *)out)[o + i] = f32_to_bf16(acc[g][i]);
-        else
-            memcpy((float *)out + o, acc[g], sizeof(float) * D);
-    }
+    store_heads(out, acc, b, h, H, G, D, q_fmt);
 }
 #undef QK_PASS
 #undef PV_PASS
