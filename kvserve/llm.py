@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve import cpu
+from kvserve import cpu, gguf_reader
 from kvserve.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.runner import ModelRunner, SeqChunk
@@ -52,7 +52,6 @@ from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.disk_tier import DiskTier, tier_fields
 from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, allocate_kv_scales, auto_kv_dtype, size_kv_pool
-from kvserve.model import gguf_file
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
 from kvserve.model.quant import QuantizedWeight
@@ -230,7 +229,7 @@ class LLM:
         )
         self._ids = itertools.count()
         self._live_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # open prefill() caches
-        gguf_file.forget()  # config, weights and tokenizer are read: the parsed file is not needed again
+        gguf_reader.forget()  # config, weights and tokenizer are read: the parsed file is not needed again
         _release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,

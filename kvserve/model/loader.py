@@ -20,6 +20,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
+from kvserve.gguf_reader import open_gguf
 from kvserve.model import gguf_file, hf_dir
 from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
@@ -93,7 +94,7 @@ def read_model_config(model: str | Path) -> ModelConfig:
     path = resolve_model_path(model)
     if path.is_dir():
         return _named(hf_dir.read_config(path), model)
-    return _named(gguf_file.read_config(gguf_file.open_gguf(path), path), model)
+    return _named(gguf_file.read_config(open_gguf(path), path), model)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -165,7 +166,7 @@ def keeps_quantized(model: str | Path, quantization: str) -> bool:
     path = resolve_model_path(model)
     if path.is_dir():
         return False
-    return any(t.tensor_type in KERNEL_TYPES and len(t.shape) == 2 for t in gguf_file.open_gguf(path).tensors)
+    return any(t.tensor_type in KERNEL_TYPES and len(t.shape) == 2 for t in open_gguf(path).tensors)
 
 
 def load_checkpoint(
@@ -180,7 +181,7 @@ def load_checkpoint(
         tensors = hf_dir.read_tensors(path, config, dtype)
         fmt = "hf"
     else:
-        reader = gguf_file.open_gguf(path)
+        reader = open_gguf(path)
         config = _named(gguf_file.read_config(reader, path), model)
         tensors = gguf_file.read_tensors(reader, path, config, dtype, keep_quantized=quantization != "none")
         fmt = "gguf"

@@ -18,6 +18,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from kvserve.errors import ModelFormatError
+from kvserve.gguf_reader import open_gguf
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ class GgufVocab:
 
 def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
     """The key/value section of a GGUF file (arrays as lists), read with the gguf package."""
-    from kvserve.model.gguf_file import open_gguf
-
     reader = open_gguf(Path(path))
     try:
         return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
