@@ -35,7 +35,10 @@ def test_soak_short(tmp_path):
     # distinct grammars (3 schemas, 1 tool forced two ways).
     for name, after in r["after_load"].items():
         assert after["blocks_used"] == after["running"] == after["waiting"] == 0, name
-        assert 1 <= after["grammar_cache_entries"] <= len(SCHEMAS) + 2, name
+        assert after["grammar_cache_entries"] <= len(SCHEMAS) + 2, name
+    # (a replica restarted in the soak's last seconds may have compiled none yet: the grammars were
+    # used somewhere, not necessarily by every last incarnation)
+    assert sum(after["grammar_cache_entries"] for after in r["after_load"].values()) >= 1
     # Resident memory: the router's and the drained replica's (restarted at ~8 s) within ±10% of
     # their median over the last two thirds, from 10 s after a restart (loading and first grammar
     # compiles grow it; measured: +130 MiB in the first seconds of a replica's life, flat after).
