@@ -112,7 +112,8 @@ class SpeculativeConfig:
     # each (20 rows) were slower than not drafting.
     max_step_rows: int = 8
     # What one more row of a decode step costs, as a share of a one-row step's time; None: measured
-    # from the engine's own steps (engine/speculative.py's StepTimes). 0 drafts whenever acceptance allows.
+    # from the engine's own steps (engine/speculative.py's StepTimes). 0: rows are free (a draft
+    # model's forwards too), so sequences draft whenever acceptance allows; a catch-up is still weighed.
     row_cost: float | None = None
     # method "draft": the draft model (an alias, .gguf file or Hugging Face directory, as the target is
     # named) with the target's vocabulary, e.g. the target itself in a quantized format; its weights

@@ -236,7 +236,9 @@ class Speculator:
         # A draft model's forwards, timed apart (zero for a drafter that runs none, or unmeasured):
         # one reads the drafting sequences' newest tokens and gives d_1, the j-th after it gives
         # d_{j+1} for those drafting more than j. A row costs d1 in each; a forward d0 more.
-        d0, d1 = self.draft_times.line() if self.draft_times.measured and self.step_times.measured else (0.0, 0.0)
+        # row_cost 0 makes every row free, the draft model's too (a catch-up is still weighed).
+        timed = self.draft_times.measured and self.step_times.measured and self.config.row_cost != 0
+        d0, d1 = self.draft_times.line() if timed else (0.0, 0.0)
         explore = self._refused >= EXPLORE_EVERY
         rows, expected, seconds = decoding, float(decoding), a + b * decoding
         taken: list[Sequence] = []  # candidates taken, in order; the best prefix of them is planned
