@@ -335,6 +335,43 @@ def test_async_engine_tells_bad_input_from_an_engine_failure(make_llm) -> None:
         llm.engine.abort_request(rid)
 
 
+def test_async_engine_hands_over_the_tokens_it_made_before_it_failed(make_llm) -> None:
+    """A reader that was slow when the engine died still gets every token made before the failure,
+    then the error (the error does not overwrite an unread output)."""
+    llm = make_llm()
+    sp = SamplingParams(max_tokens=20, **GREEDY)
+    ref = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0].token_ids
+    real_step, calls = llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    llm.engine.step = step
+    engine = AsyncEngine(llm.engine)
+
+    async def read() -> list:
+        gen = engine.generate([5, 6, 7], sp)
+        got = [await gen.__anext__()]
+        while engine.is_alive:  # nobody reads while the engine makes two more tokens and fails
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for out in gen:
+                got.append(out)
+        return got
+
+    try:
+        got = asyncio.run(read())
+    finally:
+        engine.shutdown()
+        del llm.engine.step
+    for rid in list(llm.engine.requests):
+        llm.engine.abort_request(rid)
+    assert [t for out in got for t in out.outputs[0].delta_token_ids] == ref[:3]
+
+
 def test_delta_outputs_carry_only_the_step_and_the_final_one_the_whole(make_llm) -> None:
     from kvserve.outputs import OutputKind
 

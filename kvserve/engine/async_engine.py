@@ -107,19 +107,22 @@ class _Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._item: RequestOutput | BaseException | None = None
+        self._item: RequestOutput | None = None
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.unread_since: float | None = None  # when the oldest unread output arrived
         self.reader: asyncio.Task | None = None  # the task reading it (cancelled if it stops reading)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """From any thread. An error, once put, is what the reader gets next."""
+        """From any thread. An error ends the stream: the reader gets the output put before it
+        (tokens the engine made before it failed reach the client), then the error; nothing after."""
         with self._lock:
-            if isinstance(self._item, BaseException):
+            if self._error is not None:
                 return
-            if isinstance(self._item, RequestOutput) and isinstance(item, RequestOutput):
-                item = _merge(self._item, item)
-            self._item = item
+            if isinstance(item, BaseException):
+                self._error = item
+            else:
+                self._item = item if self._item is None else _merge(self._item, item)
             if self.unread_since is None:
                 self.unread_since = time.monotonic()
         try:
@@ -138,7 +141,10 @@ class _Mailbox:
     async def get(self) -> RequestOutput | BaseException:
         while True:
             with self._lock:
-                item, self._item, self.unread_since = self._item, None, None
+                item: RequestOutput | BaseException | None = self._item
+                if item is None:
+                    item = self._error  # kept: a reader that asks again gets the error again
+                self._item, self.unread_since = None, None
                 if item is None:
                     self._ready.clear()
             if item is not None:
