@@ -40,6 +40,9 @@
 #define KV_AVX2 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KV_VNNI 1 /* the dot is dpbusd: 4 products straight into int32, no int16 step */
+#ifndef KV_NO_WIDE_TILES
+#define WIDE_TILES 1 /* 32 vector registers: batches as 4 weight rows x 4 activation rows */
+#endif
 #endif
 #endif
 
@@ -709,17 +712,30 @@ KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, 
         tile(t, w, rb, A, t0, RW, RT, y, ldy);                                                                \
     }
 TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TILE(2, 4) TILE(1, 4)
+#ifdef WIDE_TILES
+TILE(4, 2) TILE(4, 3) TILE(4, 4)
+#endif
 #undef TILE
 typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
- * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile). */
+ * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
+ * AVX-512's 32 registers (WIDE_TILES). */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
     long r = r0;
     if (T == 1)
         for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
+#ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
+    static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
+    if (t >= X8 && base_type(t) != T_Q8_0)
+        for (; r + 4 <= r1; r += 4)
+            for (long t0 = 0; t0 < T; t0 += 4) {
+                const int nt = T - t0 < 4 ? (int)(T - t0) : 4;
+                by4[nt](t, w + r * rb, rb, A, t0, y + t0 * rows + r, rows);
+            }
+#endif
     for (; r < r1; r += 2) {
         const tile_fn *f = r + 2 <= r1 ? by2 : by1;
         for (long t0 = 0; t0 < T; t0 += 4) {

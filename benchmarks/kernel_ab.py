@@ -1,0 +1,76 @@
+"""`python -m benchmarks.kernel_ab -D KV_NO_WIDE_TILES`: the quantized matmul kernel built twice,
+as kvserve builds it and with one more `-D` define, timed alternately in one process.
+
+This machine's speed moves by up to a third from one minute to the next, so two runs of
+`benchmarks.quant` minutes apart cannot tell a 10% change from the noise. Here both builds
+multiply the same x8-packed random weight (the layout the model runs) by the same activations,
+round after round, each build's best round kept; their outputs must be the same bits (a change of
+tile shape must not change a row's arithmetic). One thread by default.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from benchmarks.quant import random_weight
+from kvserve import kernels
+
+SHAPES = [("576→1536 Q4_1", 1536, 576, Q.Q4_1), ("1536→576 Q4_1", 576, 1536, Q.Q4_1),
+          ("576→1536 Q5_0", 1536, 576, Q.Q5_0), ("LM head Q8_0", 49152, 576, Q.Q8_0)]
+_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+         ctypes.c_int]
+
+
+def build(out: Path, defines: list[str]) -> ctypes.CDLL:
+    src = kernels.SOURCES / "quant_matmul.c"
+    subprocess.run(["cc", *kernels.FLAGS, *kernels.arch_flags(), *(f"-D{d}" for d in defines), "-o", str(out),
+                    str(src), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.kvserve_quant_matmul.argtypes = _ARGS
+    return lib
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-D", dest="define", required=True, help="the define the second build adds, e.g. KV_NO_WIDE_TILES")
+    ap.add_argument("--batches", default="4,16,64")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"as built": build(Path(tmp) / "a.so", []), f"-D{args.define}": build(Path(tmp) / "b.so", [args.define])}
+        names = list(libs)
+        print(f"{args.threads} thread(s), µs per call, best of {args.rounds} alternated rounds\n")
+        print(f"| shape | B | {names[0]} | {names[1]} | {names[1]} / {names[0]} |")
+        print("|---|---:|---:|---:|---:|")
+        for label, rows, cols, qtype in SHAPES:
+            w = random_weight(qtype, rows, cols).packed()
+            blocks = w.blocks.contiguous()
+            for B in (int(b) for b in args.batches.split(",")):
+                x = torch.randn(B, cols)
+                ys = {n: torch.empty(B, rows) for n in names}
+                calls = max(3, int(2e7 / (rows * cols / 32 * B)))
+                best = dict.fromkeys(names, float("inf"))
+                for _ in range(args.rounds):
+                    for n in names:
+                        t0 = time.perf_counter()
+                        for _ in range(calls):
+                            libs[n].kvserve_quant_matmul(w.kernel_type, blocks.data_ptr(), rows, cols, x.data_ptr(), B,
+                                                         ys[n].data_ptr(), args.threads)
+                        best[n] = min(best[n], (time.perf_counter() - t0) / calls)
+                if not torch.equal(*ys.values()):
+                    raise SystemExit(f"{label} B={B}: the two builds' outputs differ")
+                a, b = (best[n] * 1e6 for n in names)
+                print(f"| {label} | {B} | {a:,.1f} | {b:,.1f} | {b / a:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
