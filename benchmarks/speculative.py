@@ -5,8 +5,9 @@ true (the order alternates between repetitions), so both settings share the proc
 and whatever else the machine is doing. `--method ngram` (default): prompt lookup on the default
 model as served by default; `--method draft`: the default model decoded to float32 (`quantization
 "none"`) drafted for by `--draft-model` (default: its own Q4_1 file). Workloads are `kvserve bench
-serve`'s: `copy` (rewrite a passage of kvserve's source with one word changed) and `random` (random
-words), chat-templated, greedy, a fixed number of output tokens. Reported: the best tokens/s of each
+serve`'s: `copy` (rewrite a passage of kvserve's source, frozen in kvserve/bench/copy_corpus.txt, with one word changed) and `random` (random
+words), chat-templated, greedy, a fixed number of output tokens; at n users a run generates
+`--groups` groups of n distinct prompts, one group after another. Reported: the best tokens/s of each
 setting and their ratio, at each number of users (prompts generated together), the drafted and
 accepted tokens, and whether every greedy output was the same with speculation as without.
 """
@@ -26,6 +27,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="runs of each setting; the best counts (default: 2)")
+    p.add_argument("--groups", type=int, default=4,
+                   help="distinct prompt groups per run (n users: n prompts at a time, one group after another; "
+                        "one passage alone says little about a workload) (default: 4)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
                    help="ngram: the shortest n-gram matched (default: SpeculativeConfig's)")
@@ -45,7 +49,8 @@ def main() -> None:
     print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):
-        cfg = DatasetConfig(name=ds, num_prompts=max(users), input_len=args.input_len, output_len=args.output_len)
+        cfg = DatasetConfig(name=ds, num_prompts=args.groups * max(users), input_len=args.input_len,
+                            output_len=args.output_len)
         prompts = [llm.encode_chat([{"role": "user", "content": s.prompt}]) for s in load_samples(cfg, llm.tokenizer)]
         for n in users:
             best: dict[bool, float] = {}
@@ -56,7 +61,8 @@ def main() -> None:
                     sp = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len, temperature=0.0,
                                         ignore_eos=True, speculative=spec)
                     t = time.perf_counter()
-                    outs = llm.generate(prompts[:n], sp, use_tqdm=False)
+                    outs = [o for g in range(args.groups) for o in
+                            llm.generate(prompts[g * n:(g + 1) * n], sp, use_tqdm=False)]
                     rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
                     best[spec] = max(best.get(spec, 0.0), rate)
                     tokens[spec].add(tuple(tuple(o.token_ids) for o in outs))

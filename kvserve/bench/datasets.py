@@ -99,15 +99,28 @@ COPY_INSTRUCTION = ("Rewrite the following passage exactly as it is, changing on
 _COPY_WORD = re.compile(r"\b[a-z]{4,12}\b")
 
 
-def copy_samples(cfg: DatasetConfig, tokenizer: Any) -> list[Sample]:
-    """Passages of about input_len tokens from kvserve's source files, each with a word to change."""
-    import kvserve
+COPY_CORPUS = Path(__file__).with_name("copy_corpus.txt")
 
-    files = sorted(Path(kvserve.__file__).parent.rglob("*.py"))
+
+def copy_files() -> list[list[str]]:
+    """The copy corpus's files, as lines: kvserve modules frozen in COPY_CORPUS, so that the workload
+    (and what drafting gains on it) does not move whenever kvserve's own source does."""
+    files: list[list[str]] = []
+    for line in COPY_CORPUS.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# ==== "):
+            files.append([])
+        elif files:
+            files[-1].append(line)
+    return files
+
+
+def copy_samples(cfg: DatasetConfig, tokenizer: Any) -> list[Sample]:
+    """Passages of about input_len tokens from the copy corpus, each with a word to change."""
+    files = copy_files()
     rng = random.Random(cfg.seed)
     out = []
     while len(out) < cfg.num_prompts:
-        lines = rng.choice(files).read_text(encoding="utf-8").splitlines()
+        lines = rng.choice(files)
         start = rng.randrange(len(lines))
         taken, n = [], 0
         for line in lines[start:]:
