@@ -5,8 +5,9 @@ true (the order alternates between repetitions), so both settings share the proc
 and whatever else the machine is doing. `--method ngram` (default): prompt lookup on the default
 model as served by default; `--method draft`: the default model decoded to float32 (`quantization
 "none"`) drafted for by `--draft-model` (default: its own Q4_1 file). Workloads are `kvserve bench
-serve`'s: `copy` (rewrite a passage of kvserve's source, frozen in kvserve/bench/copy_corpus.txt, with one word changed) and `random` (random
-words), chat-templated, greedy, a fixed number of output tokens; at n users a run generates
+serve`'s: `copy` (rewrite a passage of kvserve's source, frozen in kvserve/bench/copy_corpus.txt,
+with one word changed) and `random` (random words), chat-templated, greedy, a fixed number of
+output tokens; at n users a run generates
 `--groups` groups of n distinct prompts, one group after another. Reported: the best tokens/s of each
 setting and their ratio, at each number of users (prompts generated together), the drafted and
 accepted tokens, and whether every greedy output was the same with speculation as without.
