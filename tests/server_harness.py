@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,6 +31,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """The first of n consecutive free ports, for commands that take `--port P` and use P..P+n-1.
+
+    The block is drawn below the kernel's ephemeral range: a port next to one `free_port()` handed
+    out may meanwhile become the local end of any client connection on the machine."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, low - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports between 10000 and {low}")
 
 
 class ServerProcess:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import httpx
 import pytest
 
 from router_harness import ADMIN_KEY, RouterThread
-from server_harness import MODEL_NAME, REPO, free_port, start_server, tiny_model_dir
+from server_harness import MODEL_NAME, REPO, free_port_block, start_server, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_up_starts_replicas_and_a_router_and_stops_them_all_on_sigterm(tmp_path_factory):
-    port = free_port()
+    port = free_port_block(3)  # the router's port, then one per replica
     log_path = tmp_path_factory.mktemp("up") / "up.log"
     cmd = [sys.executable, "-m", "kvserve", "up", "--replicas", "2", "--model", str(tiny_model_dir(tmp_path_factory)),
            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--threads", "2", "--port", str(port),
@@ -84,3 +85,17 @@ def test_serve_join_registers_with_the_router_and_leaves_on_drain(tmp_path_facto
     finally:
         server.stop()
         router.stop()
+
+
+def test_up_refuses_a_taken_port_before_loading_anything():
+    port = free_port_block(3)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "kvserve", "up", "--replicas", "2", "--model", "/nonexistent/model",
+                            "--port", str(port)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "KVSERVE_ROUTER_ADMIN_KEY": ""})
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"kvserve: error: port {port + 2} on 127.0.0.1 (replica 2) cannot be bound: Address already in use; "
+        "`kvserve up` needs --port P and the 2 ports after it free: choose another --port")

@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -129,11 +130,26 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _check_ports_free(args: argparse.Namespace) -> None:
+    """Fail before any model loads if the router's port or a server's is taken."""
+    wanted = [(args.host, args.port, "the router")]
+    wanted += [("127.0.0.1", args.port + 1 + i, f"replica {i + 1}") for i in range(args.replicas)]
+    for host, port, who in wanted:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise ValueError(f"port {port} on {host} ({who}) cannot be bound: {e.strerror}; `kvserve up` needs "
+                                 f"--port P and the {args.replicas} ports after it free: choose another --port") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     if args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    _check_ports_free(args)
     if args.api_key and not args.replica_api_key:
         args.replica_api_key = args.api_key  # the router reads the servers' /kv/events with it
     if not args.admin_key:  # the admin API is never open without a key under `up`
