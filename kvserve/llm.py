@@ -20,8 +20,10 @@ transformers); "q8_0" / "q4_0" quantize a float checkpoint (safetensors, F16/BF1
 The KV cache follows: float16 under quantized weights (half the bytes per cached token), the
 model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 `batch_invariant=True` quantized layers use the integer kernel at every batch size, so a greedy
-request's tokens are the same whatever else is batched with it, at ~1.9x the time to first token
-of a 512-token prompt; the default (False) multiplies long prefills with sgemm past ~128-256 rows.
+request's tokens are the same whatever else is batched with it; False multiplies long prefills
+with sgemm past ~128-256 rows. The default (None) is True where the kernel's integer dot is
+AVX-512 VNNI, which is as fast as sgemm there, and False on AVX2 and plain C builds, where it
+costs long prompts 1.1-1.3x in time to first token (model/quant.py's batch_invariant_by_default).
 `CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
 pool evicts are saved there and read back by later prompts, after a restart too.
 `speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch
@@ -54,7 +56,7 @@ from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, allocate_kv_scales, auto_kv_dtype, size_kv_pool
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
-from kvserve.model.quant import QuantizedWeight
+from kvserve.model.quant import QuantizedWeight, batch_invariant_by_default
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
@@ -156,7 +158,7 @@ class LLM:
         scheduler: SchedulerConfig = SchedulerConfig(),
         max_model_len: int | None = None,
         seed: int | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         speculative: SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -177,6 +179,7 @@ class LLM:
         self.kv_dtype = (auto_kv_dtype(self.dtype, quantized) if cache.dtype == "auto"
                          else parse_dtype(cache.dtype, "KV cache dtype", int8=True))
         self.tensor_parallel_size = tensor_parallel_size
+        self.batch_invariant = batch_invariant_by_default() if batch_invariant is None else batch_invariant
         if tensor_parallel_size != 1:  # what the ranks do not share yet (kvserve/parallel/)
             unsupported = [what for what, on in (("an int8 KV cache", self.kv_dtype == torch.int8),
                                                  ("the KV disk tier", cache.disk_path is not None),
@@ -191,11 +194,10 @@ class LLM:
             from kvserve.parallel import model as tensor_parallel
 
             self.model, self.kv_sizing = tensor_parallel.start(ckpt, tensor_parallel_size, self.dtype, quantization,
-                                                               self.kv_dtype, cache, batch_invariant)
+                                                               self.kv_dtype, cache, self.batch_invariant)
         # True: a greedy request's tokens do not depend on what else is in its batch (quantized
-        # layers keep the integer kernel at every batch size); it costs long prefills ~1.9x in
-        # time to first token, so sgemm past the crossover stays the default.
-        self.model.set_batch_invariant(batch_invariant)
+        # layers keep the integer kernel at every batch size).
+        self.model.set_batch_invariant(self.batch_invariant)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         window_blocks = peak_blocks(self.config.sliding_window, cache.block_size, scheduler.max_num_batched_tokens)
         if window_blocks is None or window_blocks > self.kv_sizing.num_blocks:
@@ -207,7 +209,7 @@ class LLM:
         if cache.disk_path is not None and cache.enable_prefix_caching:
             s = self.kv_sizing
             disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
-                ckpt.path, self.dtype, quantization, batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
+                ckpt.path, self.dtype, quantization, self.batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
                 s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size,
                 kv_scales=kv_scales)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,

@@ -376,4 +376,25 @@ def test_batch_invariant_quantized_greedy_tokens_do_not_depend_on_the_batch(llms
         batched = q.generate([filler, *ids], sp, use_tqdm=False)[1:]
         assert [b.token_ids for b in batched] == alone
     finally:
-        q.model.set_batch_invariant(False)
+        q.model.set_batch_invariant(q.batch_invariant)
+
+
+@pytest.mark.slow
+def test_batch_invariance_is_the_default_where_the_integer_dot_is_vnni(llms) -> None:
+    """LLM(batch_invariant=None), the default: on where the kernel's dot is AVX-512 VNNI (as fast as
+    sgemm on long prefills there), off on the AVX2 and plain C builds; an explicit value wins."""
+    import sys
+
+    from kvserve import LLM
+    from kvserve.config import CacheConfig
+
+    q, _ = llms
+    vnni = quant_matmul.integer_dot() == "avx512_vnni"
+    assert q.batch_invariant is vnni
+    layers = [lin for layer in q.model.layers for lin in (layer.qkv, layer.gate_up, layer.down)]
+    assert all(isinstance(lin, QuantizedLinear) for lin in layers)
+    assert {lin.blas_from for lin in layers} == ({sys.maxsize} if vnni else {quant.blas_from_rows(Q.Q4_1)})
+    for asked in (True, False):
+        llm = LLM(dtype="float32", batch_invariant=asked, cache=CacheConfig(num_blocks=8))
+        assert llm.batch_invariant is asked
+        assert (llm.model.layers[0].down.blas_from == sys.maxsize) is asked

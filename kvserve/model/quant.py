@@ -72,6 +72,14 @@ def blas_from_rows(qtype: Q) -> int:
     return BLAS_FROM_ROWS.get(qtype, BLAS_FROM_ROWS_OTHERWISE)
 
 
+def batch_invariant_by_default() -> bool:
+    """Whether quantized layers keep the integer kernel at every batch size unless told otherwise.
+    Where the kernel's dot is AVX-512 VNNI it matches dequantize + sgemm on long prefills (time to
+    first token 0.95-1.03x at 128-1024 prompt tokens, docs/benchmarks.md), so batch invariance
+    costs nothing; the AVX2 and plain C builds keep sgemm past the crossover (1.1-1.3x there)."""
+    return quant_matmul.integer_dot() == "avx512_vnni"
+
+
 def check_quantization(quantization: str) -> str:
     if quantization not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
