@@ -24,6 +24,9 @@ from kvserve import kernels
 
 SHAPES = [("576→1536 Q4_1", 1536, 576, Q.Q4_1), ("1536→576 Q4_1", 576, 1536, Q.Q4_1),
           ("576→1536 Q5_0", 1536, 576, Q.Q5_0), ("LM head Q8_0", 49152, 576, Q.Q8_0)]
+# Llama-3.2-1B's layers (hidden 2048, 32 / 8 heads of 64, FFN 8192): every width a whole number of 8-block groups.
+SHAPES_1B = [("2048→3072 Q4_0", 3072, 2048, Q.Q4_0), ("2048→16384 Q4_0", 16384, 2048, Q.Q4_0),
+             ("8192→2048 Q4_0", 2048, 8192, Q.Q4_0), ("2048→3072 Q4_1", 3072, 2048, Q.Q4_1)]
 _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
          ctypes.c_int]
 
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="4,16,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--shapes", choices=("default", "1b"), default="default",
+                    help="the default model's layers, or a Llama-3.2-1B-shaped model's")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.threads} thread(s), µs per call, best of {args.rounds} alternated rounds\n")
         print(f"| shape | B | {names[0]} | {names[1]} | {names[1]} / {names[0]} |")
         print("|---|---:|---:|---:|---:|")
-        for label, rows, cols, qtype in SHAPES:
+        for label, rows, cols, qtype in SHAPES if args.shapes == "default" else SHAPES_1B:
             w = random_weight(qtype, rows, cols).packed()
             blocks = w.blocks.contiguous()
             for B in (int(b) for b in args.batches.split(",")):

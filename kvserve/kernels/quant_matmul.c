@@ -471,6 +471,126 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
 }
 #undef DP
 
+#if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
+#define PAIR_TILES 1
+/* tile_x8 for 4 weight rows and 2 or 4 activation rows of x8 Q4_0 / Q4_1, two activation rows
+ * to a 512-bit vector: each weight vector is loaded into both halves and meets rows k and k + 1
+ * at once, so the dots and the per-group float work take half the instructions (1.0-1.2x the
+ * 4 x 4 tiles, benchmarks/kernel_ab.py; Q5 rows, decoded at 256 bits, gained nothing steady).
+ * Every lane runs tile_x8's operations in tile_x8's order (the same integer dots, then m·s and
+ * dot·(d·d_a) by FMA; past the last group acc32's), and each half is summed as tile_x8 sums it:
+ * the same bits, so a row's result still does not depend on its batch. */
+static inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
+static inline __m512i pair_loadi(const int8_t *a, const int8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+static inline __m512 pair_loadf(const float *a, const float *b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RP, float *y, long ldy) {
+    const int mins = t == T_Q4_1, bs = block_bytes(t), gb = 8 * bs, codes = mins ? 32 : 16;
+    const long nb = A->nb, groups = nb / 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[4][2];
+    KV_UNROLL
+    for (int i = 0; i < 4; i++)
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) acc[i][p] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        __m512i dot[4][2];
+        KV_UNROLL
+        for (int i = 0; i < 4; i++)
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
+        prefetch_next(w, rb, 4, gb, g);
+        KV_UNROLL
+        for (int s = 0; s < 4; s++) {
+            __m512i lo[4], hi[4];
+            KV_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const __m256i *src = (const __m256i *)(w + i * rb + g * gb + codes + 32 * s);
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
+                lo[i] = _mm512_and_si512(v, m4);
+                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            }
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) {
+                const int8_t *a = A->qt + 32 * ((t0 + 2 * p) * nb + 8 * g), *b = a + 32 * nb;
+                const __m512i a0 = pair_loadi(a + 32 * s, b + 32 * s), a1 = pair_loadi(a + 32 * (s + 4), b + 32 * (s + 4));
+                KV_UNROLL
+                for (int i = 0; i < 4; i++)
+                    dot[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][p], lo[i], a0), hi[i], a1);
+            }
+        }
+        KV_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *o = w + i * rb + g * gb;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+            __m256 m = _mm256_setzero_ps();
+            if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) {
+                const long off = (t0 + 2 * p) * nb + 8 * g;
+                acc[i][p] = _mm512_fmadd_ps(m2, pair_loadf(A->s + off, A->s + off + nb), acc[i][p]);
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]),
+                                            _mm512_mul_ps(d2, pair_loadf(A->d + off, A->d + off + nb)), acc[i][p]);
+            }
+        }
+    }
+    if (8 * groups < nb) { /* the blocks past the last group, stored as GGML's: acc32's operations, two rows a vector */
+        const long g0 = 8 * groups;
+        const int n = (int)(nb - g0);
+        const __m256i mask = lanes_below(n);
+        __m512 scl[4][2];
+        KV_UNROLL
+        for (int i = 0; i < 4; i++) {
+            __m256 d, m;
+            block_scales(w + i * rb + g0 * bs, bs, n, &d, &m);
+            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) {
+                const long o = (t0 + 2 * p) * nb + g0;
+                const __m512 da = _mm512_insertf32x8(_mm512_castps256_ps512(load_n(A->d + o, n, mask)),
+                                                     load_n(A->d + o + nb, n, mask), 1);
+                const __m512 sa = _mm512_insertf32x8(_mm512_castps256_ps512(load_n(A->s + o, n, mask)),
+                                                     load_n(A->s + o + nb, n, mask), 1);
+                scl[i][p] = _mm512_mul_ps(d2, da);
+                acc[i][p] = _mm512_fmadd_ps(m2, sa, acc[i][p]);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const __m512i lane = _mm512_setr_epi32(j, j, j, j, j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j);
+            __m512i u[4];
+            KV_UNROLL
+            for (int i = 0; i < 4; i++) u[i] = both_halves(nibbles16(w + i * rb + (g0 + j) * bs + bs - 16));
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) {
+                const int8_t *qa = A->q + 32 * ((t0 + 2 * p) * nb + g0 + j);
+                const __m512i q2 = pair_loadi(qa, qa + 32 * nb);
+                KV_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const __m512 prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], q2));
+                    acc[i][p] = _mm512_fmadd_ps(prod, _mm512_permutexvar_ps(lane, scl[i][p]), acc[i][p]);
+                }
+            }
+        }
+    }
+    __m256 halves[RWMAX][RTMAX];
+    KV_UNROLL
+    for (int i = 0; i < 4; i++)
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) {
+            halves[i][2 * p] = _mm512_castps512_ps256(acc[i][p]);
+            halves[i][2 * p + 1] = _mm512_extractf32x8_ps(acc[i][p], 1);
+        }
+    store_sums(halves, 4, 2 * RP, y, ldy);
+}
+#endif
+
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
  * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
  * sub-block 2c in its low nibbles and 2c+1 in its high nibbles. x = d*sc*q - dmin*m. */
@@ -716,11 +836,23 @@ TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TIL
 TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #endif
 #undef TILE
+#ifdef PAIR_TILES /* the 4 x 2 and 4 x 4 tiles of x8 Q4_0 and Q4_1 rows */
+#define PAIRS(RP)                                                                                             \
+    static void pairs_4x##RP(int t, const uint8_t *w, size_t rb, const acts *A, long t0, float *y, long ldy) {   \
+        switch (t) {                                                                                          \
+        case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, w, rb, A, t0, RP, y, ldy); return;                           \
+        default: tile_x8_pairs(T_Q4_1, w, rb, A, t0, RP, y, ldy); return;                                    \
+        }                                                                                                     \
+    }
+PAIRS(1) PAIRS(2)
+#undef PAIRS
+#endif
 typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
  * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
- * AVX-512's 32 registers (WIDE_TILES). */
+ * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 as two activation rows per 512-bit vector
+ * (PAIR_TILES). */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
@@ -728,7 +860,14 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     if (T == 1)
         for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
 #ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
+#ifdef PAIR_TILES
+    static const tile_fn pairs[5] = {NULL, tile_4x1, pairs_4x1, tile_4x3, pairs_4x2};
+    static const tile_fn plain[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
+    /* Q5 rows (decoded at 256 bits, then doubled) gained nothing steady from pairs: 0.86-1.25x */
+    const tile_fn *by4 = base_type(t) == T_Q4_0 || base_type(t) == T_Q4_1 ? pairs : plain;
+#else
     static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
+#endif
     if (t >= X8 && base_type(t) != T_Q8_0)
         for (; r + 4 <= r1; r += 4)
             for (long t0 = 0; t0 < T; t0 += 4) {
