@@ -45,7 +45,12 @@ chat: setup  ## chat with the default model in the terminal
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
+# The C kernels for one ISA level compiled up front, all at once, rather than by each test worker
+# that first needs them (on a cold cache both workers would compile the same ones).
+BUILD_KERNELS = $(PY) -c "from kvserve import kernels; [print('kernel', n, 'failed:', e) for n, e in kernels.build_all().items() if e]"
+
 test: setup  ## the whole suite, slow tests included, then the kernels on every slower ISA path
+	$(BUILD_KERNELS)
 	$(PY) -m pytest -q $(XDIST) --durations=25 $(ARGS)
 	$(MAKE) --no-print-directory test-isa
 
@@ -53,10 +58,12 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 # machine also runs what AVX2-only and older CPUs run.
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py
 # Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
-# plain C path's time.
+# plain C path's time. Its kernels are built first (BUILD_KERNELS), so no two workers compile them.
 ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)
 test-isa: setup
+	KVSERVE_ISA=avx2 $(BUILD_KERNELS)
 	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(BUILD_KERNELS)
 	KVSERVE_ISA=portable $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
 
 # The oldest versions kvserve claims to work with: a second virtual environment where every runtime

@@ -180,6 +180,7 @@ def test_native_step_equals_the_per_op_path_over_an_int8_pool(i8) -> None:
 # --- a server -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole server: make test runs it; make test-isa's per-level kernel runs need not
 def test_a_server_on_an_int8_cache_answers_and_reports_it(tmp_path_factory) -> None:
     server = start_server(tmp_path_factory, "--kv-cache-dtype", "int8")
     try:
