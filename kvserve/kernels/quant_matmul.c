@@ -860,13 +860,11 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     if (T == 1)
         for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
 #ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
-#ifdef PAIR_TILES
+    static const tile_fn wide[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
+    const tile_fn *by4 = wide;
+#ifdef PAIR_TILES /* Q5 rows (decoded at 256 bits, then doubled) gained nothing steady from pairs: 0.86-1.25x */
     static const tile_fn pairs[5] = {NULL, tile_4x1, pairs_4x1, tile_4x3, pairs_4x2};
-    static const tile_fn plain[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
-    /* Q5 rows (decoded at 256 bits, then doubled) gained nothing steady from pairs: 0.86-1.25x */
-    const tile_fn *by4 = base_type(t) == T_Q4_0 || base_type(t) == T_Q4_1 ? pairs : plain;
-#else
-    static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
+    if (base_type(t) == T_Q4_0 || base_type(t) == T_Q4_1) by4 = pairs;
 #endif
     if (t >= X8 && base_type(t) != T_Q8_0)
         for (; r + 4 <= r1; r += 4)
