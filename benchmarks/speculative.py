@@ -31,9 +31,11 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=4,
                    help="distinct prompt groups per run (n users: n prompts at a time, one group after another; "
                         "one passage alone says little about a workload) (default: 4)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens)
     p.add_argument("--prompt-lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min,
                    help="ngram: the shortest n-gram matched (default: SpeculativeConfig's)")
+    p.add_argument("--prompt-lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max,
+                   help="ngram: the longest n-gram matched (default: SpeculativeConfig's)")
     p.add_argument("--method", default="ngram", choices=("ngram", "draft"))
     p.add_argument("--draft-model", default="smollm2-135m", help="with --method draft (default: smollm2-135m, Q4_1)")
     args = p.parse_args()
@@ -46,7 +48,7 @@ def main() -> None:
     else:
         llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
                                                 prompt_lookup_min=args.prompt_lookup_min,
-                                                prompt_lookup_max=max(3, args.prompt_lookup_min)), cache=cache)
+                                                prompt_lookup_max=max(args.prompt_lookup_max, args.prompt_lookup_min)), cache=cache)
     print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):

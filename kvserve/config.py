@@ -104,7 +104,7 @@ class SpeculativeConfig:
     # "draft": a draft model's greedy tokens (engine/draft_model.py)
     method: str = "ngram"
     num_speculative_tokens: int = 4  # the most tokens drafted per sequence per step
-    prompt_lookup_max: int = 3  # n-gram lengths tried, longest first
+    prompt_lookup_max: int = 8  # n-gram lengths tried, longest first (a longer match drafts more surely)
     prompt_lookup_min: int = 1
     # Drafts stop once a step's decode rows and drafted rows reach this many: a CPU step over a few
     # rows is bound by reading the weights (extra rows are nearly free), over more by arithmetic

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import SamplingParams, SpeculativeConfig
-from kvserve.engine.drafter import lookup
+from kvserve.engine.drafter import lookup, match
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.verify import rows_for, verify
 from kvserve.kv.block_pool import prefix_block_hashes
@@ -38,6 +38,9 @@ def test_lookup_proposes_what_followed_the_most_recent_longest_match() -> None:
     assert lookup(b, 4, 1, 3) == [9, 7]  # only what exists is proposed
     assert lookup(b, 4, 2, 3) == []  # no 2-gram match
     assert lookup(np.array([1, 2, 3], dtype=np.int32), 4, 1, 3) == []
+    assert match(a, 3, 1, 8) == (3, [4, 8, 2])  # with the length of the match it continues
+    assert match(a, 3, 1, 2) == (2, [5, 1, 2])
+    assert match(b, 4, 1, 3) == (1, [9, 7]) and match(b, 4, 2, 3) == (0, [])
 
 
 def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
@@ -62,6 +65,68 @@ def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
     for _ in range(6):  # drafts accepted again: back to full length
         st.observe(2, 2)
     assert st.k(4) == 4 and st.k(1) == 1
+
+
+def test_match_acceptance_is_learned_per_match_length_and_extends_with_each_accepted_token() -> None:
+    from kvserve.engine.speculative import MATCH_CAP, MatchAcceptance
+
+    m = MatchAcceptance()
+    assert [m.alpha(n) for n in (1, 2, 3)] == pytest.approx([1 / 2, 2 / 3, 3 / 4])  # the prior, n / (n + 1)
+    assert m.alpha(MATCH_CAP + 5) == m.alpha(MATCH_CAP)
+    assert m.chances(2, 3) == pytest.approx([2 / 3, 2 / 3 * 3 / 4, 2 / 3 * 3 / 4 * 4 / 5])
+    before = list(m.tried)
+    m.observe(2, 4, 2)  # tokens 1-2 kept (at match lengths 2 and 3), token 3 (length 4) rejected, 4 untried
+    touched = [n for n in range(MATCH_CAP + 1) if m.tried[n] != before[n]]
+    assert touched == [2, 3, 4] and m.tried[2] == pytest.approx(0.995 * before[2] + 1)
+    assert m.alpha(4) < 4 / 5 < m.alpha(3)
+    for _ in range(300):  # 1-token matches fail, 8-token ones hold
+        m.observe(1, 1, 0)
+        m.observe(MATCH_CAP, 4, 4)
+    assert m.alpha(1) < 0.05 and m.alpha(MATCH_CAP) > 0.95
+    assert m.chances(1, 2, factor=1.0)[0] < 0.05 and m.chances(MATCH_CAP, 2, factor=2.0) == pytest.approx([0.99, 0.99 ** 2])
+
+
+class PeekDrafter:
+    """A stand-in for prompt lookup: k tokens of 7, continuing a match of `n[seq_id]` tokens."""
+
+    def __init__(self, n: dict[str, int]) -> None:
+        self.n = n
+
+    def peek(self, requests):
+        return [(self.n[seq.seq_id], [7] * k if self.n[seq.seq_id] else []) for seq, k in requests]
+
+    def propose(self, requests):
+        return [tokens for _, tokens in self.peek(requests)]
+
+
+def test_a_lookup_draft_is_weighed_by_its_match_length_and_the_sequences_record(make_llm) -> None:
+    from kvserve.engine.speculative import MATCH_CAP, Speculator
+
+    llm = make_llm()
+    eng = llm.engine
+    for rid in ("long", "short", "none"):
+        eng.add_request(rid, random_prompts([5], seed=7)[0], SamplingParams(max_tokens=50, **GREEDY))
+    eng.step()
+    long, short, none = eng.scheduler.running
+    drafter = PeekDrafter({long.seq_id: MATCH_CAP, short.seq_id: 1, none.seq_id: 0})
+    sp = Speculator(SpeculativeConfig(num_speculative_tokens=4, max_step_rows=16, row_cost=0.2), 1000, drafter)
+    for _ in range(3):
+        sp.record_step(3, 0.030)  # a row costs 2 ms of a 30 ms step of 3 tokens: worth drafting above gain 0.2
+    for _ in range(300):
+        sp.matches.observe(1, 1, 0)
+        sp.matches.observe(MATCH_CAP, 4, 4)
+    drafts = sp.plan([long, short, none])
+    assert {s.seq_id: len(d) for s, d in drafts.items()} == {long.seq_id: 4}  # a 1-token match no longer pays
+    for _ in range(6):  # this sequence's long matches keep failing: its own record scales them down
+        sp.observe(long, len(sp.plan([long]).get(long, [])) or 0, 0)
+    assert sp.plan([long]) == {}
+    idle = 0
+    while not sp.plan([long]):  # not drafting, its record fades and it tries again
+        idle += 1
+        assert idle < 200
+    assert idle > 5
+    for rid in ("long", "short", "none"):
+        eng.abort_request(rid)
 
 
 class FixedDrafter:

@@ -7,7 +7,8 @@ compute, never correctness, since every drafted token is checked against the tar
 
 `NgramDrafter` is prompt lookup: the latest n-gram of a sequence's tokens (n from
 prompt_lookup_max down to prompt_lookup_min) is searched for earlier in its own prompt + output,
-and the tokens that followed its most recent earlier occurrence are proposed. Answers that copy
+and the tokens that followed its most recent earlier occurrence are proposed, with the length of
+the match (`peek`): a 1-token match is a weak guess, an 8-token one a strong one. Answers that copy
 from the prompt (rewriting, quoting, code edits) and repetitive output are where it pays. The
 search is a few vectorised passes over an int32 copy of the tokens, kept per sequence and
 extended with each step's new tokens (microseconds for thousands of tokens).
@@ -49,12 +50,18 @@ class _Tokens:
 def lookup(a: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the longest suffix n-gram
     of a (n_max >= n >= n_min); [] when no suffix of n_min tokens occurred before."""
+    return match(a, k, n_min, n_max)[1]
+
+
+def match(a: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[int, list[int]]:
+    """lookup()'s tokens and the length n of the n-gram they continue ((0, []) when none): the
+    longer the match, the likelier its continuation is what the model writes next."""
     L = a.size
     if L < 2 or k < 1:
-        return []
+        return 0, []
     ends = np.flatnonzero(a[: L - 1] == a[L - 1])  # j: a[j] matches the last token; a[j + 1] followed it
     if ends.size == 0:
-        return []
+        return 0, []
     matched = np.ones(ends.size, dtype=np.int32)  # length of the suffix matched ending at each j
     for i in range(1, min(n_max, L - 1)):
         ok = (matched == i) & (ends >= i)
@@ -65,23 +72,28 @@ def lookup(a: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
         matched[idx[hit]] += 1
     best = int(matched.max())
     if best < n_min:
-        return []
+        return 0, []
     j = int(ends[np.flatnonzero(matched == best)[-1]])  # the most recent of the longest
-    return a[j + 1 : min(j + 1 + k, L)].tolist()
+    return best, a[j + 1 : min(j + 1 + k, L)].tolist()
 
 
 class NgramDrafter:
     """Prompt lookup over each sequence's own tokens (see the module docstring)."""
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3) -> None:
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 8) -> None:
         self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
         self._tokens: dict[str, _Tokens] = {}  # per sequence id, dropped by forget()
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [tokens for _, tokens in self.peek(requests)]
+
+    def peek(self, requests: list[tuple[Sequence, int]]) -> list[tuple[int, list[int]]]:
+        """propose()'s drafts with the length of the match each continues, before any is planned
+        (a lookup costs microseconds, so the speculator weighs each draft by its match)."""
         out = []
         for seq, k in requests:
             arr = self._tokens.setdefault(seq.seq_id, _Tokens()).sync(seq.token_ids)
-            out.append(lookup(arr, k, self.n_min, self.n_max))
+            out.append(match(arr, k, self.n_min, self.n_max))
         return out
 
     def forget(self, seq: Sequence) -> None:

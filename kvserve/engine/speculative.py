@@ -42,6 +42,16 @@ A sequence whose k falls to 0 stops drafting and probes again after PROBE_EVERY 
 long after each probe that fails (up to MAX_PROBE_EVERY), so text that never repeats itself costs
 a probe row now and then, not a row per step. Probes are drafted whatever the cost model says.
 
+A drafter that can show its drafts before the plan (`peek`: prompt lookup, whose lookups cost
+microseconds) is weighed draft by draft instead: a drafted token's chance is that of the n-gram
+match it extends (MatchAcceptance: accepted / tried by match length, learned from every verified
+draft; a 1-token match is right about one time in four on copied text, an 8-token one nine in ten),
+and each accepted token lengthens the match for the next, so the j-th token's gain is the product
+of alpha(n), alpha(n + 1), ... alpha(n + j - 1). Each sequence scales those chances by its own
+record (accepted / expected, fading towards 1 while it does not draft), which is how it adapts
+to its text: a sequence the table over-rates drafts less, then not at all, and tries again later.
+Only matches are drafted, so there is nothing to probe.
+
 The drafter is prompt lookup (engine/drafter.py) or, with method "draft", a draft model's greedy
 tokens (engine/draft_model.py): it runs its own forwards, so each drafted row costs a draft step too.
 
@@ -71,6 +81,13 @@ EXPLORE_EVERY = 16
 # weighing its catch-up: a stop often comes first, and a request without max_tokens has the model's length.
 HORIZON = 256
 CATCH_UP_FORGET = 0.9  # per measured catch-up, the weight of older ones
+MATCH_CAP = 8  # match lengths from this one on share an acceptance record
+MATCH_PRIOR = 2.0  # pseudo-tries behind each match length's prior chance, n / (n + 1)
+MATCH_FORGET = 0.995  # per try at a match length, the weight of older tries at it
+IDLE_FORGET = 0.95  # per step a sequence does not draft, the weight of its own record
+SEQ_PRIOR = 0.5  # pseudo-tokens, accepted as expected, behind a sequence's own record: drafts that
+# keep failing bring its scale to ~0.1 (DECAY keeps ~5 drafts), and ~15 idle steps back over MIN_GAIN
+MAX_ALPHA = 0.99
 
 
 @dataclass
@@ -81,6 +98,8 @@ class SpecState:
     tried: float = 1.0
     idle_steps: int = 0  # steps without a draft while its k is 0
     probe_every: int = PROBE_EVERY
+    got: float = 0.0  # with a peeking drafter: tokens accepted, and those its matches predicted
+    expected: float = 0.0
 
     @property
     def alpha(self) -> float:
@@ -110,6 +129,47 @@ class SpecState:
         if was_idle:  # a probe: back off further if it failed
             self.idle_steps = 0
             self.probe_every = PROBE_EVERY if accepted else min(2 * self.probe_every, MAX_PROBE_EVERY)
+
+    @property
+    def factor(self) -> float:
+        """This sequence's accepted tokens over the table's expectation (1 with no record)."""
+        return (self.got + SEQ_PRIOR) / (self.expected + SEQ_PRIOR)
+
+    def observe_match(self, expected: float, accepted: int) -> None:
+        self.got = DECAY * self.got + accepted
+        self.expected = DECAY * self.expected + expected
+
+    def idle(self) -> None:
+        self.got *= IDLE_FORGET
+        self.expected *= IDLE_FORGET
+
+
+class MatchAcceptance:
+    """The chance that a prompt-lookup token is accepted, by the length of the match it extends
+    (lengths from MATCH_CAP on share a record): decayed counts of every drafted token tried at
+    that length (a try ends at the first rejection), from a prior of n / (n + 1)."""
+
+    def __init__(self) -> None:
+        self.accepted = [MATCH_PRIOR * n / (n + 1) for n in range(MATCH_CAP + 1)]
+        self.tried = [MATCH_PRIOR] * (MATCH_CAP + 1)
+
+    def alpha(self, n: int) -> float:
+        b = min(n, MATCH_CAP)
+        return self.accepted[b] / self.tried[b]
+
+    def chances(self, n: int, k: int, factor: float = 1.0) -> list[float]:
+        """The chance that each of k tokens drafted after a match of n is emitted."""
+        g, out = 1.0, []
+        for i in range(k):
+            g *= min(MAX_ALPHA, self.alpha(n + i) * factor)
+            out.append(g)
+        return out
+
+    def observe(self, n: int, drafted: int, accepted: int) -> None:
+        for q in range(min(accepted + 1, drafted)):
+            b = min(n + q, MATCH_CAP)
+            self.accepted[b] = MATCH_FORGET * self.accepted[b] + (q < accepted)
+            self.tried[b] = MATCH_FORGET * self.tried[b] + 1.0
 
 
 class StepTimes:
@@ -189,6 +249,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
         self._state: dict[str, SpecState] = {}
+        self.matches = MatchAcceptance()
+        self._matched: dict[str, tuple[int, float]] = {}  # planned drafts' match lengths and expected accepts
         self.step_times = StepTimes(config.row_cost)
         self.catch_up = CatchUpCost()
         self.draft_times = StepTimes()  # a draft model's forwards (not its catch-up), by rows
@@ -210,6 +272,8 @@ class Speculator:
         candidates: list[tuple[float, bool, int, Sequence]] = []  # (gain, probe, j, seq), one per drafted token
         left: dict[Sequence, tuple[int, list[float]]] = {}  # tokens each may still emit (up to HORIZON), its gains
         decoding = 0
+        peek = getattr(self.drafter, "peek", None)
+        peeked: dict[Sequence, tuple[int, list[int]]] = {}
         self._draft_seconds = 0.0
         self._blind_catch_up = False  # one catch-up a step may go unweighed, while costs are unmeasured
         for seq in seqs:
@@ -221,12 +285,20 @@ class Speculator:
             if limit <= 0:
                 continue
             state = self._state.setdefault(seq.seq_id, SpecState())
-            k = state.k(limit)
-            probe = state.probing
-            gains = [state.alpha ** j for j in range(1, k + 1)]
+            if peek is not None:
+                [(n, tokens)] = peek([(seq, limit)])
+                peeked[seq] = (n, tokens)
+                gains = [g for g in self.matches.chances(n, len(tokens), state.factor) if g >= MIN_GAIN]
+                probe = False
+            else:
+                k = state.k(limit)
+                probe = state.probing
+                gains = [state.alpha ** j for j in range(1, k + 1)]
             candidates += [(g, probe, j, seq) for j, g in enumerate(gains, 1)]
             left[seq] = (min(room + 1, HORIZON), gains)
+        self._matched.clear()
         if not candidates:
+            self._idle(left, {})
             return {}
         # A sequence's catch-up is weighed against the drafts it can expect per step: its share of
         # the step's rows (with four users and max_step_rows 8, one each), not its k.
@@ -266,11 +338,17 @@ class Speculator:
             best += 1  # one row more than pays: enough to time a step one row longer
         self._refused = 0 if best else self._refused + 1
         if not best:
+            self._idle(left, {})
             return {}
         counts: dict[Sequence, int] = {}
         for seq in taken[:best]:
             counts[seq] = counts.get(seq, 0) + 1
         asks = list(counts.items())
+        if peek is not None:  # the drafts are the peeked ones
+            self._idle(left, counts)
+            for seq, k in asks:
+                self._matched[seq.seq_id] = (peeked[seq][0], sum(self.matches.chances(peeked[seq][0], k)))
+            return {seq: peeked[seq][1][:k] for seq, k in asks}
         drafts = self.drafter.propose(asks)
         self._draft_seconds = 0.0
         for n, t in getattr(self.drafter, "forward_times", ()):
@@ -282,6 +360,14 @@ class Speculator:
             self.catch_up.record(tokens, self.drafter.prefill_seconds)
             self.num_catch_up_tokens += tokens
         return {seq: d[:k] for (seq, k), d in zip(asks, drafts) if d}
+
+    def _idle(self, eligible: dict[Sequence, object], drafting: dict[Sequence, int]) -> None:
+        """Eligible sequences that draft nothing this step let their own record fade (peeking only:
+        the other drafters' records count idle steps towards a probe instead)."""
+        if getattr(self.drafter, "peek", None) is not None:
+            for seq in eligible:
+                if seq not in drafting:
+                    self._state[seq.seq_id].idle()
 
     def _repays(self, seq: Sequence, left: int, gains: list[float], per_token: float, row: float) -> bool:
         """Whether seq's drafts save more than its catch-up costs (the module docstring's rule):
@@ -310,7 +396,13 @@ class Speculator:
         self.num_accepted += accepted
         self.num_draft_steps += 1
         state = self._state.get(seq.seq_id)
-        if state is not None:
+        matched = self._matched.pop(seq.seq_id, None)
+        if matched is not None:
+            n, expected = matched
+            self.matches.observe(n, drafted, accepted)
+            if state is not None:
+                state.observe_match(expected, accepted)
+        elif state is not None:
             state.observe(drafted, accepted)
 
     def forget(self, seq: Sequence) -> None:
