@@ -48,7 +48,8 @@ def main() -> None:
     else:
         llm = LLM(speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
                                                 prompt_lookup_min=args.prompt_lookup_min,
-                                                prompt_lookup_max=max(args.prompt_lookup_max, args.prompt_lookup_min)), cache=cache)
+                                                prompt_lookup_max=max(args.prompt_lookup_max, args.prompt_lookup_min)),
+                  cache=cache)
     print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):
