@@ -62,14 +62,12 @@ def match(a: np.ndarray, k: int, n_min: int, n_max: int) -> tuple[int, list[int]
     ends = np.flatnonzero(a[: L - 1] == a[L - 1])  # j: a[j] matches the last token; a[j + 1] followed it
     if ends.size == 0:
         return 0, []
-    matched = np.ones(ends.size, dtype=np.int32)  # length of the suffix matched ending at each j
-    for i in range(1, min(n_max, L - 1)):
-        ok = (matched == i) & (ends >= i)
-        idx = np.flatnonzero(ok)
-        if idx.size == 0:
-            break
-        hit = a[ends[idx] - i] == a[L - 1 - i]
-        matched[idx[hit]] += 1
+    # The suffix matched ending at each j, all lengths in one pass: token j - i against L - 1 - i
+    # for i = 1 .. n_max - 1, the run of agreements from i = 1 on (cut at the array's start).
+    back = np.arange(1, min(n_max, L - 1), dtype=np.int64)
+    before = ends[:, None] - back
+    agree = (a[np.maximum(before, 0)] == a[L - 1 - back]) & (before >= 0)
+    matched = 1 + np.cumprod(agree, axis=1).sum(axis=1)
     best = int(matched.max())
     if best < n_min:
         return 0, []
