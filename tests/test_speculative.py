@@ -67,6 +67,25 @@ def test_draft_length_follows_acceptance_and_probes_back_off() -> None:
     assert st.k(4) == 4 and st.k(1) == 1
 
 
+def test_match_agrees_with_a_plain_loop_on_random_token_strings() -> None:
+    def plain(a: list[int], k: int, n_min: int, n_max: int) -> tuple[int, list[int]]:
+        best, at = 0, -1
+        for j in range(len(a) - 1):  # earlier occurrences of the last token; the latest longest wins
+            n = 0
+            while n < n_max and j - n >= 0 and a[j - n] == a[len(a) - 1 - n]:
+                n += 1
+            if n >= max(best, 1):
+                best, at = n, j
+        return (best, a[at + 1 : at + 1 + k]) if best >= n_min and k >= 1 else (0, [])
+
+    rng = random.Random(5)
+    for _ in range(3000):
+        a = [rng.randrange(rng.choice([2, 3, 5, 20])) for _ in range(rng.randrange(1, 60))]
+        k, n_min = rng.randrange(1, 6), rng.randrange(1, 4)
+        n_max = rng.randrange(n_min, 10)
+        assert match(np.array(a, dtype=np.int32), k, n_min, n_max) == plain(a, k, n_min, n_max), (a, k, n_min, n_max)
+
+
 def test_match_acceptance_is_learned_per_match_length_and_extends_with_each_accepted_token() -> None:
     from kvserve.engine.speculative import MATCH_CAP, MatchAcceptance
 
