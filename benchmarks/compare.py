@@ -88,8 +88,9 @@ class Contender:
 
 
 def contenders(gguf: Path) -> list[Contender]:
-    def kvserve_setup():
-        return lambda port, slots: [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--no-access-log"]
+    def kvserve_setup(*flags: str):
+        return lambda port, slots: [sys.executable, "-m", "kvserve", "serve", "--port", str(port), "--no-access-log",
+                                    *flags]
 
     def llama_setup():
         binary = peers.setup_llama_server()
@@ -115,6 +116,10 @@ def contenders(gguf: Path) -> list[Contender]:
     return [
         Contender("kvserve", "its defaults: `kvserve serve` (quantization auto: the GGUF's blocks as stored, float32 activations; max-num-seqs 64, prefix caching on)",
                   "kvserve", kvserve_setup, env=threads),
+        # The same GGUF decoded to bfloat16 at load: the weights vLLM serves, and oneDNN's packed
+        # bf16 matmuls where the CPU has bf16 arithmetic (no native one-call decode step).
+        Contender("kvserve bfloat16", "`kvserve serve --dtype bfloat16 --quantize none` (the GGUF decoded to bfloat16 at load)",
+                  "bfloat16", lambda: kvserve_setup("--dtype", "bfloat16", "--quantize", "none"), env=threads),
         Contender(f"llama.cpp llama-server ({peers.LLAMA_CPP_PYTHON})",
                   f"`-t {THREADS} -tb {THREADS} -np <concurrency> -c <concurrency>x{CTX_PER_SLOT}` (one slot per "
                   "client, continuous batching and prompt cache on by default), built with GGML_NATIVE",
