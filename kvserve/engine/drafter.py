@@ -10,7 +10,7 @@ prompt_lookup_max down to prompt_lookup_min) is searched for earlier in its own 
 and the tokens that followed its most recent earlier occurrence are proposed, with the length of
 the match (`peek`): a 1-token match is a weak guess, an 8-token one a strong one. Answers that copy
 from the prompt (rewriting, quoting, code edits) and repetitive output are where it pays. The
-search is a few vectorised passes over an int32 copy of the tokens, kept per sequence and
+search is one vectorised pass over an int32 copy of the tokens, kept per sequence and
 extended with each step's new tokens (microseconds for thousands of tokens).
 """
 from __future__ import annotations
