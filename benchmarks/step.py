@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantize", default="auto", help="the weights, as `kvserve serve --quantize` (default: auto)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--context", type=int, default=64, help="context of the parts timed alone (default: 64)")
@@ -249,8 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     for kv_dtype in args.kv_cache_dtype.split(","):
-        llm = LLM(args.model, dtype=args.dtype, cache=CacheConfig(dtype=kv_dtype.strip()))
-        print(f"model {args.model}, {args.dtype}, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=CacheConfig(dtype=kv_dtype.strip()))
+        print(f"model {args.model}, {args.dtype}, weights {args.quantize}, KV cache {str(llm.kv_dtype).removeprefix('torch.')}, "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}, {args.clock} clock")
         print(f"sampling: temperature {args.temperature:g}, top_p {args.top_p:g}; context {args.prompt_len} tokens")
         run(llm, args, sampling)
