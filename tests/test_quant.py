@@ -169,6 +169,33 @@ def test_quantized_linear_small_and_large_batches_and_bias(monkeypatch) -> None:
             assert lin(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_without_batch_invariance_large_batches_run_on_a_packed_bf16_copy_where_the_cpu_has_bf16() -> None:
+    """set_batch_invariant(False): from BF16_FROM_ROWS rows on, a packed bfloat16 copy of the weight
+    (oneDNN) where the CPU computes bfloat16, else BLAS over dequantized tiles as before; below it,
+    and with invariance on, the integer kernel (no copy kept)."""
+    from kvserve.model.linear import bf16_packing_available
+
+    rows, cols = 256, 512
+    blocks = random_blocks(Q.Q4_1, rows, cols)
+    lin = QuantizedLinear(QuantizedWeight(torch.from_numpy(blocks), Q.Q4_1, (rows, cols)))
+    invariant = QuantizedLinear(QuantizedWeight(torch.from_numpy(blocks), Q.Q4_1, (rows, cols)))
+    invariant.set_batch_invariant(True)
+    lin.set_batch_invariant(False)
+    x = torch.randn(quant.BF16_FROM_ROWS, cols, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(lin(x[:-1]), invariant(x[:-1]))  # below the switch: the integer kernel's bits
+    if bf16_packing_available():
+        assert lin.blas_from == quant.BF16_FROM_ROWS and lin.nbytes == blocks.size + rows * cols * 2
+        w = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_1)).reshape(rows, cols).double()
+        y, ref = lin(x).double(), x.double() @ w.T
+        # weights and activations rounded to bfloat16 (8 significant bits each), sums in float32
+        assert ((y - ref).abs() <= 2.0 ** -7 * (x.double().abs() @ w.abs().T) + 1e-5).all()
+        assert not torch.equal(lin(x), invariant(x))  # another kernel: other bits
+    else:
+        assert lin.blas_from == quant.blas_from_rows(Q.Q4_1) and lin.nbytes == blocks.size
+    lin.set_batch_invariant(True)
+    assert lin.blas_from == sys.maxsize and lin.nbytes == blocks.size and torch.equal(lin(x), invariant(x))
+
+
 def test_make_linear_fuses_same_types_and_concatenates_mixed_ones() -> None:
     g = torch.Generator().manual_seed(5)
     parts = [random_blocks(t, 64, 256, seed=i) for i, t in enumerate((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
