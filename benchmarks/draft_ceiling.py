@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections import defaultdict
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -23,41 +24,41 @@ from kvserve.bench.datasets import DatasetConfig, load_samples
 from kvserve.engine.drafter import match
 
 
-def replay(pairs: list[tuple[list[int], list[int]]], k: int, r: float, oracle: bool = False) -> float:
-    """Tokens per one-row-step unit of time, drafting k tokens by lookup (oracle: only those accepted)."""
-    tokens = cost = 0.0
+def walk(pairs: list[tuple[list[int], list[int]]], k: int) -> Iterator[tuple[int, int, int, int]]:
+    """Each step of each output replayed with lookup drafts of up to k tokens: (match length, tokens
+    drafted, tokens accepted, tokens emitted: the accepted ones and the model's own next, if the
+    output goes on)."""
     for prompt, out in pairs:
         seq, i = list(prompt), 0
         while i < len(out):
-            draft = match(np.array(seq, dtype=np.int32), k, 1, 8)[1]
+            n, draft = match(np.array(seq, dtype=np.int32), k, 1, 8)
             m = 0
             while m < len(draft) and i + m < len(out) and draft[m] == out[i + m]:
                 m += 1
-            drafted = m if oracle else len(draft)
             emit = min(m + 1, len(out) - i)
-            tokens += emit
-            cost += 1 + r * drafted
+            yield n, len(draft), m, emit
             seq += out[i : i + emit]
             i += emit
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], k: int, r: float, oracle: bool = False) -> float:
+    """Tokens per one-row-step unit of time, drafting k tokens by lookup (oracle: only those accepted);
+    a step of 1 + d rows costs 1 + r·d."""
+    tokens = cost = 0.0
+    for _, drafted, m, emit in walk(pairs, k):
+        tokens += emit
+        cost += 1 + r * (m if oracle else drafted)
     return tokens / cost
 
 
 def by_match(pairs: list[tuple[list[int], list[int]]]) -> dict[int, list[int]]:
-    """match length (8: 8 or more) -> [chances, first token right, tokens accepted of 8]."""
+    """match length (8: 8 or more) -> [steps, first token right, tokens accepted of 8]."""
     stats: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
-    for prompt, out in pairs:
-        seq, i = list(prompt), 0
-        while i < len(out):
-            n, draft = match(np.array(seq, dtype=np.int32), 8, 1, 8)
-            m = 0
-            while m < len(draft) and i + m < len(out) and draft[m] == out[i + m]:
-                m += 1
-            s = stats[min(n, 8)]
-            s[0] += 1
-            s[1] += m >= 1
-            s[2] += m
-            seq += out[i : i + m + 1]
-            i += m + 1
+    for n, _, m, _ in walk(pairs, 8):
+        s = stats[min(n, 8)]
+        s[0] += 1
+        s[1] += m >= 1
+        s[2] += m
     return stats
 
 

@@ -248,6 +248,7 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._peek = getattr(self.drafter, "peek", None)  # drafts shown before the plan, with their match
         self._state: dict[str, SpecState] = {}
         self.matches = MatchAcceptance()
         self._matched: dict[str, tuple[int, float]] = {}  # planned drafts' match lengths and expected accepts
@@ -272,7 +273,7 @@ class Speculator:
         candidates: list[tuple[float, bool, int, Sequence]] = []  # (gain, probe, j, seq), one per drafted token
         left: dict[Sequence, tuple[int, list[float]]] = {}  # tokens each may still emit (up to HORIZON), its gains
         decoding = 0
-        peek = getattr(self.drafter, "peek", None)
+        peek = self._peek
         peeked: dict[Sequence, tuple[int, list[int]]] = {}
         self._draft_seconds = 0.0
         self._blind_catch_up = False  # one catch-up a step may go unweighed, while costs are unmeasured
@@ -364,7 +365,7 @@ class Speculator:
     def _idle(self, eligible: dict[Sequence, object], drafting: dict[Sequence, int]) -> None:
         """Eligible sequences that draft nothing this step let their own record fade (peeking only:
         the other drafters' records count idle steps towards a probe instead)."""
-        if getattr(self.drafter, "peek", None) is not None:
+        if self._peek is not None:
             for seq in eligible:
                 if seq not in drafting:
                     self._state[seq.seq_id].idle()

@@ -125,9 +125,10 @@ class LlamaModel:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the parameters (a tied LM head counted once)."""
+        """Bytes of the parameters (a tied LM head's shared weight counted once; a copy it keeps, as
+        the packed bfloat16 one without batch invariance, counted)."""
         n = nbytes(self.embed) + nbytes(self.norm)
-        n += 0 if self.tied else self.lm_head.nbytes
+        n += self.lm_head.nbytes - (nbytes(self.embed) if self.tied else 0)
         for lw in self.layers:
             n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm))
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
