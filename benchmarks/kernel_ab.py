@@ -1,5 +1,6 @@
 """`python -m benchmarks.kernel_ab -D KV_NO_WIDE_TILES`: the quantized matmul kernel built twice,
-as kvserve builds it and with one more `-D` define, timed alternately in one process.
+as kvserve builds it and with one more `-D` define (or, `--against REV`, as committed at a git
+revision), timed alternately in one process.
 
 This machine's speed moves by up to a third from one minute to the next, so two runs of
 `benchmarks.quant` minutes apart cannot tell a 10% change from the noise. Here both builds
@@ -31,8 +32,19 @@ _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_v
          ctypes.c_int]
 
 
-def build(out: Path, defines: list[str]) -> ctypes.CDLL:
-    src = kernels.SOURCES / "quant_matmul.c"
+def source_at(rev: str, tmp: Path) -> Path:
+    """quant_matmul.c (and the header it includes) as committed at `rev`, written under tmp."""
+    where = tmp / rev
+    where.mkdir()
+    for name in ("quant_matmul.c", "numerics.h"):
+        text = subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], check=True, capture_output=True,
+                              cwd=kernels.SOURCES).stdout
+        (where / name).write_bytes(text)
+    return where / "quant_matmul.c"
+
+
+def build(out: Path, defines: list[str], src: Path | None = None) -> ctypes.CDLL:
+    src = src or kernels.SOURCES / "quant_matmul.c"
     subprocess.run(["cc", *kernels.FLAGS, *kernels.arch_flags(), *(f"-D{d}" for d in defines), "-o", str(out),
                     str(src), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
@@ -42,7 +54,10 @@ def build(out: Path, defines: list[str]) -> ctypes.CDLL:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kernel_ab", description=__doc__.split("\n\n")[0])
-    ap.add_argument("-D", dest="define", required=True, help="the define the second build adds, e.g. KV_NO_WIDE_TILES")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("-D", dest="define", action="append",
+                       help="a define the second build adds, e.g. KV_NO_WIDE_TILES (repeat for several)")
+    which.add_argument("--against", metavar="REV", help="the second build is the kernel as committed at this git revision")
     ap.add_argument("--batches", default="4,16,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
@@ -51,7 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"as built": build(Path(tmp) / "a.so", []), f"-D{args.define}": build(Path(tmp) / "b.so", [args.define])}
+        if args.against:
+            second = {args.against: build(Path(tmp) / "b.so", [], source_at(args.against, Path(tmp)))}
+        else:
+            second = {" ".join(f"-D{d}" for d in args.define): build(Path(tmp) / "b.so", args.define)}
+        libs = {"as built": build(Path(tmp) / "a.so", []), **second}
         names = list(libs)
         print(f"{args.threads} thread(s), µs per call, best of {args.rounds} alternated rounds\n")
         print(f"| shape | B | {names[0]} | {names[1]} | {names[1]} / {names[0]} |")

@@ -64,7 +64,7 @@ typedef struct {
     long max_context; /* scores room per thread: G * max_context floats */
     int max_threads;
     float *x, *h, *qkv, *q, *k, *att, *o, *gu, *act, *delta, *cs, *sn, *scores;
-    char *acts; /* quantized activations: max_batch * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
+    char *acts; /* quantized activations: act_rows(max_batch) * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
 } kv_work;
 
 /* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */

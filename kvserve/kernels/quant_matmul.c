@@ -122,17 +122,26 @@ typedef struct {
     int16_t *h;
     long nb;
     int8_t *qt; /* q of each whole group of 8 blocks transposed as the x8 weights are (SIMD builds) */
+    float *dp, *sp; /* d and s of each whole group, rows 2P and 2P + 1 side by side (see qt_at) */
+    long T;
 } acts;
-#define ACT_BYTES 76 /* per 32 values: q 32, d 4, s 4, h 4, qt 32 */
+#define ACT_BYTES 84 /* per 32 values: q 32, d 4, s 4, h 4, qt 32, dp 4, sp 4 */
+/* Rows the buffer holds room for: T, or T + 1 when T is odd (the pair layout's last pair). */
+static inline long act_rows(long T) { return T + (T & 1); }
 
-/* The arrays of T rows of nb blocks laid over one buffer of T * nb * ACT_BYTES bytes; qt only for
- * a call that multiplies x8 rows (quantize_row transposes nothing otherwise). */
+/* The arrays of T rows of nb blocks laid over one buffer of act_rows(T) * nb * ACT_BYTES bytes; qt,
+ * dp and sp only for a call that multiplies x8 rows (quantize_row transposes nothing otherwise). */
 static acts acts_over(char *buf, long T, long nb, int x8) {
-    const size_t n = (size_t)(T * nb);
+    const size_t n = (size_t)(act_rows(T) * nb);
     const acts A = {(int8_t *)buf, (float *)(buf + 32 * n), (float *)(buf + 36 * n), (int16_t *)(buf + 40 * n), nb,
-                    x8 ? (int8_t *)(buf + 44 * n) : NULL};
+                    x8 ? (int8_t *)(buf + 44 * n) : NULL, (float *)(buf + 76 * n), (float *)(buf + 80 * n), T};
     return A;
 }
+/* qt and dp / sp hold rows in pairs, so that one 512-bit load gives two rows' words (tile_x8_pairs):
+ * word u of block group of rows 2P and 2P + 1 are 64 bytes, row 2P first. An odd T's last row is
+ * stored twice (its pair's second row is itself). Blocks past the last whole group are not stored. */
+static inline int8_t *qt_at(const acts *A, long t, long blk) { return A->qt + 64 * ((t >> 1) * A->nb + blk) + 32 * (t & 1); }
+static inline long pair_at(const acts *A, long P, long blk) { return 2 * (P * A->nb + blk); } /* dp / sp: 16 floats */
 
 static void quantize_row(const float *x, const acts *A, long t) {
     for (long b = 0, o = t * A->nb; b < A->nb; b++, o++, x += 32) {
@@ -172,6 +181,7 @@ static void quantize_row(const float *x, const acts *A, long t) {
     }
 #ifdef KV_AVX2
     /* 8 blocks x 8 words → vector s holding word s of each block: an 8 x 8 transpose of int32 */
+    const int twice = t + 1 == A->T && (t & 1) == 0; /* an odd T's last row: also its pair's second row */
     for (long g = 0; A->qt != NULL && g + 8 <= A->nb; g += 8) {
         const __m256i *src = (const __m256i *)(A->q + 32 * (t * A->nb + g));
         __m256i r[8], u[8];
@@ -187,10 +197,13 @@ static void quantize_row(const float *x, const acts *A, long t) {
             }
         /* r[0..3]: words {0,4},{2,6},{1,5},{3,7} of blocks 0-3 (low lane) / ... ; r[4..7] the same for blocks 4-7 */
         static const int word[4] = {0, 2, 1, 3};
-        __m256i *dst = (__m256i *)(A->qt + 32 * (t * A->nb + g));
-        for (int k = 0; k < 4; k++) {
-            _mm256_storeu_si256(dst + word[k], _mm256_permute2x128_si256(r[k], r[k + 4], 0x20));
-            _mm256_storeu_si256(dst + word[k] + 4, _mm256_permute2x128_si256(r[k], r[k + 4], 0x31));
+        for (long tt = t; tt <= t + twice; tt++) {
+            for (int k = 0; k < 4; k++) {
+                _mm256_storeu_si256((__m256i *)qt_at(A, tt, g + word[k]), _mm256_permute2x128_si256(r[k], r[k + 4], 0x20));
+                _mm256_storeu_si256((__m256i *)qt_at(A, tt, g + word[k] + 4), _mm256_permute2x128_si256(r[k], r[k + 4], 0x31));
+            }
+            memcpy(A->dp + pair_at(A, tt >> 1, g) + 8 * (tt & 1), A->d + t * A->nb + g, 32);
+            memcpy(A->sp + pair_at(A, tt >> 1, g) + 8 * (tt & 1), A->s + t * A->nb + g, 32);
         }
     }
 #endif
@@ -417,9 +430,8 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
                 }
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
-                    const int8_t *a = A->qt + 32 * ((t0 + k) * nb + 8 * g);
-                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + 32 * s));
-                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + 32 * (s + 4)));
+                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s));
+                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s + 4));
                     KV_UNROLL
                     for (int i = 0; i < RW; i++) {
 #ifdef KV_VNNI
@@ -442,7 +454,7 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
                 }
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)(A->qt + 32 * ((t0 + k) * nb + 8 * g + s)));
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s));
                     KV_UNROLL
                     for (int i = 0; i < RW; i++) dot[i][k] = DP(dot[i][k], u[i], Q8_OFFSET ? a : _mm256_sign_epi8(a, sg[i]));
                 }
@@ -473,58 +485,56 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
 
 #if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
 #define PAIR_TILES 1
-/* tile_x8 for 4 weight rows and 2 or 4 activation rows of x8 Q4_0 / Q4_1, two activation rows
- * to a 512-bit vector: each weight vector is loaded into both halves and meets rows k and k + 1
- * at once, so the dots and the per-group float work take half the instructions (1.0-1.2x the
- * 4 x 4 tiles, benchmarks/kernel_ab.py; Q5 rows, decoded at 256 bits, gained nothing steady).
+/* tile_x8 for RW weight rows and RP pairs of activation rows of x8 Q4_0 / Q4_1, two activation rows
+ * to a 512-bit vector: each weight vector is decoded into both halves and meets rows 2P and 2P + 1
+ * at once, their words one load from the pair layout (qt_at), taken by vpdpbusd straight from
+ * memory, so a weight word decoded once serves 2 RP rows and the dots and the per-group float work
+ * take half the instructions of 256-bit tiles. The accumulators (2 RW RP vectors) and one weight
+ * row's decoded words fit AVX-512's 32 registers up to RW RP = 12.
  * Every lane runs tile_x8's operations in tile_x8's order (the same integer dots, then m·s and
  * dot·(d·d_a) by FMA; past the last group acc32's), and each half is summed as tile_x8 sums it:
- * the same bits, so a row's result still does not depend on its batch. */
+ * the same bits, so a row's result still does not depend on its batch (nor on its pair partner). */
 static inline __m512i both_halves(__m256i v) { return _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1); }
 static inline __m512i pair_loadi(const int8_t *a, const int8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
-static inline __m512 pair_loadf(const float *a, const float *b) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
-}
-KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RP, float *y, long ldy) {
+#define PWMAX 4
+#define PPMAX 6
+/* Pairs P0 .. P0 + RP - 1 (rows 2 P0 .. 2 P0 + 2 RP - 1, those below T stored) against weight rows 0..RW-1 of w. */
+KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, long P0, int RW, int RP, float *y,
+                             long ldy) {
     const int mins = t == T_Q4_1, bs = block_bytes(t), gb = 8 * bs, codes = mins ? 32 : 16;
     const long nb = A->nb, groups = nb / 8;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    __m512 acc[4][2];
+    __m512 acc[PWMAX][PPMAX];
     KV_UNROLL
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < RW; i++)
         KV_UNROLL
         for (int p = 0; p < RP; p++) acc[i][p] = _mm512_setzero_ps();
     for (long g = 0; g < groups; g++) {
-        __m512i dot[4][2];
+        __m512i dot[PWMAX][PPMAX];
         KV_UNROLL
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < RW; i++)
             KV_UNROLL
             for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
-        prefetch_next(w, rb, 4, gb, g);
+        prefetch_next(w, rb, RW, gb, g);
         KV_UNROLL
-        for (int s = 0; s < 4; s++) {
-            __m512i lo[4], hi[4];
+        for (int s = 0; s < 4; s++)
             KV_UNROLL
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < RW; i++) {
                 const __m256i *src = (const __m256i *)(w + i * rb + g * gb + codes + 32 * s);
                 const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
-                lo[i] = _mm512_and_si512(v, m4);
-                hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            }
-            KV_UNROLL
-            for (int p = 0; p < RP; p++) {
-                const int8_t *a = A->qt + 32 * ((t0 + 2 * p) * nb + 8 * g), *b = a + 32 * nb;
-                const __m512i a0 = pair_loadi(a + 32 * s, b + 32 * s), a1 = pair_loadi(a + 32 * (s + 4), b + 32 * (s + 4));
+                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 KV_UNROLL
-                for (int i = 0; i < 4; i++)
-                    dot[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][p], lo[i], a0), hi[i], a1);
+                for (int p = 0; p < RP; p++) {
+                    const __m512i *a = (const __m512i *)qt_at(A, 2 * (P0 + p), 8 * g + s);
+                    dot[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][p], lo, _mm512_loadu_si512(a)), hi,
+                                                    _mm512_loadu_si512(a + 4));
+                }
             }
-        }
         KV_UNROLL
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < RW; i++) {
             const uint8_t *o = w + i * rb + g * gb;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             __m256 m = _mm256_setzero_ps();
@@ -533,10 +543,10 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
-                const long off = (t0 + 2 * p) * nb + 8 * g;
-                acc[i][p] = _mm512_fmadd_ps(m2, pair_loadf(A->s + off, A->s + off + nb), acc[i][p]);
-                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]),
-                                            _mm512_mul_ps(d2, pair_loadf(A->d + off, A->d + off + nb)), acc[i][p]);
+                const long off = pair_at(A, P0 + p, 8 * g);
+                acc[i][p] = _mm512_fmadd_ps(m2, _mm512_loadu_ps(A->sp + off), acc[i][p]);
+                acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]), _mm512_mul_ps(d2, _mm512_loadu_ps(A->dp + off)),
+                                            acc[i][p]);
             }
         }
     }
@@ -544,50 +554,51 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
         const long g0 = 8 * groups;
         const int n = (int)(nb - g0);
         const __m256i mask = lanes_below(n);
-        __m512 scl[4][2];
+        __m512 scl[PWMAX][PPMAX];
+        long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
         KV_UNROLL
-        for (int i = 0; i < 4; i++) {
+        for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
             __m256 d, m;
             block_scales(w + i * rb + g0 * bs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
-                const long o = (t0 + 2 * p) * nb + g0;
+                const long o = 2 * (P0 + p) * nb + g0, o2 = second[p] * nb + g0;
                 const __m512 da = _mm512_insertf32x8(_mm512_castps256_ps512(load_n(A->d + o, n, mask)),
-                                                     load_n(A->d + o + nb, n, mask), 1);
+                                                     load_n(A->d + o2, n, mask), 1);
                 const __m512 sa = _mm512_insertf32x8(_mm512_castps256_ps512(load_n(A->s + o, n, mask)),
-                                                     load_n(A->s + o + nb, n, mask), 1);
+                                                     load_n(A->s + o2, n, mask), 1);
                 scl[i][p] = _mm512_mul_ps(d2, da);
                 acc[i][p] = _mm512_fmadd_ps(m2, sa, acc[i][p]);
             }
         }
         for (int j = 0; j < n; j++) {
             const __m512i lane = _mm512_setr_epi32(j, j, j, j, j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j);
-            __m512i u[4];
+            __m512i u[PWMAX];
             KV_UNROLL
-            for (int i = 0; i < 4; i++) u[i] = both_halves(nibbles16(w + i * rb + (g0 + j) * bs + bs - 16));
+            for (int i = 0; i < RW; i++) u[i] = both_halves(nibbles16(w + i * rb + (g0 + j) * bs + bs - 16));
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
-                const int8_t *qa = A->q + 32 * ((t0 + 2 * p) * nb + g0 + j);
-                const __m512i q2 = pair_loadi(qa, qa + 32 * nb);
+                const __m512i q2 = pair_loadi(A->q + 32 * (2 * (P0 + p) * nb + g0 + j), A->q + 32 * (second[p] * nb + g0 + j));
                 KV_UNROLL
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < RW; i++) {
                     const __m512 prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[i], q2));
                     acc[i][p] = _mm512_fmadd_ps(prod, _mm512_permutexvar_ps(lane, scl[i][p]), acc[i][p]);
                 }
             }
         }
     }
-    __m256 halves[RWMAX][RTMAX];
     KV_UNROLL
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < RW; i++)
         KV_UNROLL
         for (int p = 0; p < RP; p++) {
-            halves[i][2 * p] = _mm512_castps512_ps256(acc[i][p]);
-            halves[i][2 * p + 1] = _mm512_extractf32x8_ps(acc[i][p], 1);
+            const long r = 2 * (P0 + p);
+            y[r * ldy + i] = hsum(_mm512_castps512_ps256(acc[i][p]));
+            if (r + 1 < A->T) y[(r + 1) * ldy + i] = hsum(_mm512_extractf32x8_ps(acc[i][p], 1));
         }
-    store_sums(halves, 4, 2 * RP, y, ldy);
 }
 #endif
 
@@ -836,36 +847,45 @@ TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TIL
 TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #endif
 #undef TILE
-#ifdef PAIR_TILES /* the 4 x 2 and 4 x 4 tiles of x8 Q4_0 and Q4_1 rows */
+#ifdef PAIR_TILES /* x8 Q4_0 and Q4_1 rows against pairs of activation rows: PAIR_RW weight rows x 1..PAIR_RP pairs */
+#ifndef PAIR_RW
+#define PAIR_RW 4
+#endif
+#ifndef PAIR_RP
+#define PAIR_RP 3
+#endif
 #define PAIRS(RP)                                                                                             \
-    static void pairs_4x##RP(int t, const uint8_t *w, size_t rb, const acts *A, long t0, float *y, long ldy) {   \
+    static void pairs_##RP(int t, const uint8_t *w, size_t rb, const acts *A, long P0, float *y, long ldy) {    \
         switch (t) {                                                                                          \
-        case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, w, rb, A, t0, RP, y, ldy); return;                           \
-        default: tile_x8_pairs(T_Q4_1, w, rb, A, t0, RP, y, ldy); return;                                    \
+        case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, w, rb, A, P0, PAIR_RW, RP, y, ldy); return;                  \
+        default: tile_x8_pairs(T_Q4_1, w, rb, A, P0, PAIR_RW, RP, y, ldy); return;                           \
         }                                                                                                     \
     }
-PAIRS(1) PAIRS(2)
+PAIRS(1) PAIRS(2) PAIRS(3) PAIRS(4) PAIRS(5) PAIRS(6)
 #undef PAIRS
 #endif
 typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
  * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
- * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 as two activation rows per 512-bit vector
- * (PAIR_TILES). */
+ * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 as 4 weight rows × 3 pairs of activation rows,
+ * two rows per 512-bit vector (PAIR_TILES; 4 x 2 pairs and 2 x 4 were no faster, 2 x 6 spills). */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
     long r = r0;
     if (T == 1)
         for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
-#ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
-    static const tile_fn wide[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
-    const tile_fn *by4 = wide;
-#ifdef PAIR_TILES /* Q5 rows (decoded at 256 bits, then doubled) gained nothing steady from pairs: 0.86-1.25x */
-    static const tile_fn pairs[5] = {NULL, tile_4x1, pairs_4x1, tile_4x3, pairs_4x2};
-    if (base_type(t) == T_Q4_0 || base_type(t) == T_Q4_1) by4 = pairs;
+#ifdef PAIR_TILES /* (Q5 rows, decoded at 256 bits, then doubled, gained nothing steady from pairs: 0.86-1.25x) */
+    typedef void (*pair_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
+    static const pair_fn by_pairs[7] = {NULL, pairs_1, pairs_2, pairs_3, pairs_4, pairs_5, pairs_6};
+    if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8))
+        for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW)
+            for (long P0 = 0; P0 < np; P0 += PAIR_RP)
+                by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, w + r * rb, rb, A, P0, y + r, rows);
 #endif
+#ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
+    static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
     if (t >= X8 && base_type(t) != T_Q8_0)
         for (; r + 4 <= r1; r += 4)
             for (long t0 = 0; t0 < T; t0 += 4) {
@@ -908,7 +928,7 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     const long nb = cols / 32;
     const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
     /* one allocation: q (32-byte aligned), d, s, h, qt */
-    const size_t n = (size_t)(T * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
+    const size_t n = (size_t)(act_rows(T) * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
     char *buf = aligned_alloc(32, bytes);
     if (buf == NULL) return -2;
     const acts A = acts_over(buf, T, nb, qtype >= X8);

@@ -162,8 +162,9 @@ class NativeDecode:
             setattr(w, name, b[name].data_ptr())
         b["scores"] = torch.zeros(threads, H // Hkv * context)
         w.scores = b["scores"].data_ptr()
-        # Quantized activations: 76 bytes per 32 values of the widest input (quant_matmul.c's ACT_BYTES), 32-byte aligned.
-        acts = torch.zeros(batch * max(N, H * D, F) // 32 * 76 + 64, dtype=torch.uint8)
+        # Quantized activations: 84 bytes per 32 values of the widest input (quant_matmul.c's ACT_BYTES) for
+        # batch + 1 rows (an odd batch's last row is stored twice, act_rows), 32-byte aligned.
+        acts = torch.zeros((batch + 1) * max(N, H * D, F) // 32 * 84 + 64, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
         b["hidden"] = torch.zeros(batch, N)
