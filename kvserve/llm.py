@@ -23,8 +23,8 @@ model's dtype otherwise (CacheConfig.dtype chooses; kv/sizing.py says why). With
 request's tokens are the same whatever else is batched with it; False multiplies 32 rows or more
 with a packed bfloat16 copy of the weights where the CPU computes bfloat16 (oneDNN; ~2.4x faster
 prefill, 2 more bytes a weight), elsewhere with sgemm past ~128-256 rows. The default (None) is True where the kernel's integer dot is
-AVX-512 VNNI, which is as fast as sgemm there, and False on AVX2 and plain C builds, where it
-costs long prompts 1.1-1.3x in time to first token (model/quant.py's batch_invariant_by_default).
+AVX-512 VNNI or AVX2, which is as fast as sgemm there or faster, and False on the plain C build
+(model/quant.py's batch_invariant_by_default).
 `CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
 pool evicts are saved there and read back by later prompts, after a restart too.
 `speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch

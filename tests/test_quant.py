@@ -66,9 +66,10 @@ def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[np.ndarray
 
 def check_kernels() -> str:
     """Every type, odd shapes, batch 1..300, on the ISA level this process runs at. The kernels
-    work in tiles (4 weight rows for one activation row, 2 x 4 for batches; scales 8 blocks at a
-    time), so the shapes include row counts and batches that leave partial tiles and columns of
-    1, 3, 8 and 17 blocks (a partial group of 8, a full one, both)."""
+    work in tiles (4 weight rows for one activation row, 2 x 4 for batches, with AVX-512 4 x 4 or
+    4 weight rows x 3 pairs of activation rows, an odd batch's last row paired with itself; scales
+    8 blocks at a time), so the shapes include row counts and batches that leave partial tiles and
+    columns of 1, 3, 8 and 17 blocks (a partial group of 8, a full one, both)."""
     assert quant_matmul.available()
     g = torch.Generator().manual_seed(0)
     for qtype in TYPES:
@@ -407,20 +408,20 @@ def test_batch_invariant_quantized_greedy_tokens_do_not_depend_on_the_batch(llms
 
 
 @pytest.mark.slow
-def test_batch_invariance_is_the_default_where_the_integer_dot_is_vnni(llms) -> None:
-    """LLM(batch_invariant=None), the default: on where the kernel's dot is AVX-512 VNNI (as fast as
-    sgemm on long prefills there), off on the AVX2 and plain C builds; an explicit value wins."""
+def test_batch_invariance_is_the_default_where_the_integer_dot_is_simd(llms) -> None:
+    """LLM(batch_invariant=None), the default: on where the kernel's dot is AVX-512 VNNI or AVX2 (as
+    fast as sgemm on long prefills there, or faster), off on the plain C build; an explicit value wins."""
     import sys
 
     from kvserve import LLM
     from kvserve.config import CacheConfig
 
     q, _ = llms
-    vnni = quant_matmul.integer_dot() == "avx512_vnni"
-    assert q.batch_invariant is vnni
+    simd = quant_matmul.integer_dot() in ("avx512_vnni", "avx2")
+    assert q.batch_invariant is simd
     layers = [lin for layer in q.model.layers for lin in (layer.qkv, layer.gate_up, layer.down)]
     assert all(isinstance(lin, QuantizedLinear) for lin in layers)
-    assert {lin.blas_from for lin in layers} == ({sys.maxsize} if vnni else {quant.blas_from_rows(Q.Q4_1)})
+    assert {lin.blas_from for lin in layers} == ({sys.maxsize} if simd else {quant.blas_from_rows(Q.Q4_1)})
     for asked in (True, False):
         llm = LLM(dtype="float32", batch_invariant=asked, cache=CacheConfig(num_blocks=8))
         assert llm.batch_invariant is asked

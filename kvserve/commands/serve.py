@@ -26,8 +26,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="quantized weights: the integer kernel at every batch size, so a greedy request's tokens do "
                         "not depend on what else is batched with it (default: on where the kernel's dot is AVX-512 "
-                        "VNNI, as fast as sgemm there; off on AVX2 and plain C, where it costs long prompts 1.1-1.3x "
-                        "in time to first token and sgemm takes over past ~128-256 rows). --no-batch-invariant on a CPU with "
+                        "VNNI or AVX2, as fast as sgemm there or faster; off on the plain C build, where sgemm takes "
+                        "over past ~128 rows). --no-batch-invariant on a CPU with "
                         "bfloat16 arithmetic: steps of 32 rows or more (prompts, many users) run on a packed bfloat16 "
                         "copy of the weights, ~2.4x faster prefill for 2 more bytes a weight")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
