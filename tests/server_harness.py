@@ -28,9 +28,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a server to bind, drawn below the kernel's ephemeral range (free_port_block):
+    a port the kernel hands out (bind to 0) may become the local end of some client connection
+    before the server binds it ("Address already in use")."""
+    return free_port_block(1)
 
 
 def free_port_block(n: int) -> int:
