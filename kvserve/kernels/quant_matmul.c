@@ -138,8 +138,9 @@ static acts acts_over(char *buf, long T, long nb, int x8) {
     return A;
 }
 /* qt and dp / sp hold rows in pairs, so that one 512-bit load gives two rows' words (tile_x8_pairs):
- * word u of block group of rows 2P and 2P + 1 are 64 bytes, row 2P first. An odd T's last row is
- * stored twice (its pair's second row is itself). Blocks past the last whole group are not stored. */
+ * a 32-byte word of row 2P, then the same word of row 2P + 1 (dp / sp: a group's 8 floats of each).
+ * An odd T's last row is stored twice (its pair's second row is itself). Blocks past the last
+ * whole group are not stored. */
 static inline int8_t *qt_at(const acts *A, long t, long blk) { return A->qt + 64 * ((t >> 1) * A->nb + blk) + 32 * (t & 1); }
 static inline long pair_at(const acts *A, long P, long blk) { return 2 * (P * A->nb + blk); } /* dp / sp: 16 floats */
 
