@@ -80,8 +80,9 @@ def check_kernels() -> str:
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
             layouts = [(stored, int(qtype))]
             if int(qtype) in quant_matmul.X8_TYPES and quant_matmul.x8_available():
-                # Rows repacked 8 blocks at a time (whole groups, then the rest as stored): the same
-                # checks, and the layout undoes exactly.
+                # Rows repacked 8 blocks at a time (whole groups, then the rest as stored), rows in
+                # fours interleaved group by group (the last rows % 4 not): the same checks, and the
+                # layout undoes exactly.
                 x8 = quant_matmul.pack_x8(stored, int(qtype), rows, cols)
                 assert torch.equal(quant_matmul.pack_x8(x8, quant_matmul.X8 + int(qtype), rows, cols, unpack=True), stored)
                 assert cols < 8 * per or not torch.equal(x8, stored)
@@ -89,6 +90,8 @@ def check_kernels() -> str:
             for flat, kind in layouts:
                 name = f"{qtype.name}{' x8' if kind >= quant_matmul.X8 else ''}"
                 assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols), exact), name
+                ids = torch.randperm(rows, generator=g)[: max(1, rows // 2)]  # single rows, as an embedding reads them
+                assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols, ids), exact[ids]), name
                 for T in (1, 2, 3, 5, 6, 17, 64, 300):
                     x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
                     x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
@@ -209,6 +212,21 @@ def test_make_linear_fuses_same_types_and_concatenates_mixed_ones() -> None:
     want = torch.cat([lin(x) for lin in (make_linear([w], None, torch.float32) for w in ws)], 1) + bias
     assert torch.allclose(mixed(x), want, atol=1e-5) and torch.allclose(fused(x), want[:, :128], atol=1e-5)
     assert mixed.nbytes == sum(b.size for b in parts) + 192 * 4
+
+
+def test_rows_of_a_packed_weight_slice_as_the_stored_rows_do() -> None:
+    """x8 rows are interleaved in fours, so a row range (a tensor-parallel shard, a dequantized tile)
+    cannot be cut from the packed bytes: `rows` and `dequantize_range` find each row."""
+    blocks = random_blocks(Q.Q4_0, 23, 17 * 32, seed=3)
+    stored = QuantizedWeight(torch.from_numpy(blocks), Q.Q4_0, (23, 17 * 32))
+    packed = stored.packed()
+    full = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_0))
+    assert packed.x8 == quant_matmul.x8_available()
+    for start, stop in ((0, 23), (1, 6), (4, 12), (6, 23), (21, 22)):
+        part = packed.rows(start, stop)
+        assert part.x8 == packed.x8 and part.shape == (stop - start, 17 * 32)
+        assert torch.equal(part.dequantize(), full[start:stop]), (start, stop)
+        assert torch.equal(packed.dequantize_range(start, stop), full[start:stop]), (start, stop)
 
 
 def test_embedding_dequantizes_only_the_rows_looked_up() -> None:

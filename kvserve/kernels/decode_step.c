@@ -140,9 +140,10 @@ static void embed_row(const kv_model *m, long id, float *x) {
     const int bb = block_bytes(m->embed_type), bv = block_values(m->embed_type), t = base_type(m->embed_type);
     const long nb = m->hidden / bv;
     const uint8_t *row = m->embed + (size_t)id * nb * bb;
-    uint8_t plain[m->embed_type >= X8 ? nb * bb : 1]; /* an x8 row (a tied LM head's) back in the stored layout */
+    uint8_t x8[m->embed_type >= X8 ? nb * bb : 1], plain[m->embed_type >= X8 ? nb * bb : 1]; /* an x8 row (a tied LM head's) back in the stored layout */
     if (m->embed_type >= X8) {
-        x8_move(t, row, plain, nb, 0);
+        slab_row(t, (uint8_t *)m->embed, m->vocab, nb, id, x8, 0);
+        x8_move(t, x8, plain, nb, 0);
         row = plain;
     }
     for (long b = 0; b < nb; b++) dequant_block(t, row + b * bb, x + b * bv);

@@ -79,6 +79,13 @@ static inline float f16_to_f32(const uint8_t *p) {
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
 static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1; }
+/* The rows of an x8 slab (kvserve_pack_x8): 4 for the Q4 / Q5 types, whose tiles take 4 weight rows at one
+ * token and (AVX-512) in batches. Q8_0's batches take 2-row tiles, which read half of each group of a
+ * 4-row slab and ran 1.1-1.5x slower from memory at 2 to 16 rows; 2-row slabs gave nothing steady
+ * at one token, so its rows stay one after another (a slab of 1). */
+static inline long slab_rows(int t) { return t == T_Q8_0 ? 1 : 4; }
+/* Whether row r of an x8 matrix of t with `rows` rows lies in a whole slab. */
+static inline int x8_slab(int t, long r, long rows) { return slab_rows(t) > 1 && (r & ~(slab_rows(t) - 1)) + slab_rows(t) <= rows; }
 
 /* Bytes and values per block of each type; 0 for an unknown type. */
 static int block_bytes(int t) {
@@ -221,6 +228,16 @@ static void quantize_row(const float *x, const acts *A, long t) {
  * result does not depend on the batch it came in. */
 #define RWMAX 4
 #define RTMAX 4
+/* Where a tile's RW weight rows lie. Stored layouts: row i at w + i rs (rs: a row's bytes; gs, tail
+ * and trs unused). x8 rows: row i's group g (8 blocks) at w + i rs + g gs, its blocks past the last
+ * whole group (GGML's layout) at tail + i trs: a slab's rows (x8_slab) or one row after another. */
+typedef struct {
+    const uint8_t *w;
+    size_t rs, gs;
+    const uint8_t *tail;
+    size_t trs;
+    size_t ahead; /* x8: from a group of the rows to the same group two slabs on */
+} wrows;
 #define KV_INLINE static inline __attribute__((always_inline))
 /* tile loops unrolled before the accumulator arrays are split into registers */
 #define KV_UNROLL _Pragma("GCC unroll 4")
@@ -289,6 +306,17 @@ static inline void prefetch_next(const uint8_t *w, size_t rb, int RW, int group_
     for (int o = 0; o < RW * group_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
+/* Group g of a tile's x8 rows (at w), R->ahead on (two slabs, or 8 rows one after another). A one-token
+ * tile (RT = 1) reads its slab front to back and the hardware prefetcher keeps ahead of it unaided
+ * (prefetching made it slower: 0.84 against 0.61 of separate rows' time); a batch's tiles spend
+ * longer on each byte, and there it pays (1.5x slower without it at 16 rows). */
+KV_INLINE void prefetch_group(const wrows *R, const uint8_t *w, int RW, int RT, int gb) {
+    if (RT == 1) return;
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        for (int o = 0; o < gb; o += 64) __builtin_prefetch(w + R->ahead + i * R->rs + o, 0, 3);
+}
+
 /* A tile's RW x RT vector accumulators: cleared, and summed into y (row i of the weight, row k of x). */
 KV_INLINE void zero_sums(__m256 acc[][RTMAX], int RW, int RT) {
     KV_UNROLL
@@ -315,7 +343,8 @@ KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ld
 #else
 #define Q8_OFFSET 0
 #endif
-/* The sums of blocks g0.. (a multiple of 8) of RW weight rows and RT activation rows, into acc. */
+/* The sums of blocks g0.. (a multiple of 8) of RW weight rows (w: row 0's block g0, rows rb apart) and RT
+ * activation rows, into acc. */
 KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, __m256 acc[][RTMAX],
                      long g0) {
     const int bs = block_bytes(t);
@@ -324,11 +353,11 @@ KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0,
         const int n = nb - g < 8 ? (int)(nb - g) : 8;
         const __m256i mask = lanes_below(n);
         float scl[RWMAX][RTMAX][8] __attribute__((aligned(32)));
-        prefetch_next(w, rb, RW, 8 * bs, g / 8);
+        prefetch_next(w, rb, RW, 8 * bs, (g - g0) / 8);
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
-            block_scales(w + i * rb + g * bs, bs, n, &d, &m);
+            block_scales(w + i * rb + (g - g0) * bs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
             if (t == T_Q5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
             if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
@@ -343,7 +372,7 @@ KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0,
             __m256i u[RWMAX], sg[RWMAX];
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
-                const uint8_t *b = w + i * rb + (g + j) * bs;
+                const uint8_t *b = w + i * rb + (g - g0 + j) * bs;
                 if (t == T_Q8_0 && Q8_OFFSET) { /* q + 128 as unsigned bytes */
                     u[i] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8((char)0x80));
                 } else if (t == T_Q8_0) { /* |q| · (x with q's sign): unsigned · signed, as maddubs wants */
@@ -397,9 +426,9 @@ static inline __m256i x8_fifth_bits(__m256i qh, int byte, int s) {
     const __m256i bit = _mm256_set1_epi32((int)bits); /* byte b of a lane: bit o + b */
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, idx), bit), bit), _mm256_set1_epi8(0x10));
 }
-KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     const int five = t == T_Q5_0 || t == T_Q5_1, mins = t == T_Q4_1 || t == T_Q5_1;
-    const int bs = block_bytes(t), gb = 8 * bs, codes = (mins ? 32 : 16) + (five ? 32 : 0);
+    const int codes = (mins ? 32 : 16) + (five ? 32 : 0);
     const long nb = A->nb, groups = nb / 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[RWMAX][RTMAX];
@@ -410,18 +439,20 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
         for (int i = 0; i < RW; i++)
             KV_UNROLL
             for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
-        prefetch_next(w, rb, RW, gb, g);
+        const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
+        const size_t rs = R->rs;
+        prefetch_group(R, w, RW, RT, 8 * block_bytes(t));
         if (t != T_Q8_0) {
             __m256i qh[RWMAX];
             KV_UNROLL
             for (int i = 0; i < RW; i++)
-                if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes - 32));
+                if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes - 32));
             KV_UNROLL
             for (int s = 0; s < 4; s++) {
                 __m256i lo[RWMAX], hi[RWMAX];
                 KV_UNROLL
                 for (int i = 0; i < RW; i++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes + 32 * s));
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
                     lo[i] = _mm256_and_si256(v, m4);
                     hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     if (five) {
@@ -450,7 +481,7 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
                 __m256i u[RWMAX], sg[RWMAX];
                 KV_UNROLL
                 for (int i = 0; i < RW; i++) {
-                    sg[i] = _mm256_loadu_si256((const __m256i *)(w + i * rb + g * gb + codes + 32 * s));
+                    sg[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
                     u[i] = Q8_OFFSET ? _mm256_xor_si256(sg[i], _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(sg[i], sg[i]);
                 }
                 KV_UNROLL
@@ -463,7 +494,7 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
         }
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
-            const uint8_t *o = w + i * rb + g * gb;
+            const uint8_t *o = w + i * rs;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             __m256 m = _mm256_setzero_ps();
             if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
@@ -479,7 +510,7 @@ KV_INLINE void tile_x8(int t, const uint8_t *w, size_t rb, const acts *A, long t
             }
         }
     }
-    if (8 * groups < nb) acc32(t, w, rb, A, t0, RW, RT, acc, 8 * groups);
+    if (8 * groups < nb) acc32(t, R->tail, R->trs, A, t0, RW, RT, acc, 8 * groups);
     store_sums(acc, RW, RT, y, ldy);
 }
 #undef DP
@@ -503,9 +534,8 @@ static inline __m512i pair_loadi(const int8_t *a, const int8_t *b) {
 #define PWMAX 4
 #define PPMAX 6
 /* Pairs P0 .. P0 + RP - 1 (rows 2 P0 .. 2 P0 + 2 RP - 1, those below T stored) against weight rows 0..RW-1 of w. */
-KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, long P0, int RW, int RP, float *y,
-                             long ldy) {
-    const int mins = t == T_Q4_1, bs = block_bytes(t), gb = 8 * bs, codes = mins ? 32 : 16;
+KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int RW, int RP, float *y, long ldy) {
+    const int mins = t == T_Q4_1, bs = block_bytes(t), codes = mins ? 32 : 16;
     const long nb = A->nb, groups = nb / 8;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     __m512 acc[PWMAX][PPMAX];
@@ -519,12 +549,14 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
         for (int i = 0; i < RW; i++)
             KV_UNROLL
             for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
-        prefetch_next(w, rb, RW, gb, g);
+        const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
+        const size_t rs = R->rs;
+        prefetch_group(R, w, RW, RP, 8 * bs);
         KV_UNROLL
         for (int s = 0; s < 4; s++)
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
-                const __m256i *src = (const __m256i *)(w + i * rb + g * gb + codes + 32 * s);
+                const __m256i *src = (const __m256i *)(w + i * rs + codes + 32 * s);
                 const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
                 const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 KV_UNROLL
@@ -536,7 +568,7 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
             }
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
-            const uint8_t *o = w + i * rb + g * gb;
+            const uint8_t *o = w + i * rs;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
             __m256 m = _mm256_setzero_ps();
             if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
@@ -562,7 +594,7 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
-            block_scales(w + i * rb + g0 * bs, bs, n, &d, &m);
+            block_scales(R->tail + i * R->trs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
@@ -580,7 +612,7 @@ KV_INLINE void tile_x8_pairs(int t, const uint8_t *w, size_t rb, const acts *A, 
             const __m512i lane = _mm512_setr_epi32(j, j, j, j, j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j);
             __m512i u[PWMAX];
             KV_UNROLL
-            for (int i = 0; i < RW; i++) u[i] = both_halves(nibbles16(w + i * rb + (g0 + j) * bs + bs - 16));
+            for (int i = 0; i < RW; i++) u[i] = both_halves(nibbles16(R->tail + i * R->trs + j * bs + bs - 16));
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
                 const __m512i q2 = pair_loadi(A->q + 32 * (2 * (P0 + p) * nb + g0 + j), A->q + 32 * (second[p] * nb + g0 + j));
@@ -707,13 +739,15 @@ KV_INLINE void tile_q6_k(const uint8_t *w, size_t rb, const acts *A, long t0, in
     store_sums(acc, RW, RT, y, ldy);
 }
 
-KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const uint8_t *w = R->w;
+    const size_t rb = R->rs;
     switch (t) {
-    case T_Q8_0 + X8: tile_x8(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
-    case T_Q4_0 + X8: tile_x8(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
-    case T_Q4_1 + X8: tile_x8(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
-    case T_Q5_0 + X8: tile_x8(T_Q5_0, w, rb, A, t0, RW, RT, y, ldy); return;
-    case T_Q5_1 + X8: tile_x8(T_Q5_1, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_Q8_0 + X8: tile_x8(T_Q8_0, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_0 + X8: tile_x8(T_Q4_0, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_1 + X8: tile_x8(T_Q4_1, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_0 + X8: tile_x8(T_Q5_0, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_1 + X8: tile_x8(T_Q5_1, R, A, t0, RW, RT, y, ldy); return;
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
@@ -830,18 +864,18 @@ static float dot1(int t, const uint8_t *w, const acts *A, long o) {
     }
 }
 
-KV_INLINE void tile(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     KV_UNROLL
     for (int i = 0; i < RW; i++)
         KV_UNROLL
-        for (int k = 0; k < RT; k++) y[k * ldy + i] = dot1(t, w + i * rb, A, (t0 + k) * A->nb);
+        for (int k = 0; k < RT; k++) y[k * ldy + i] = dot1(t, R->w + i * R->rs, A, (t0 + k) * A->nb);
 }
 #endif
 
 /* The tile shapes used, each compiled with its RW and RT as constants (accumulators in registers). */
 #define TILE(RW, RT)                                                                                          \
-    static void tile_##RW##x##RT(int t, const uint8_t *w, size_t rb, const acts *A, long t0, float *y, long ldy) { \
-        tile(t, w, rb, A, t0, RW, RT, y, ldy);                                                                \
+    static void tile_##RW##x##RT(int t, const wrows *R, const acts *A, long t0, float *y, long ldy) {          \
+        tile(t, R, A, t0, RW, RT, y, ldy);                                                                    \
     }
 TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TILE(2, 4) TILE(1, 4)
 #ifdef WIDE_TILES
@@ -856,16 +890,31 @@ TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #define PAIR_RP 3
 #endif
 #define PAIRS(RP)                                                                                             \
-    static void pairs_##RP(int t, const uint8_t *w, size_t rb, const acts *A, long P0, float *y, long ldy) {    \
+    static void pairs_##RP(int t, const wrows *R, const acts *A, long P0, float *y, long ldy) {              \
         switch (t) {                                                                                          \
-        case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, w, rb, A, P0, PAIR_RW, RP, y, ldy); return;                  \
-        default: tile_x8_pairs(T_Q4_1, w, rb, A, P0, PAIR_RW, RP, y, ldy); return;                           \
+        case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
+        default: tile_x8_pairs(T_Q4_1, R, A, P0, PAIR_RW, RP, y, ldy); return;                               \
         }                                                                                                     \
     }
 PAIRS(1) PAIRS(2) PAIRS(3) PAIRS(4) PAIRS(5) PAIRS(6)
 #undef PAIRS
 #endif
-typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
+typedef void (*tile_fn)(int, const wrows *, const acts *, long, float *, long);
+
+/* Where rows r.. of a matrix (w, rows rb bytes apart in the stored layouts) lie for a tile of rows below
+ * r1 (r1: the end of the caller's chunk, a multiple of 4 or the matrix's last row + 1). */
+static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r1) {
+    if (t >= X8 && x8_slab(base_type(t), r, r1)) {
+        const long SLAB = slab_rows(base_type(t));
+        const size_t gb = 8 * (size_t)block_bytes(t), tb = (size_t)(nb % 8) * block_bytes(t);
+        const uint8_t *S = w + (r & ~(long)(SLAB - 1)) * rb;
+        const long i0 = r & (SLAB - 1), groups = nb / 8;
+        const wrows R = {S + i0 * gb, gb, SLAB * gb, S + SLAB * groups * gb + i0 * tb, tb, 2 * SLAB * rb};
+        return R;
+    }
+    const wrows R = {w + r * rb, rb, 8 * (size_t)block_bytes(t), w + r * rb + nb / 8 * 8 * block_bytes(t), rb, 8 * rb};
+    return R;
+}
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
  * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
@@ -874,32 +923,34 @@ typedef void (*tile_fn)(int, const uint8_t *, size_t, const acts *, long, float 
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
+    const long nb = A->nb * 32 / block_values(t);
     long r = r0;
     if (T == 1)
-        for (; r + 4 <= r1; r += 4) tile_4x1(t, w + r * rb, rb, A, 0, y + r, rows);
+        for (; r + 4 <= r1; r += 4) {
+            const wrows R = rows_at(t, w, rb, nb, r, r1);
+            tile_4x1(t, &R, A, 0, y + r, rows);
+        }
 #ifdef PAIR_TILES /* (Q5 rows, decoded at 256 bits, then doubled, gained nothing steady from pairs: 0.86-1.25x) */
-    typedef void (*pair_fn)(int, const uint8_t *, size_t, const acts *, long, float *, long);
+    typedef void (*pair_fn)(int, const wrows *, const acts *, long, float *, long);
     static const pair_fn by_pairs[7] = {NULL, pairs_1, pairs_2, pairs_3, pairs_4, pairs_5, pairs_6};
     if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8))
-        for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW)
-            for (long P0 = 0; P0 < np; P0 += PAIR_RP)
-                by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, w + r * rb, rb, A, P0, y + r, rows);
+        for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
+            const wrows R = rows_at(t, w, rb, nb, r, r1);
+            for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + r, rows);
+        }
 #endif
 #ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
     static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
     if (t >= X8 && base_type(t) != T_Q8_0)
-        for (; r + 4 <= r1; r += 4)
-            for (long t0 = 0; t0 < T; t0 += 4) {
-                const int nt = T - t0 < 4 ? (int)(T - t0) : 4;
-                by4[nt](t, w + r * rb, rb, A, t0, y + t0 * rows + r, rows);
-            }
+        for (; r + 4 <= r1; r += 4) {
+            const wrows R = rows_at(t, w, rb, nb, r, r1);
+            for (long t0 = 0; t0 < T; t0 += 4) by4[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + r, rows);
+        }
 #endif
     for (; r < r1; r += 2) {
         const tile_fn *f = r + 2 <= r1 ? by2 : by1;
-        for (long t0 = 0; t0 < T; t0 += 4) {
-            const int nt = T - t0 < 4 ? (int)(T - t0) : 4;
-            f[nt](t, w + r * rb, rb, A, t0, y + t0 * rows + r, rows);
-        }
+        const wrows R = rows_at(t, w, rb, nb, r, r1);
+        for (long t0 = 0; t0 < T; t0 += 4) f[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + r, rows);
     }
 }
 
@@ -1045,19 +1096,53 @@ int kvserve_x8(void) {
 #endif
 }
 
+/* Slabs: the x8 rows of a matrix in fours, each four's bytes (4 rows' worth) holding group 0 of its
+ * rows 0..3, then group 1 of rows 0..3, ..., then the four rows' blocks past the last whole group one
+ * row after another. A tile of 4 rows then reads one stream of memory front to back, which the
+ * hardware prefetcher follows at full speed (four streams of separate rows it did not: 1.4-1.6x
+ * slower from memory at one token). The last rows % 4 rows stay one after another.
+ * Copies row r of an x8 matrix m (nb blocks of t a row) into a one-row buffer in the x8 layout, or
+ * from it (put != 0). */
+static void slab_row(int t, uint8_t *m, long rows, long nb, long r, uint8_t *row, int put) {
+    const size_t bs = block_bytes(t), rb = nb * bs, gb = 8 * bs, tb = (size_t)(nb % 8) * bs;
+    const long SLAB = slab_rows(t);
+    if (!x8_slab(t, r, rows)) {
+        memcpy(put ? m + r * rb : row, put ? row : m + r * rb, rb);
+        return;
+    }
+    uint8_t *S = m + (r & ~(long)(SLAB - 1)) * rb;
+    const long i = r & (SLAB - 1), groups = nb / 8;
+    for (long g = 0; g <= groups; g++) { /* (g == groups: the tail) */
+        uint8_t *at = g < groups ? S + (SLAB * g + i) * gb : S + SLAB * groups * gb + i * tb;
+        const size_t n = g < groups ? gb : tb;
+        memcpy(put ? at : row + g * gb, put ? row + g * gb : at, n);
+    }
+}
+
 /* dst = rows of src (GGML type qtype: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) in the x8 layout, or back (unpack != 0,
- * qtype the x8 id). Returns 0, or -1 for another type or a cols that is not whole blocks. */
+ * qtype the x8 id). Returns 0, -1 for another type or a cols that is not whole blocks, -2 out of memory. */
 int kvserve_pack_x8(int qtype, const uint8_t *src, uint8_t *dst, long rows, long cols, int unpack) {
     const int t = unpack ? qtype - X8 : qtype;
     if ((unpack && qtype < X8) || !x8_packs(t) || cols % 32) return -1;
     const long nb = cols / 32;
     const size_t rb = (size_t)nb * block_bytes(t);
-    for (long r = 0; r < rows; r++) x8_move(t, src + r * rb, dst + r * rb, nb, !unpack);
+    uint8_t *row = malloc(rb);
+    if (row == NULL) return -2;
+    for (long r = 0; r < rows; r++) {
+        if (unpack) {
+            slab_row(t, (uint8_t *)src, rows, nb, r, row, 0);
+            x8_move(t, row, dst + r * rb, nb, 0);
+        } else {
+            x8_move(t, src + r * rb, row, nb, 1);
+            slab_row(t, dst, rows, nb, r, row, 1);
+        }
+    }
+    free(row);
     return 0;
 }
 
-/* out[i, :] = dequantized row ids[i] (row i where ids is NULL), i < n. */
-int kvserve_dequant_rows(int qtype, const uint8_t *w, long cols, const int64_t *ids, long n, float *out,
+/* out[i, :] = dequantized row ids[i] (row i where ids is NULL), i < n, of a matrix of `rows` rows. */
+int kvserve_dequant_rows(int qtype, const uint8_t *w, long rows, long cols, const int64_t *ids, long n, float *out,
                          int nthreads) {
     const int bb = block_bytes(qtype), bv = block_values(qtype), t = base_type(qtype);
     if (bb == 0 || cols % bv != 0) return -1;
@@ -1065,9 +1150,10 @@ int kvserve_dequant_rows(int qtype, const uint8_t *w, long cols, const int64_t *
 #pragma omp parallel for num_threads(nthreads) if (n * cols >= 65536)
     for (long i = 0; i < n; i++) {
         const uint8_t *row = w + (ids ? ids[i] : i) * row_bytes;
-        uint8_t plain[qtype >= X8 ? row_bytes : 1]; /* an x8 row back in the stored layout first */
+        uint8_t x8[qtype >= X8 ? row_bytes : 1], plain[qtype >= X8 ? row_bytes : 1]; /* an x8 row back in the stored layout first */
         if (qtype >= X8) {
-            x8_move(t, row, plain, cols / bv, 0);
+            slab_row(t, (uint8_t *)w, rows, cols / bv, ids ? ids[i] : i, x8, 0);
+            x8_move(t, x8, plain, cols / bv, 0);
             row = plain;
         }
         for (long b = 0; b < cols / bv; b++) dequant_block(t, row + b * bb, out + i * cols + b * bv);

@@ -11,7 +11,7 @@ from kvserve import kernels
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _SIGNATURES = {
     "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i],
-    "kvserve_dequant_rows": [_i, _p, _l, _p, _l, _p, _i],
+    "kvserve_dequant_rows": [_i, _p, _l, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
     "kvserve_quant_dot": [],
     "kvserve_x8": [],
@@ -81,7 +81,7 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids:
             raise ValueError(f"row ids must be in [0, {rows})")
     n = rows if ids is None else ids.numel()
     out = torch.empty(n, cols, dtype=torch.float32)
-    _lib().kvserve_dequant_rows(qtype, blocks.data_ptr(), cols, None if ids is None else ids.data_ptr(), n,
+    _lib().kvserve_dequant_rows(qtype, blocks.data_ptr(), rows, cols, None if ids is None else ids.data_ptr(), n,
                                 out.data_ptr(), torch.get_num_threads())
     return out
 

@@ -95,8 +95,9 @@ def check_quantization(quantization: str) -> str:
 @dataclass
 class QuantizedWeight:
     """A [out, in] weight as GGML blocks: `blocks` is uint8 [out, in / block values * block bytes].
-    `x8`: each row's blocks are in the kernels' x8 layout (quant_matmul.c; same bytes per row, so
-    rows still slice and concatenate, but columns do not)."""
+    `x8`: the rows are in the kernels' x8 layout (quant_matmul.c: each row's blocks 8 at a time, and
+    rows in fours interleaved group by group; same bytes per row, but rows no longer slice: unpack
+    first, as `rows` does)."""
 
     blocks: torch.Tensor
     qtype: Q
@@ -121,8 +122,16 @@ class QuantizedWeight:
         return dequantize(blocks.numpy(), self.qtype, (blocks.shape[0], cols))
 
     def dequantize_range(self, start: int, stop: int) -> torch.Tensor:
-        """float32 [stop - start, in] of rows start..stop-1: contiguous blocks, no index gather."""
-        return QuantizedWeight(self.blocks[start:stop], self.qtype, (stop - start, self.shape[1]), self.x8).dequantize()
+        """float32 [stop - start, in] of rows start..stop-1."""
+        if self.x8:  # (an x8 slab's rows are interleaved: the kernel finds each)
+            return self.dequantize(torch.arange(start, stop))
+        return QuantizedWeight(self.blocks[start:stop], self.qtype, (stop - start, self.shape[1])).dequantize()
+
+    def rows(self, start: int, stop: int) -> QuantizedWeight:
+        """Rows start..stop-1 as a weight of their own, in this one's layout."""
+        if not self.x8:
+            return QuantizedWeight(self.blocks[start:stop].contiguous(), self.qtype, (stop - start, self.shape[1]))
+        return self.unpacked().rows(start, stop).packed()
 
     def packed(self) -> QuantizedWeight:
         """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 on the

@@ -93,7 +93,7 @@ def plan(config: ModelConfig, tensors: dict[str, Weight], size: int) -> ShardPla
 
 def _rows(w: Weight, start: int, stop: int) -> Weight:
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(w.blocks[start:stop].contiguous(), w.qtype, (stop - start, w.shape[1]), w.x8)
+        return w.rows(start, stop)
     return w[start:stop].contiguous()
 
 
