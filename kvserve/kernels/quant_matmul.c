@@ -236,7 +236,7 @@ typedef struct {
     size_t rs, gs;
     const uint8_t *tail;
     size_t trs;
-    size_t ahead; /* x8: from a group of the rows to the same group two slabs on */
+    size_t ahead; /* x8 in a slab: from a group of the rows to the same group two slabs on; else 0 */
 } wrows;
 #define KV_INLINE static inline __attribute__((always_inline))
 /* tile loops unrolled before the accumulator arrays are split into registers */
@@ -306,15 +306,15 @@ static inline void prefetch_next(const uint8_t *w, size_t rb, int RW, int group_
     for (int o = 0; o < RW * group_bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
-/* Group g of a tile's x8 rows (at w), R->ahead on (two slabs, or 8 rows one after another). A one-token
- * tile (RT = 1) reads its slab front to back and the hardware prefetcher keeps ahead of it unaided
- * (prefetching made it slower: 0.84 against 0.61 of separate rows' time); a batch's tiles spend
- * longer on each byte, and there it pays (1.5x slower without it at 16 rows). */
-KV_INLINE void prefetch_group(const wrows *R, const uint8_t *w, int RW, int RT, int gb) {
-    if (RT == 1) return;
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        for (int o = 0; o < gb; o += 64) __builtin_prefetch(w + R->ahead + i * R->rs + o, 0, 3);
+/* Prefetch for group g of a tile's x8 rows. Rows one after another: prefetch_next, as acc32 does. A
+ * slab's rows: their group two slabs on, in batches only. A one-token tile reads its slab front to
+ * back and the hardware prefetcher keeps ahead of it unaided (prefetching made it slower: 0.84
+ * against 0.61 of separate rows' time); a batch's tiles spend longer on each byte, and there it pays
+ * (1.5x slower without it at 16 rows). */
+KV_INLINE void prefetch_group(const wrows *R, long g, int RW, int RT, int gb) {
+    if (R->ahead == 0) prefetch_next(R->w, R->rs, RW, gb, g);
+    else if (RT > 1)
+        for (int o = 0; o < RW * gb; o += 64) __builtin_prefetch(R->w + g * R->gs + R->ahead + o, 0, 3);
 }
 
 /* A tile's RW x RT vector accumulators: cleared, and summed into y (row i of the weight, row k of x). */
@@ -441,7 +441,7 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
             for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
-        prefetch_group(R, w, RW, RT, 8 * block_bytes(t));
+        prefetch_group(R, g, RW, RT, 8 * block_bytes(t));
         if (t != T_Q8_0) {
             __m256i qh[RWMAX];
             KV_UNROLL
@@ -551,7 +551,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
-        prefetch_group(R, w, RW, RP, 8 * bs);
+        prefetch_group(R, g, RW, RP, 8 * bs);
         KV_UNROLL
         for (int s = 0; s < 4; s++)
             KV_UNROLL
@@ -912,7 +912,7 @@ static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r
         const wrows R = {S + i0 * gb, gb, SLAB * gb, S + SLAB * groups * gb + i0 * tb, tb, 2 * SLAB * rb};
         return R;
     }
-    const wrows R = {w + r * rb, rb, 8 * (size_t)block_bytes(t), w + r * rb + nb / 8 * 8 * block_bytes(t), rb, 8 * rb};
+    const wrows R = {w + r * rb, rb, 8 * (size_t)block_bytes(t), w + r * rb + nb / 8 * 8 * block_bytes(t), rb, 0};
     return R;
 }
 
