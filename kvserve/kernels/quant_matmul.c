@@ -889,6 +889,9 @@ TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #ifndef PAIR_RP
 #define PAIR_RP 3
 #endif
+#if 4 % PAIR_RW
+#error "PAIR_RW must divide a slab's 4 rows"
+#endif
 #define PAIRS(RP)                                                                                             \
     static void pairs_##RP(int t, const wrows *R, const acts *A, long P0, float *y, long ldy) {              \
         switch (t) {                                                                                          \
