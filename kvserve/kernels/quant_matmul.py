@@ -96,7 +96,10 @@ def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool
     """W's rows in the x8 layout (qtype a GGML id of X8_TYPES), or back (unpack: qtype an x8 id): a new tensor."""
     _check(blocks, qtype, rows, cols)
     out = torch.empty_like(blocks)
-    if _lib().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack)) != 0:
+    rc = _lib().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack))
+    if rc == -2:
+        raise MemoryError(f"no memory for one {cols}-column row while repacking a weight: free memory and load again")
+    if rc != 0:
         raise ValueError(f"GGML type {qtype} has no x8 layout")
     return out
 
