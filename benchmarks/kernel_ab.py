@@ -6,7 +6,9 @@ This machine's speed moves by up to a third from one minute to the next, so two 
 `benchmarks.quant` minutes apart cannot tell a 10% change from the noise. Here both builds
 multiply the same x8-packed random weight (the layout the model runs) by the same activations,
 round after round, each build's best round kept; their outputs must be the same bits (a change of
-tile shape must not change a row's arithmetic). One thread by default.
+tile shape must not change a row's arithmetic). One thread by default. The weight is packed by
+kvserve's own build, so `--against` takes revisions from 9afde1f on (x8 rows in slabs of four);
+an older kernel reads another layout and its outputs differ.
 """
 from __future__ import annotations
 
