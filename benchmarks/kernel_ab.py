@@ -6,9 +6,8 @@ This machine's speed moves by up to a third from one minute to the next, so two 
 `benchmarks.quant` minutes apart cannot tell a 10% change from the noise. Here both builds
 multiply the same x8-packed random weight (the layout the model runs) by the same activations,
 round after round, each build's best round kept; their outputs must be the same bits (a change of
-tile shape must not change a row's arithmetic). One thread by default. The weight is packed by
-kvserve's own build, so `--against` takes revisions from 9afde1f on (x8 rows in slabs of four);
-an older kernel reads another layout and its outputs differ.
+tile shape must not change a row's arithmetic). One thread by default. Each build packs the weight
+into its own x8 layout (`kvserve_pack_x8`), so builds whose layouts differ compare too.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from benchmarks.quant import random_weight
 from kvserve import kernels
+from kvserve.model.quant import QuantizedWeight
 
 SHAPES = [("576→1536 Q4_1", 1536, 576, Q.Q4_1), ("1536→576 Q4_1", 576, 1536, Q.Q4_1),
           ("576→1536 Q5_0", 1536, 576, Q.Q5_0), ("LM head Q8_0", 49152, 576, Q.Q8_0)]
@@ -51,7 +51,18 @@ def build(out: Path, defines: list[str], src: Path | None = None) -> ctypes.CDLL
                     str(src), "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     lib.kvserve_quant_matmul.argtypes = _ARGS
+    lib.kvserve_pack_x8.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     return lib
+
+
+def own_layout(lib: ctypes.CDLL, w: QuantizedWeight, stored: torch.Tensor) -> torch.Tensor:
+    """w's blocks as `lib` lays them out: repacked by its own kvserve_pack_x8 where w is x8."""
+    if not w.x8:
+        return w.blocks.contiguous()
+    out = torch.empty_like(stored)
+    if lib.kvserve_pack_x8(int(w.qtype), stored.data_ptr(), out.data_ptr(), *w.shape, 0) != 0:
+        raise SystemExit(f"this build cannot pack {w.qtype.name} rows into its x8 layout")
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---:|---:|---:|---:|")
         for label, rows, cols, qtype in SHAPES if args.shapes == "default" else SHAPES_1B:
             w = random_weight(qtype, rows, cols).packed()
-            blocks = w.blocks.contiguous()
+            stored = w.unpacked().blocks.contiguous()
+            blocks = {n: own_layout(libs[n], w, stored) for n in names}  # each build reads the layout it packs
             for B in (int(b) for b in args.batches.split(",")):
                 x = torch.randn(B, cols)
                 ys = {n: torch.empty(B, rows) for n in names}
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
                     for n in names:
                         t0 = time.perf_counter()
                         for _ in range(calls):
-                            libs[n].kvserve_quant_matmul(w.kernel_type, blocks.data_ptr(), rows, cols, x.data_ptr(), B,
+                            libs[n].kvserve_quant_matmul(w.kernel_type, blocks[n].data_ptr(), rows, cols, x.data_ptr(), B,
                                                          ys[n].data_ptr(), args.threads)
                         best[n] = min(best[n], (time.perf_counter() - t0) / calls)
                 if not torch.equal(*ys.values()):

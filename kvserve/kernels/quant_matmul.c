@@ -79,11 +79,21 @@ static inline float f16_to_f32(const uint8_t *p) {
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
 static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1; }
-/* The rows of an x8 slab (kvserve_pack_x8): 4 for the Q4 / Q5 types, whose tiles take 4 weight rows at one
- * token and (AVX-512) in batches. Q8_0's batches take 2-row tiles, which read half of each group of a
- * 4-row slab and ran 1.1-1.5x slower from memory at 2 to 16 rows; 2-row slabs gave nothing steady
- * at one token, so its rows stay one after another (a slab of 1). */
-static inline long slab_rows(int t) { return t == T_Q8_0 ? 1 : 4; }
+#if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
+#define PAIR_TILES 1 /* x8 Q4_0, Q4_1 and Q8_0 batches: 4 weight rows x pairs of activation rows (tile_x8_pairs) */
+#endif
+/* The rows of an x8 slab (kvserve_pack_x8): 4, as many as the tiles take at one token and, for the Q4 / Q5
+ * types and (with pair tiles) Q8_0, in batches. Without pair tiles Q8_0's batches take 2-row tiles, which
+ * read half of each group of a 4-row slab and ran 1.1-1.5x slower from memory at 2 to 16 rows, so its
+ * rows stay one after another there (a slab of 1), as they do with -DKV_Q8_PLAIN (for A/B runs). */
+static inline long slab_rows(int t) {
+#if defined(PAIR_TILES) && !defined(KV_Q8_PLAIN)
+    (void)t;
+    return 4;
+#else
+    return t == T_Q8_0 ? 1 : 4;
+#endif
+}
 /* Whether row r of an x8 matrix of t with `rows` rows lies in a whole slab. */
 static inline int x8_slab(int t, long r, long rows) { return slab_rows(t) > 1 && (r & ~(slab_rows(t) - 1)) + slab_rows(t) <= rows; }
 
@@ -515,9 +525,8 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
 }
 #undef DP
 
-#if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
-#define PAIR_TILES 1
-/* tile_x8 for RW weight rows and RP pairs of activation rows of x8 Q4_0 / Q4_1, two activation rows
+#ifdef PAIR_TILES
+/* tile_x8 for RW weight rows and RP pairs of activation rows of x8 Q4_0 / Q4_1 / Q8_0, two activation rows
  * to a 512-bit vector: each weight vector is decoded into both halves and meets rows 2P and 2P + 1
  * at once, their words one load from the pair layout (qt_at), taken by vpdpbusd straight from
  * memory, so a weight word decoded once serves 2 RP rows and the dots and the per-group float work
@@ -537,7 +546,7 @@ static inline __m512i pair_loadi(const int8_t *a, const int8_t *b) {
 KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int RW, int RP, float *y, long ldy) {
     const int mins = t == T_Q4_1, bs = block_bytes(t), codes = mins ? 32 : 16;
     const long nb = A->nb, groups = nb / 8;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8((char)0x80);
     __m512 acc[PWMAX][PPMAX];
     KV_UNROLL
     for (int i = 0; i < RW; i++)
@@ -551,21 +560,34 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
-        prefetch_group(R, g, RW, RP, 8 * bs);
-        KV_UNROLL
-        for (int s = 0; s < 4; s++)
+        if (t != T_Q8_0) prefetch_group(R, g, RW, RP, 8 * bs); /* (Q8_0's slabs stream faster unaided: 0.75x the time at 3-8 rows) */
+        if (t == T_Q8_0) { /* 8 words of codes, each q + 128 as unsigned bytes (as Q8_OFFSET has the one-token tiles take them) */
             KV_UNROLL
-            for (int i = 0; i < RW; i++) {
-                const __m256i *src = (const __m256i *)(w + i * rs + codes + 32 * s);
-                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            for (int s = 0; s < 8; s++)
                 KV_UNROLL
-                for (int p = 0; p < RP; p++) {
-                    const __m512i *a = (const __m512i *)qt_at(A, 2 * (P0 + p), 8 * g + s);
-                    dot[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][p], lo, _mm512_loadu_si512(a)), hi,
-                                                    _mm512_loadu_si512(a + 4));
+                for (int i = 0; i < RW; i++) {
+                    const __m256i *src = (const __m256i *)(w + i * rs + codes + 32 * s);
+                    const __m512i u = _mm512_xor_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256(src)), bias);
+                    KV_UNROLL
+                    for (int p = 0; p < RP; p++)
+                        dot[i][p] = _mm512_dpbusd_epi32(dot[i][p], u, _mm512_loadu_si512(qt_at(A, 2 * (P0 + p), 8 * g + s)));
                 }
-            }
+        } else {
+            KV_UNROLL
+            for (int s = 0; s < 4; s++)
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const __m256i *src = (const __m256i *)(w + i * rs + codes + 32 * s);
+                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
+                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    KV_UNROLL
+                    for (int p = 0; p < RP; p++) {
+                        const __m512i *a = (const __m512i *)qt_at(A, 2 * (P0 + p), 8 * g + s);
+                        dot[i][p] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[i][p], lo, _mm512_loadu_si512(a)), hi,
+                                                        _mm512_loadu_si512(a + 4));
+                    }
+                }
+        }
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             const uint8_t *o = w + i * rs;
@@ -573,6 +595,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             __m256 m = _mm256_setzero_ps();
             if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q8_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
@@ -596,6 +619,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             __m256 d, m;
             block_scales(R->tail + i * R->trs, bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+            if (t == T_Q8_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
@@ -612,7 +636,11 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             const __m512i lane = _mm512_setr_epi32(j, j, j, j, j, j, j, j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j, 8 + j);
             __m512i u[PWMAX];
             KV_UNROLL
-            for (int i = 0; i < RW; i++) u[i] = both_halves(nibbles16(R->tail + i * R->trs + j * bs + bs - 16));
+            for (int i = 0; i < RW; i++) {
+                const uint8_t *b = R->tail + i * R->trs + j * bs;
+                u[i] = t == T_Q8_0 ? _mm512_xor_si512(both_halves(_mm256_loadu_si256((const __m256i *)(b + 2))), bias)
+                                   : both_halves(nibbles16(b + bs - 16));
+            }
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
                 const __m512i q2 = pair_loadi(A->q + 32 * (2 * (P0 + p) * nb + g0 + j), A->q + 32 * (second[p] * nb + g0 + j));
@@ -882,7 +910,7 @@ TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TIL
 TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #endif
 #undef TILE
-#ifdef PAIR_TILES /* x8 Q4_0 and Q4_1 rows against pairs of activation rows: PAIR_RW weight rows x 1..PAIR_RP pairs */
+#ifdef PAIR_TILES /* x8 Q4_0, Q4_1 and Q8_0 rows against pairs of activation rows: PAIR_RW weight rows x 1..PAIR_RP pairs */
 #ifndef PAIR_RW
 #define PAIR_RW 4
 #endif
@@ -896,6 +924,7 @@ TILE(4, 2) TILE(4, 3) TILE(4, 4)
     static void pairs_##RP(int t, const wrows *R, const acts *A, long P0, float *y, long ldy) {              \
         switch (t) {                                                                                          \
         case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
+        case T_Q8_0 + X8: tile_x8_pairs(T_Q8_0, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
         default: tile_x8_pairs(T_Q4_1, R, A, P0, PAIR_RW, RP, y, ldy); return;                               \
         }                                                                                                     \
     }
@@ -921,8 +950,10 @@ static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
  * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
- * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 as 4 weight rows × 3 pairs of activation rows,
- * two rows per 512-bit vector (PAIR_TILES; 4 x 2 pairs and 2 x 4 were no faster, 2 x 6 spills). */
+ * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 / Q8_0 as 4 weight rows × 3 pairs of activation rows,
+ * two rows per 512-bit vector (PAIR_TILES; 4 x 2 pairs and 2 x 4 were no faster, 2 x 6 spills; Q8_0's
+ * pairs against its old 2 x 4 tiles over rows one after another: 0.9-1.15x the time at 2-32 rows, for
+ * half the time at one token, where its slabs stream as one). */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
@@ -936,7 +967,11 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
 #ifdef PAIR_TILES /* (Q5 rows, decoded at 256 bits, then doubled, gained nothing steady from pairs: 0.86-1.25x) */
     typedef void (*pair_fn)(int, const wrows *, const acts *, long, float *, long);
     static const pair_fn by_pairs[7] = {NULL, pairs_1, pairs_2, pairs_3, pairs_4, pairs_5, pairs_6};
+#ifdef KV_Q8_PLAIN
     if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8))
+#else
+    if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8 || t == T_Q8_0 + X8))
+#endif
         for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
             for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + r, rows);

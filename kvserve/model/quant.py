@@ -15,8 +15,8 @@ VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM 
 with the same blocks.
 
 make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights into the kernels' x8 layout (8 blocks of a row
-interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 types' rows in slabs of four, interleaved
-group by group, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
+interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 types' rows, and Q8_0's on AVX-512 builds,
+in slabs of four interleaved group by group, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
 bytes, about 2x less arithmetic per block. A tied LM head and the embedding share one packed copy (a lookup
 unpacks the rows it reads).
 
