@@ -108,9 +108,10 @@ clean:
 	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache
 
 # kvserve beside llama-server on Q4_1 / Q4_0 / Q8_0 / Q4_K_M files of the default model and a
-# random-weight Llama-3.2-1B-shaped Q4_0 (made with llama.cpp's llama-quantize, cached); ~40 min.
+# random-weight Llama-3.2-1B-shaped Q4_0 (made with llama.cpp's llama-quantize, cached); three
+# alternated rounds a cell (a shared VM drifts by a fifth over minutes): ~60 min.
 bench-formats: $(BENCH_STAMP)  ## kvserve vs llama-server per weight format and model size; writes docs/benchmarks.md
-	$(PY) -m benchmarks.formats --write docs/benchmarks.md $(ARGS)
+	$(PY) -m benchmarks.formats --rounds 3 --write docs/benchmarks.md $(ARGS)
 
 bench-router: setup  ## routing policies on a shared-prefix workload + the router's own latency; writes docs/benchmarks.md
 	$(PY) -m benchmarks.router --write docs/benchmarks.md $(ARGS)

@@ -10,6 +10,10 @@ streamed closed-loop load from `kvserve bench serve`, one after the other on a q
 
 Each cell: output tok/s, ITL p50, TTFT p50, resident MiB, and the fraction of the bytes roofline
 (weights read per decode step against this machine's measured read bandwidth, times the clients).
+A shared VM's speed drifts by a fifth over minutes, so `--rounds N` measures each cell N times,
+the two servers alternated (kvserve first in even rounds, llama-server first in odd ones): the
+table gives each figure's median over the rounds, and the ratio as the median of the rounds'
+ratios with their range.
 Points are saved under ~/.cache/kvserve/peers/results/<commit>/formats/ so an interrupted run
 resumes (`--results DIR` redraws the table and the plot from a folder of saved points). The plot,
 docs/benchmarks/formats.png, draws tok/s and ITL p50 of both servers per format against clients.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -116,11 +121,16 @@ def argv_for(who: str, model: Path, slots: int):
                          "-c", str(slots * CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port)]
 
 
-def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, output_len: int) -> dict:
-    path = out / f"{who}-{model.stem}-c{concurrency}.json"
+def point_path(out: Path, who: str, model: Path, concurrency: int, round_: int) -> Path:
+    return out / f"{who}-{model.stem}-c{concurrency}{f'-r{round_}' if round_ else ''}.json"
+
+
+def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, output_len: int,
+            round_: int = 0) -> dict:
+    path = point_path(out, who, model, concurrency, round_)
     if path.exists():
         return json.loads(path.read_text())
-    print(f"== {who} on {model.name}, {concurrency} client(s)", flush=True)
+    print(f"== {who} on {model.name}, {concurrency} client(s), round {round_ + 1}", flush=True)
     server = Server(argv_for(who, model, concurrency), {"OMP_NUM_THREADS": str(THREADS)}, out / f"{path.stem}.log")
     try:
         name = server.wait_ready()
@@ -136,13 +146,26 @@ def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, 
     return point
 
 
-def _m(point: dict, key: str) -> float:
+def _m1(point: dict, key: str) -> float:
     """A metric of a saved point: "output_throughput", or "itl" / "ttft" for their medians (ms)."""
     value = point["metrics"][key]
     return float(value["median_ms"] if isinstance(value, dict) else value)
 
 
-def table(points: dict[tuple[str, str, int], dict], limits: dict, bytes_per_step: dict[str, int]) -> list[str]:
+def _m(rounds: list[dict], key: str) -> float:
+    """A metric's median over a cell's rounds."""
+    return statistics.median(_m1(p, key) for p in rounds)
+
+
+def ratio_cell(kv: list[dict], ll: list[dict]) -> str:
+    """kvserve / llama-server tok/s: the median of the rounds' ratios (round r against round r),
+    with their range when there are several."""
+    ratios = sorted(_m1(k, "output_throughput") / _m1(lp, "output_throughput") for k, lp in zip(kv, ll))
+    cell = f"**{statistics.median(ratios):.2f}x**"
+    return cell + (f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else "")
+
+
+def table(points: dict[tuple[str, str, int], list[dict]], limits: dict, bytes_per_step: dict[str, int]) -> list[str]:
     bw = limits["bandwidth_gbs"] * 1e9
     rows = ["| weights | clients | kvserve tok/s | llama-server tok/s | ratio | ITL p50 ms kvserve / llama | "
             "ITL ratio | TTFT p50 ms kvserve / llama | RSS MiB kvserve / llama | of bytes roofline kvserve / llama |",
@@ -156,13 +179,14 @@ def table(points: dict[tuple[str, str, int], dict], limits: dict, bytes_per_step
         roof = bw / bytes_per_step[fmt] * c
         tk, tl = _m(k, "output_throughput"), _m(ll, "output_throughput")
         ik, il = _m(k, "itl"), _m(ll, "itl")
-        rows.append(f"| {fmt} | {c} | {tk:.1f} | {tl:.1f} | **{tk / tl:.2f}x** | {ik:.2f} / {il:.2f} | {ik / il:.2f} | "
+        rss = [statistics.median(p.get("rss_mib", 0) for p in r) for r in (k, ll)]
+        rows.append(f"| {fmt} | {c} | {tk:.1f} | {tl:.1f} | {ratio_cell(k, ll)} | {ik:.2f} / {il:.2f} | {ik / il:.2f} | "
                     f"{_m(k, 'ttft'):.0f} / {_m(ll, 'ttft'):.0f} | "
-                    f"{k.get('rss_mib', 0):.0f} / {ll.get('rss_mib', 0):.0f} | {tk / roof:.0%} / {tl / roof:.0%} |")
+                    f"{rss[0]:.0f} / {rss[1]:.0f} | {tk / roof:.0%} / {tl / roof:.0%} |")
     return rows
 
 
-def plot(points: dict[tuple[str, str, int], dict], path: Path) -> None:
+def plot(points: dict[tuple[str, str, int], list[dict]], path: Path) -> None:
     """tok/s (higher is better) and ITL p50 (lower is better) per format against clients: kvserve
     solid, llama-server dashed, one colour per format."""
     import matplotlib
@@ -206,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=110)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each cell this many times, the servers alternated (default: 1)")
     ap.add_argument("--write", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--results", type=Path, default=None,
                     help="a folder of saved points (default: this commit's); points missing there are measured")
@@ -218,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if not lim_path.exists():
         lim_path.write_text(json.dumps(limits_mod.measure(THREADS).__dict__, indent=2) + "\n")
     lim = json.loads(lim_path.read_text())
-    points: dict[tuple[str, str, int], dict] = {}
+    points: dict[tuple[str, str, int], list[dict]] = {}
     bytes_per_step: dict[str, int] = {}
     stamps = []  # when each point was saved: a table redrawn from saved points keeps their date and span
     for fmt in args.formats.split(","):
@@ -226,15 +252,19 @@ def main(argv: list[str] | None = None) -> int:
         bytes_per_step[fmt] = limits_mod.gguf_format(model).bytes_per_step
         levels = [int(c) for c in args.concurrency.split(",")]
         for c in (levels[:2] if fmt == ONE_B else levels):  # the 1B model: 1 and 4 clients (minutes per point)
-            for who in ("kvserve", "llama"):
-                points[(who, fmt, c)] = measure(who, model, c, out, args.input_len, args.output_len)
-                stamps.append((out / f"{who}-{model.stem}-c{c}.json").stat().st_mtime)
+            for r in range(args.rounds):
+                for who in ("kvserve", "llama")[:: 1 if r % 2 == 0 else -1]:
+                    points.setdefault((who, fmt, c), []).append(
+                        measure(who, model, c, out, args.input_len, args.output_len, r))
+                    stamps.append(point_path(out, who, model, c, r).stat().st_mtime)
     flags = " ".join(sorted(f for f in cpu.cpu_flags() if f.startswith(("avx2", "avx512", "amx"))))
     section = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d', time.localtime(min(stamps)))} on {cpu.cpu_model()} "
                f"({flags}), {THREADS} threads each, "
                f"{args.input_len}-token prompts, {args.output_len} tokens out (EOS ignored), "
                f"measured read bandwidth {lim['bandwidth_gbs']:.1f} GB/s; `make bench-formats` "
-               f"({(max(stamps) - min(stamps)) / 60 + 1:.0f} min).", "", *table(points, lim, bytes_per_step), "",
+               f"({(max(stamps) - min(stamps)) / 60 + 1:.0f} min)"
+               + (f"; {args.rounds} alternated rounds a cell: medians, the ratio's range in brackets."
+                  if args.rounds > 1 else "."), "", *table(points, lim, bytes_per_step), "",
                "![formats.png](benchmarks/formats.png)", "", END]
     plot(points, args.write.parent / "benchmarks" / "formats.png")
     doc = args.write.read_text() if args.write.exists() else ""
