@@ -663,6 +663,18 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
 }
 #endif
 
+/* k_scale_min's bytes as two little-endian words (byte j: sub-block j), computed in registers:
+ * the kernel's vector loads of bytes stored one at a time would wait on failed store forwarding
+ * (the Q4_K one-token kernel ran at 11 GB/s so). */
+static inline void k_scale_min_words(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4);
+    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
+}
+
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
  * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
  * sub-block 2c in its low nibbles and 2c+1 in its high nibbles. x = d*sc*q - dmin*m. */
@@ -678,10 +690,10 @@ KV_INLINE void tile_q45_k(int t, const uint8_t *w, size_t rb, const acts *A, lon
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             const uint8_t *b = w + i * rb + sb * bs;
-            uint8_t sc[8], mn[8];
-            k_scale_min(b + 4, sc, mn);
-            const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
-            const __m256 m = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn))));
+            uint64_t sc, mn;
+            k_scale_min_words(b + 4, &sc, &mn);
+            const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+            const __m256 m = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
             KV_UNROLL
             for (int k = 0; k < RT; k++) {
                 const long o = (t0 + k) * nb + 8 * sb;
