@@ -166,14 +166,29 @@ static inline __attribute__((always_inline)) float hsum1(__m256 a) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 /* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1. */
+/* A pool row's bytes into the caches ahead of its use (the blocks of a context lie apart, so the
+ * hardware prefetcher restarts at each). */
+static inline __attribute__((always_inline)) void prefetch_row(const void *kv, size_t r, int D, int kv_fmt) {
+    const size_t es = kv_fmt == FMT_F32 ? 4 : kv_fmt == FMT_I8 ? 1 : 2;
+    const char *p = (const char *)kv + r * D * es;
+    for (size_t o = 0; o < D * es; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+#define KEYS_AHEAD 16 /* keys whose K rows are asked for ahead of the one being read */
 static inline __attribute__((always_inline)) void qk_pass(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
-                                                          size_t k_head, const int32_t *table, int t0, int L, int bs, int D,
+                                                          size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
                                                           int kv_fmt, float *restrict scores, int n) {
     int t = t0;
     key_rows it = rows_from(table, bs, t0);
+    int ta = t0 + KEYS_AHEAD < L ? t0 + KEYS_AHEAD : L; /* the next key whose K row is asked for ahead */
+    key_rows ahead = rows_from(table, bs, ta);
     for (; t + 4 <= L; t += 4) {
         size_t r[4];
-        for (int j = 0; j < 4; j++) r[j] = k_head + next_row(&it);
+        for (int j = 0; j < 4; j++) {
+            const size_t slot = next_row(&it);
+            r[j] = k_head + slot;
+            prefetch_row(kv, v_head + slot, D, kv_fmt); /* its V row, read by pv_pass after the softmax */
+            if (ta < L) prefetch_row(kv, k_head + next_row(&ahead), D, kv_fmt), ta++;
+        }
         __m256 acc[QPASS][4];
         for (int g = 0; g < NG; g++)
             for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
@@ -226,7 +241,7 @@ static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc_out[g] + c + 8 * j, acc[g][j]);
     }
 }
-#define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 #define PV_PASS(NG) pv_pass(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 static inline __attribute__((always_inline)) void attend_simd(const void *q, const void *kv, const uint16_t *kv_scale, void *out,
                                                               const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
