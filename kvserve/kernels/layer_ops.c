@@ -148,7 +148,7 @@ __attribute__((always_inline)) static inline void rope_store_row(const void *qkv
                                                                 const int64_t *slots, int t, int H, int Hkv, int D,
                                                                 long num_slots, const int bf16, const int kv_fmt) {
     const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4;
-    const size_t kv_esize = kv_fmt == FMT_I8 ? 1 : (kv_fmt ? 2 : 4);
+    const size_t kv_esize = fmt_bytes(kv_fmt);
     const size_t row = (size_t)t * width, co = (size_t)t * D;
     for (int h = 0; h < H; h++) rope_head(qkv, row + (size_t)h * D, cs, sn, co, q_out, ((size_t)t * H + h) * D, D, bf16);
     for (int h = 0; h < Hkv; h++) {

@@ -11,6 +11,7 @@
  * FMT_I8 is a KV pool format only: int8 values, one float16 scale per row of head_dim values
  * in a separate array indexed by the pool's row (kvserve/model/kv_int8.py). */
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_F16 = 2, FMT_I8 = 3 };
+static inline int fmt_bytes(int fmt) { return fmt == FMT_F32 ? 4 : fmt == FMT_I8 ? 1 : 2; } /* one element's */
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v;

@@ -165,15 +165,15 @@ static inline __attribute__((always_inline)) float hsum1(__m256 a) {
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
-/* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1. */
 /* A pool row's bytes into the caches ahead of its use (the blocks of a context lie apart, so the
  * hardware prefetcher restarts at each). */
 static inline __attribute__((always_inline)) void prefetch_row(const void *kv, size_t r, int D, int kv_fmt) {
-    const size_t es = kv_fmt == FMT_F32 ? 4 : kv_fmt == FMT_I8 ? 1 : 2;
-    const char *p = (const char *)kv + r * D * es;
-    for (size_t o = 0; o < D * es; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    const size_t bytes = (size_t)D * fmt_bytes(kv_fmt);
+    const char *p = (const char *)kv + r * bytes;
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 #define KEYS_AHEAD 16 /* keys whose K rows are asked for ahead of the one being read */
+/* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1. */
 static inline __attribute__((always_inline)) void qk_pass(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
                                                           size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
                                                           int kv_fmt, float *restrict scores, int n) {
