@@ -34,12 +34,17 @@ SHAPES = [("576→1536 Q4_1", 1536, 576, Q.Q4_1), ("1536→576 Q4_1", 576, 1536,
 
 
 def random_weight(qtype: Q, rows: int, cols: int) -> QuantizedWeight:
-    """Random blocks with f16 scales 2^-7 (random bytes there would be inf/NaN at times)."""
+    """Random blocks with f16 scales 2^-7 (random bytes there would be inf/NaN at times, and the
+    arithmetic on them other than on a real file's)."""
     per, size = GGML_QUANT_SIZES[qtype]
     b = np.random.default_rng(0).integers(0, 256, size=(rows * cols // per, size), dtype=np.uint8)
-    b[:, 0:2] = np.array([0x2000], dtype=np.uint16).view(np.uint8)  # d (and Q4_1's m below)
-    if qtype == Q.Q4_1:
-        b[:, 2:4] = b[:, 0:2]
+    f16 = np.array([0x2000], dtype=np.uint16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        b[:, 208:210] = f16  # d, after the codes and the int8 scales
+    else:
+        b[:, 0:2] = f16  # d
+        if qtype in (Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K):
+            b[:, 2:4] = f16  # m, or a K-quant's dmin
     return QuantizedWeight(torch.from_numpy(b.reshape(rows, -1)), qtype, (rows, cols))
 
 

@@ -80,12 +80,12 @@ def check_kernels() -> str:
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
             layouts = [(stored, int(qtype))]
             if int(qtype) in quant_matmul.X8_TYPES and quant_matmul.x8_available():
-                # Rows repacked 8 blocks at a time (whole groups, then the rest as stored), rows in
-                # fours interleaved group by group (the last rows % 4 not): the same checks, and the
-                # layout undoes exactly.
+                # Rows repacked 8 blocks at a time (whole groups, then the rest as stored; a K-quant a
+                # super-block at a time, its sub-blocks the 8 lanes), rows in fours interleaved group by
+                # group (the last rows % 4 not): the same checks, and the layout undoes exactly.
                 x8 = quant_matmul.pack_x8(stored, int(qtype), rows, cols)
                 assert torch.equal(quant_matmul.pack_x8(x8, quant_matmul.X8 + int(qtype), rows, cols, unpack=True), stored)
-                assert cols < 8 * per or not torch.equal(x8, stored)
+                assert (per == 32 and cols < 8 * per) or not torch.equal(x8, stored)
                 layouts.append((x8, quant_matmul.X8 + int(qtype)))
             for flat, kind in layouts:
                 name = f"{qtype.name}{' x8' if kind >= quant_matmul.X8 else ''}"

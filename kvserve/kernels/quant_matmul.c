@@ -18,7 +18,7 @@
  * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
  * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
  * convert and one FMA per block and row pair; one horizontal sum per output at the end.
- * Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows are repacked at load into the x8 layout (kvserve_pack_x8, as
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K rows are repacked at load into the x8 layout (kvserve_pack_x8, as
  * llama.cpp's and ik_llama.cpp's repacked types are, here 8 blocks of one row): one integer dot
  * instruction then advances 8 blocks at once, each block's sum in its own lane, and the float
  * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8).
@@ -74,11 +74,13 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-/* x8: Q4_0, Q4_1 and Q8_0 rows repacked 8 blocks at a time (kvserve_pack_x8, below); their type
- * id is the GGML id + X8. Same bytes per row, so block sizes are the base type's. */
+/* x8: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows repacked 8 blocks at a time, Q4_K and Q5_K rows a super-block at a
+ * time (kvserve_pack_x8, below); their type id is the GGML id + X8. Same bytes per row, so block sizes are
+ * the base type's. */
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
-static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1; }
+static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+static inline int k_type(int t) { return base_type(t) == T_Q4_K || base_type(t) == T_Q5_K || base_type(t) == T_Q6_K; }
 #if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
 #define PAIR_TILES 1 /* x8 Q4_0, Q4_1 and Q8_0 batches: 4 weight rows x pairs of activation rows (tile_x8_pairs) */
 #endif
@@ -116,7 +118,12 @@ static int block_bytes(int t) {
     }
     return 0;
 }
-static int block_values(int t) { return (t == T_Q4_K || t == T_Q5_K || t == T_Q6_K) ? 256 : 32; } /* (x8 types: 32) */
+static int block_values(int t) { return k_type(t) ? 256 : 32; }
+/* An x8 row's groups: 8 blocks each, the blocks past the last whole group stored apart (its tail);
+ * a Q4_K / Q5_K row's: one super-block each (its 8 sub-blocks the 8 lanes), no tail. nb: blocks of t a row. */
+static inline long x8_groups(int t, long nb) { return k_type(t) ? nb : nb / 8; }
+static inline size_t x8_group_bytes(int t) { return (k_type(t) ? 1 : 8) * (size_t)block_bytes(t); }
+static inline long x8_tail_blocks(int t, long nb) { return k_type(t) ? 0 : nb % 8; }
 
 /* Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes. */
 static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -342,6 +349,18 @@ KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ld
         for (int k = 0; k < RT; k++) y[k * ldy + i] = hsum(acc[i][k]);
 }
 
+/* k_scale_min's bytes as two little-endian words (byte j: sub-block j), computed in registers:
+ * the kernel's vector loads of bytes stored one at a time would wait on failed store forwarding
+ * (the Q4_K one-token kernel ran at 11 GB/s so). */
+static inline void k_scale_min_words(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4);
+    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
+}
+
 /* Q8_0 (d, 32 int8), Q4_0 (d, 16 bytes of nibbles; x = d (q - 8)), Q4_1 (d, m, nibbles; x = d q + m),
  * Q5_0 (d, 4 bytes of fifth bits, nibbles; x = d (q - 16)), Q5_1 (d, m, fifth bits, nibbles; x = d q + m).
  * Q8_0's signed codes: maddubs would overflow its int16 pairs on q + 128, so AVX2 takes |q| times
@@ -414,12 +433,13 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
     store_sums(acc, RW, RT, y, ldy);
 }
 
-/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 repacked by kvserve_pack_x8): per group of 8 blocks the integer dots
- * of all 8 blocks advance together, block j's in int32 lane j (Q4: 4 words of low nibbles, codes
- * 0-15 against activation words 0-3, and of high nibbles, codes 16-31 against words 4-7, Q5's with
- * their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8 blocks' scale products per row pair, and one FMA
- * for the offset / minimum term. The blocks past the last whole group are stored as GGML's, and
- * summed as tile32 sums them. Every (i, k) sum runs the same operations whatever the tile. */
+/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K repacked by kvserve_pack_x8): per group of 8 blocks (a
+ * K-quant's super-block: 8 sub-blocks) the integer dots of all 8 blocks advance together, block j's in int32
+ * lane j (Q4: 4 words of low nibbles, codes 0-15 against activation words 0-3, and of high nibbles, codes
+ * 16-31 against words 4-7, Q5's with their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8
+ * blocks' scale products per row pair, and one FMA for the offset / minimum term (x8_scales; a K-quant's
+ * sub-block scales and minimums unpacked once per super-block). The blocks past the last whole group are
+ * stored as GGML's, and summed as tile32 sums them. Every (i, k) sum runs the same operations whatever the tile. */
 #ifdef KV_VNNI
 #define DP(acc, u, a) _mm256_dpbusd_epi32(acc, u, a)
 #else
@@ -436,9 +456,26 @@ static inline __m256i x8_fifth_bits(__m256i qh, int byte, int s) {
     const __m256i bit = _mm256_set1_epi32((int)bits); /* byte b of a lane: bit o + b */
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, idx), bit), bit), _mm256_set1_epi8(0x10));
 }
+/* A group's 8 scales d and offset / minimum terms m (x = d q + m per lane, m applied through the
+ * activation sums s) from the group's header at o, for tile_x8 and tile_x8_pairs alike. */
+KV_INLINE void x8_scales(int t, const uint8_t *o, __m256 *d, __m256 *m) {
+    if (t == T_Q4_K || t == T_Q5_K) { /* sub-block j: x = d sc_j q - dmin mn_j, as tile_q45_k makes them */
+        uint64_t sc, mn;
+        k_scale_min_words(o + 4, &sc, &mn);
+        *d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(o)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+        *m = _mm256_mul_ps(_mm256_set1_ps(-f16_to_f32(o + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+        return;
+    }
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+    *m = _mm256_setzero_ps();
+    if (t == T_Q4_1 || t == T_Q5_1) *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
+    if (t == T_Q4_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.f));
+    if (t == T_Q5_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-16.f));
+    if (t == T_Q8_0 && Q8_OFFSET) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-128.f));
+}
 KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
-    const int five = t == T_Q5_0 || t == T_Q5_1, mins = t == T_Q4_1 || t == T_Q5_1;
-    const int codes = (mins ? 32 : 16) + (five ? 32 : 0);
+    const int five = t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K, mins = t == T_Q4_1 || t == T_Q5_1, kq = t == T_Q4_K || t == T_Q5_K;
+    const int codes = (kq ? 16 : mins ? 32 : 16) + (five ? 32 : 0); /* (Q4_K / Q5_K: d, dmin, 12 bytes of scales) */
     const long nb = A->nb, groups = nb / 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[RWMAX][RTMAX];
@@ -451,7 +488,7 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
             for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
-        prefetch_group(R, g, RW, RT, 8 * block_bytes(t));
+        prefetch_group(R, g, RW, RT, (int)x8_group_bytes(t));
         if (t != T_Q8_0) {
             __m256i qh[RWMAX];
             KV_UNROLL
@@ -504,13 +541,8 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
         }
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
-            const uint8_t *o = w + i * rs;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-            __m256 m = _mm256_setzero_ps();
-            if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
-            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-            if (t == T_Q5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
-            if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            __m256 d, m;
+            x8_scales(t, w + i * rs, &d, &m);
             KV_UNROLL
             for (int k = 0; k < RT; k++) {
                 const long off = (t0 + k) * nb + 8 * g;
@@ -590,12 +622,8 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
         }
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
-            const uint8_t *o = w + i * rs;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-            __m256 m = _mm256_setzero_ps();
-            if (mins) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)));
-            if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-            if (t == T_Q8_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            __m256 d, m;
+            x8_scales(t, w + i * rs, &d, &m); /* (Q8_0: Q8_OFFSET is set wherever pairs are) */
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
@@ -663,17 +691,6 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
 }
 #endif
 
-/* k_scale_min's bytes as two little-endian words (byte j: sub-block j), computed in registers:
- * the kernel's vector loads of bytes stored one at a time would wait on failed store forwarding
- * (the Q4_K one-token kernel ran at 11 GB/s so). */
-static inline void k_scale_min_words(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
-    uint32_t a, b, c;
-    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
-    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
-    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4);
-    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)sc_hi << 32;
-    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
-}
 
 /* Q4_K (144 bytes) and Q5_K (176 bytes, with qh: bit j of qh[l] is bit 4 of sub-block j's l-th code):
  * d, dmin (f16), 12 bytes of scales/mins, [qh,] qs: 4 chunks of 32 bytes, chunk c holding
@@ -788,6 +805,8 @@ KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int R
     case T_Q4_1 + X8: tile_x8(T_Q4_1, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_0 + X8: tile_x8(T_Q5_0, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_1 + X8: tile_x8(T_Q5_1, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q4_K + X8: tile_x8(T_Q4_K, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q5_K + X8: tile_x8(T_Q5_K, R, A, t0, RW, RT, y, ldy); return;
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
@@ -950,13 +969,13 @@ typedef void (*tile_fn)(int, const wrows *, const acts *, long, float *, long);
 static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r1) {
     if (t >= X8 && x8_slab(base_type(t), r, r1)) {
         const long SLAB = slab_rows(base_type(t));
-        const size_t gb = 8 * (size_t)block_bytes(t), tb = (size_t)(nb % 8) * block_bytes(t);
+        const size_t gb = x8_group_bytes(t), tb = (size_t)x8_tail_blocks(t, nb) * block_bytes(t);
         const uint8_t *S = w + (r & ~(long)(SLAB - 1)) * rb;
-        const long i0 = r & (SLAB - 1), groups = nb / 8;
+        const long i0 = r & (SLAB - 1), groups = x8_groups(t, nb);
         const wrows R = {S + i0 * gb, gb, SLAB * gb, S + SLAB * groups * gb + i0 * tb, tb, 2 * SLAB * rb};
         return R;
     }
-    const wrows R = {w + r * rb, rb, 8 * (size_t)block_bytes(t), w + r * rb + nb / 8 * 8 * block_bytes(t), rb, 0};
+    const wrows R = {w + r * rb, rb, x8_group_bytes(t), w + r * rb + x8_groups(t, nb) * x8_group_bytes(t), rb, 0};
     return R;
 }
 
@@ -989,7 +1008,7 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
             for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + r, rows);
         }
 #endif
-#ifdef WIDE_TILES /* x8 Q4 / Q5 rows (measured; Q8_0 gained nothing, K-quants were not tried) */
+#ifdef WIDE_TILES /* x8 Q4 / Q5 / K rows (measured; Q8_0 gained nothing; x8 Q4_K in pairs took 1.09-1.39x the time at 3-4 rows) */
     static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
     if (t >= X8 && base_type(t) != T_Q8_0)
         for (; r + 4 <= r1; r += 4) {
@@ -1117,6 +1136,33 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
  * fifth bits and codes 5). Blocks past the last whole
  * group are copied as they are. A row keeps its size, so rows can still be sliced and fused. */
 static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) {
+    if (t == T_Q4_K || t == T_Q5_K) { /* per super-block: its 16 bytes of scales as stored; [Q5_K: sub-block
+        * j's fifth bits, bit v of lane j as Q5_0's qh (stored: bit j of qh[v]);] sub-block j's 32 codes as a
+        * Q4_0 block's (byte b: value b low, 16 + b high), its 4 words in lane j */
+        const int five = t == T_Q5_K, bs = five ? 176 : 144, qs = five ? 48 : 16;
+        for (long sb = 0; sb < nb; sb++) {
+            const uint8_t *in = src + sb * bs;
+            uint8_t *out = dst + sb * bs;
+            memcpy(out, in, 16);
+            memset(out + 16, 0, (size_t)bs - 16); /* (bits and nibbles are ORed in) */
+            for (int j = 0; j < 8; j++) {
+                for (int v = 0; five && v < 32; v++) { /* x8 bit: byte 16 + 4 j + v / 8, bit v % 8 */
+                    uint8_t *x = (pack ? out : (uint8_t *)in) + 16 + 4 * j + v / 8;
+                    if (pack) *x |= (uint8_t)(((in[16 + v] >> j) & 1) << (v % 8));
+                    else out[16 + v] |= (uint8_t)(((*x >> (v % 8)) & 1) << j);
+                }
+                for (int b = 0; b < 16; b++) { /* x8 byte x; stored: nibble j & 1 of qs[32 (j / 2) + v] */
+                    const int x = qs + 32 * (b / 4) + 4 * j + b % 4, sh = 4 * (j & 1), q = qs + 32 * (j / 2) + b;
+                    if (pack) out[x] = (uint8_t)(((in[q] >> sh) & 15) | ((in[q + 16] >> sh) & 15) << 4);
+                    else {
+                        out[q] |= (uint8_t)((in[x] & 15) << sh);
+                        out[q + 16] |= (uint8_t)((in[x] >> 4) << sh);
+                    }
+                }
+            }
+        }
+        return;
+    }
     const int bs = block_bytes(t), head = t == T_Q4_1 || t == T_Q5_1 ? 4 : 2;
     const int words = t == T_Q8_0 ? 8 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 4; /* a Q5 block's first word: its fifth bits */
     for (long g = 0; g + 8 <= nb; g += 8) {
@@ -1154,14 +1200,14 @@ int kvserve_x8(void) {
  * Copies row r of an x8 matrix m (nb blocks of t a row) into a one-row buffer in the x8 layout, or
  * from it (put != 0). */
 static void slab_row(int t, uint8_t *m, long rows, long nb, long r, uint8_t *row, int put) {
-    const size_t bs = block_bytes(t), rb = nb * bs, gb = 8 * bs, tb = (size_t)(nb % 8) * bs;
+    const size_t bs = block_bytes(t), rb = nb * bs, gb = x8_group_bytes(t), tb = (size_t)x8_tail_blocks(t, nb) * bs;
     const long SLAB = slab_rows(t);
     if (!x8_slab(t, r, rows)) {
         memcpy(put ? m + r * rb : row, put ? row : m + r * rb, rb);
         return;
     }
     uint8_t *S = m + (r & ~(long)(SLAB - 1)) * rb;
-    const long i = r & (SLAB - 1), groups = nb / 8;
+    const long i = r & (SLAB - 1), groups = x8_groups(t, nb);
     for (long g = 0; g <= groups; g++) { /* (g == groups: the tail) */
         uint8_t *at = g < groups ? S + (SLAB * g + i) * gb : S + SLAB * groups * gb + i * tb;
         const size_t n = g < groups ? gb : tb;
@@ -1173,8 +1219,8 @@ static void slab_row(int t, uint8_t *m, long rows, long nb, long r, uint8_t *row
  * qtype the x8 id). Returns 0, -1 for another type or a cols that is not whole blocks, -2 out of memory. */
 int kvserve_pack_x8(int qtype, const uint8_t *src, uint8_t *dst, long rows, long cols, int unpack) {
     const int t = unpack ? qtype - X8 : qtype;
-    if ((unpack && qtype < X8) || !x8_packs(t) || cols % 32) return -1;
-    const long nb = cols / 32;
+    if ((unpack && qtype < X8) || !x8_packs(t) || cols % block_values(t)) return -1;
+    const long nb = cols / block_values(t);
     const size_t rb = (size_t)nb * block_bytes(t);
     uint8_t *row = malloc(rb);
     if (row == NULL) return -2;
