@@ -18,7 +18,7 @@
  * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
  * scales are made 8 blocks at a time as vectors, so the inner loop is the integer dot, one
  * convert and one FMA per block and row pair; one horizontal sum per output at the end.
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K rows are repacked at load into the x8 layout (kvserve_pack_x8, as
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows are repacked at load into the x8 layout (kvserve_pack_x8, as
  * llama.cpp's and ik_llama.cpp's repacked types are, here 8 blocks of one row): one integer dot
  * instruction then advances 8 blocks at once, each block's sum in its own lane, and the float
  * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8).
@@ -74,12 +74,12 @@ static inline float f16_to_f32(const uint8_t *p) {
 #endif
 }
 
-/* x8: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows repacked 8 blocks at a time, Q4_K and Q5_K rows a super-block at a
+/* x8: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows repacked 8 blocks at a time, K-quant rows a super-block at a
  * time (kvserve_pack_x8, below); their type id is the GGML id + X8. Same bytes per row, so block sizes are
  * the base type's. */
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
-static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K; }
+static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 static inline int k_type(int t) { return base_type(t) == T_Q4_K || base_type(t) == T_Q5_K || base_type(t) == T_Q6_K; }
 #if defined(WIDE_TILES) && defined(__AVX512BW__) && !defined(KV_NO_PAIRS)
 #define PAIR_TILES 1 /* x8 Q4_0, Q4_1 and Q8_0 batches: 4 weight rows x pairs of activation rows (tile_x8_pairs) */
@@ -120,7 +120,7 @@ static int block_bytes(int t) {
 }
 static int block_values(int t) { return k_type(t) ? 256 : 32; }
 /* An x8 row's groups: 8 blocks each, the blocks past the last whole group stored apart (its tail);
- * a Q4_K / Q5_K row's: one super-block each (its 8 sub-blocks the 8 lanes), no tail. nb: blocks of t a row. */
+ * a K-quant row's: one super-block each (its 8 sub-blocks the 8 lanes), no tail. nb: blocks of t a row. */
 static inline long x8_groups(int t, long nb) { return k_type(t) ? nb : nb / 8; }
 static inline size_t x8_group_bytes(int t) { return (k_type(t) ? 1 : 8) * (size_t)block_bytes(t); }
 static inline long x8_tail_blocks(int t, long nb) { return k_type(t) ? 0 : nb % 8; }
@@ -433,7 +433,7 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
     store_sums(acc, RW, RT, y, ldy);
 }
 
-/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K repacked by kvserve_pack_x8): per group of 8 blocks (a
+/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K repacked by kvserve_pack_x8; Q6_K: tile_x8_q6k): per group of 8 blocks (a
  * K-quant's super-block: 8 sub-blocks) the integer dots of all 8 blocks advance together, block j's in int32
  * lane j (Q4: 4 words of low nibbles, codes 0-15 against activation words 0-3, and of high nibbles, codes
  * 16-31 against words 4-7, Q5's with their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8
@@ -553,6 +553,69 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
         }
     }
     if (8 * groups < nb) acc32(t, R->tail, R->trs, A, t0, RW, RT, acc, 8 * groups);
+    store_sums(acc, RW, RT, y, ldy);
+}
+/* x8 Q6_K super-blocks (x8_move): d (f16), the 16 int8 scales, 2 words of high bits, 4 words of low
+ * nibbles; sub-block j in lane j. Word s of the nibbles holds, as Q4_0's, values 4s..4s+3 (low) and
+ * 16+4s.. (high) of each sub-block; byte b of high-bit word k holds the 2 high bits of values 8k+b,
+ * 16+8k+b, 8k+4+b and 16+8k+4+b. The two halves of a sub-block have their own scales, so their
+ * integer dots are kept apart (one pass each) and scaled by d·sc_2j·d_a and d·sc_2j+1·d_a; the -32
+ * comes off through the activations' half sums, as tile_q6_k takes it. */
+KV_INLINE void tile_x8_q6k(const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const long nb = A->nb, groups = nb / 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc[RWMAX][RTMAX];
+    zero_sums(acc, RW, RT);
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = R->w + g * R->gs;
+        const size_t rs = R->rs;
+        prefetch_group(R, g, RW, RT, 210);
+        KV_UNROLL
+        for (int half = 0; half < 2; half++) { /* values 0-15 of each sub-block, then 16-31 */
+            __m256i dot[RWMAX][RTMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++)
+                KV_UNROLL
+                for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
+            KV_UNROLL
+            for (int s = 0; s < 4; s++) {
+                __m256i u[RWMAX];
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const uint8_t *o = w + i * rs;
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(o + 82 + 32 * s));
+                    const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(o + 18 + 32 * (s / 2))), 4 * (s & 1));
+                    u[i] = half ? _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30))
+                                : _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+                }
+                KV_UNROLL
+                for (int k = 0; k < RT; k++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s + 4 * half));
+                    KV_UNROLL
+                    for (int i = 0; i < RW; i++) dot[i][k] = DP(dot[i][k], u[i], a);
+                }
+            }
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const uint8_t *o = w + i * rs;
+                const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(o + 2)), evens_odds);
+                const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(o)),
+                                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc)));
+                KV_UNROLL
+                for (int k = 0; k < RT; k++) {
+                    const long off = (t0 + k) * nb + 8 * g;
+                    acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][k]), _mm256_mul_ps(d, _mm256_loadu_ps(A->d + off)), acc[i][k]);
+                    if (half) { /* -32 d d_a (sc_2j h0_j + sc_2j+1 h1_j), once per sub-block */
+                        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(o + 2)));
+                        const __m256 hs = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * off)), sc16));
+                        const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(o)), _mm256_loadu_ps(A->d + off));
+                        acc[i][k] = _mm256_fnmadd_ps(_mm256_mul_ps(dd, _mm256_set1_ps(32.f)), hs, acc[i][k]);
+                    }
+                }
+            }
+        }
+    }
     store_sums(acc, RW, RT, y, ldy);
 }
 #undef DP
@@ -807,6 +870,7 @@ KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int R
     case T_Q5_1 + X8: tile_x8(T_Q5_1, R, A, t0, RW, RT, y, ldy); return;
     case T_Q4_K + X8: tile_x8(T_Q4_K, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_K + X8: tile_x8(T_Q5_K, R, A, t0, RW, RT, y, ldy); return;
+    case T_Q6_K + X8: tile_x8_q6k(R, A, t0, RW, RT, y, ldy); return;
     case T_Q8_0: tile32(T_Q8_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_0: tile32(T_Q4_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
@@ -1010,7 +1074,7 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
 #endif
 #ifdef WIDE_TILES /* x8 Q4 / Q5 / K rows (measured; Q8_0 gained nothing; x8 Q4_K in pairs took 1.09-1.39x the time at 3-4 rows) */
     static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
-    if (t >= X8 && base_type(t) != T_Q8_0)
+    if (t >= X8 && base_type(t) != T_Q8_0 && base_type(t) != T_Q6_K) /* (x8 Q6_K: its two dots per sum spill at 4 x 4) */
         for (; r + 4 <= r1; r += 4) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
             for (long t0 = 0; t0 < T; t0 += 4) by4[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + r, rows);
@@ -1136,6 +1200,41 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
  * fifth bits and codes 5). Blocks past the last whole
  * group are copied as they are. A row keeps its size, so rows can still be sliced and fused. */
 static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) {
+    if (t == T_Q6_K) { /* stored: ql[128], qh[64], scales[16], d; x8 (tile_x8_q6k): d, scales, 64 bytes of
+                        * high bits, 128 of low nibbles. Value v of sub-block j (h = j / 4, g = j % 4): low
+                        * bits nibble g / 2 of ql[64 h + 32 (g % 2) + v], high bits 2g.. of qh[32 h + v]. */
+        for (long sb = 0; sb < nb; sb++) {
+            const uint8_t *in = src + sb * 210;
+            uint8_t *out = dst + sb * 210;
+            const uint8_t *X = pack ? out : in; /* the x8 side */
+            uint8_t *S = pack ? NULL : out;     /* the stored side, written when unpacking */
+            if (pack) {
+                memcpy(out, in + 208, 2), memcpy(out + 2, in + 192, 16);
+                memset(out + 18, 0, 192);
+            } else {
+                memcpy(out + 208, in, 2), memcpy(out + 192, in + 2, 16);
+                memset(out, 0, 192);
+            }
+            for (int j = 0; j < 8; j++) {
+                const int h = j / 4, g = j % 4;
+                for (int v = 0; v < 32; v++) {
+                    const int ql = 64 * h + 32 * (g % 2) + v, qh = 128 + 32 * h + v, lsh = 4 * (g / 2), hsh = 2 * g;
+                    const int b = v % 4, s = (v % 16) / 4, upper = v >= 16; /* nibble word s, byte b, high nibble if upper */
+                    const int xl = 82 + 32 * s + 4 * j + b, xsh = 4 * upper;
+                    const int xh = 18 + 32 * (s / 2) + 4 * j + b, xhsh = 4 * (s % 2) + 2 * upper;
+                    if (pack) {
+                        uint8_t *o = (uint8_t *)X;
+                        o[xl] |= (uint8_t)(((in[ql] >> lsh) & 15) << xsh);
+                        o[xh] |= (uint8_t)(((in[qh] >> hsh) & 3) << xhsh);
+                    } else {
+                        S[ql] |= (uint8_t)(((X[xl] >> xsh) & 15) << lsh);
+                        S[qh] |= (uint8_t)(((X[xh] >> xhsh) & 3) << hsh);
+                    }
+                }
+            }
+        }
+        return;
+    }
     if (t == T_Q4_K || t == T_Q5_K) { /* per super-block: its 16 bytes of scales as stored; [Q5_K: sub-block
         * j's fifth bits, bit v of lane j as Q5_0's qh (stored: bit j of qh[v]);] sub-block j's 32 codes as a
         * Q4_0 block's (byte b: value b low, 16 + b high), its 4 words in lane j */

@@ -14,7 +14,7 @@ early for the Q8_0 LM head (cheap to expand, a dearer integer dot: ~40 rows on A
 VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM head multiplies
 with the same blocks.
 
-make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K weights into the kernels' x8 layout (8 blocks of
+make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights into the kernels' x8 layout (8 blocks of
 a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 / K types'
 rows, and Q8_0's on AVX-512 builds,
 in slabs of four interleaved group by group, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
@@ -136,7 +136,7 @@ class QuantizedWeight:
         return self.unpacked().rows(start, stop).packed()
 
     def packed(self) -> QuantizedWeight:
-        """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K on the
+        """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants on the
         SIMD builds; KVSERVE_X8=0 keeps the stored layout), else itself."""
         if self.x8 or int(self.qtype) not in quant_matmul.X8_TYPES or not quant_matmul.x8_available() or not x8_enabled():
             return self
