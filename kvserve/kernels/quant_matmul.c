@@ -599,17 +599,17 @@ KV_INLINE void tile_x8_q6k(const wrows *R, const acts *A, long t0, int RW, int R
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
                 const uint8_t *o = w + i * rs;
-                const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(o + 2)), evens_odds);
-                const __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(o)),
-                                               _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(sc, 8) : sc)));
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(o + 2)), halves = _mm_shuffle_epi8(sc, evens_odds);
+                const __m256 d0 = _mm256_set1_ps(f16_to_f32(o));
+                const __m256 d = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(halves, 8) : halves)));
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
                     const long off = (t0 + k) * nb + 8 * g;
                     acc[i][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][k]), _mm256_mul_ps(d, _mm256_loadu_ps(A->d + off)), acc[i][k]);
                     if (half) { /* -32 d d_a (sc_2j h0_j + sc_2j+1 h1_j), once per sub-block */
-                        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(o + 2)));
-                        const __m256 hs = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * off)), sc16));
-                        const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(o)), _mm256_loadu_ps(A->d + off));
+                        const __m256 hs = _mm256_cvtepi32_ps(
+                            _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * off)), _mm256_cvtepi8_epi16(sc)));
+                        const __m256 dd = _mm256_mul_ps(d0, _mm256_loadu_ps(A->d + off));
                         acc[i][k] = _mm256_fnmadd_ps(_mm256_mul_ps(dd, _mm256_set1_ps(32.f)), hs, acc[i][k]);
                     }
                 }
@@ -1206,8 +1206,6 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
         for (long sb = 0; sb < nb; sb++) {
             const uint8_t *in = src + sb * 210;
             uint8_t *out = dst + sb * 210;
-            const uint8_t *X = pack ? out : in; /* the x8 side */
-            uint8_t *S = pack ? NULL : out;     /* the stored side, written when unpacking */
             if (pack) {
                 memcpy(out, in + 208, 2), memcpy(out + 2, in + 192, 16);
                 memset(out + 18, 0, 192);
@@ -1223,12 +1221,11 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
                     const int xl = 82 + 32 * s + 4 * j + b, xsh = 4 * upper;
                     const int xh = 18 + 32 * (s / 2) + 4 * j + b, xhsh = 4 * (s % 2) + 2 * upper;
                     if (pack) {
-                        uint8_t *o = (uint8_t *)X;
-                        o[xl] |= (uint8_t)(((in[ql] >> lsh) & 15) << xsh);
-                        o[xh] |= (uint8_t)(((in[qh] >> hsh) & 3) << xhsh);
+                        out[xl] |= (uint8_t)(((in[ql] >> lsh) & 15) << xsh);
+                        out[xh] |= (uint8_t)(((in[qh] >> hsh) & 3) << xhsh);
                     } else {
-                        S[ql] |= (uint8_t)(((X[xl] >> xsh) & 15) << lsh);
-                        S[qh] |= (uint8_t)(((X[xh] >> xhsh) & 3) << hsh);
+                        out[ql] |= (uint8_t)(((in[xl] >> xsh) & 15) << lsh);
+                        out[qh] |= (uint8_t)(((in[xh] >> xhsh) & 3) << hsh);
                     }
                 }
             }
@@ -1238,7 +1235,7 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
     if (t == T_Q4_K || t == T_Q5_K) { /* per super-block: its 16 bytes of scales as stored; [Q5_K: sub-block
         * j's fifth bits, bit v of lane j as Q5_0's qh (stored: bit j of qh[v]);] sub-block j's 32 codes as a
         * Q4_0 block's (byte b: value b low, 16 + b high), its 4 words in lane j */
-        const int five = t == T_Q5_K, bs = five ? 176 : 144, qs = five ? 48 : 16;
+        const int five = t == T_Q5_K, bs = block_bytes(t), qs = five ? 48 : 16;
         for (long sb = 0; sb < nb; sb++) {
             const uint8_t *in = src + sb * bs;
             uint8_t *out = dst + sb * bs;
@@ -1246,9 +1243,9 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
             memset(out + 16, 0, (size_t)bs - 16); /* (bits and nibbles are ORed in) */
             for (int j = 0; j < 8; j++) {
                 for (int v = 0; five && v < 32; v++) { /* x8 bit: byte 16 + 4 j + v / 8, bit v % 8 */
-                    uint8_t *x = (pack ? out : (uint8_t *)in) + 16 + 4 * j + v / 8;
-                    if (pack) *x |= (uint8_t)(((in[16 + v] >> j) & 1) << (v % 8));
-                    else out[16 + v] |= (uint8_t)(((*x >> (v % 8)) & 1) << j);
+                    const int x = 16 + 4 * j + v / 8;
+                    if (pack) out[x] |= (uint8_t)(((in[16 + v] >> j) & 1) << (v % 8));
+                    else out[16 + v] |= (uint8_t)(((in[x] >> (v % 8)) & 1) << j);
                 }
                 for (int b = 0; b < 16; b++) { /* x8 byte x; stored: nibble j & 1 of qs[32 (j / 2) + v] */
                     const int x = qs + 32 * (b / 4) + 4 * j + b % 4, sh = 4 * (j & 1), q = qs + 32 * (j / 2) + b;
