@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvserve"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # What everything shares: the package's version and lazy exports, exceptions, frozen configs,
     # the CPU's features, the engine's output types.
-    ("base", ("kvserve", "kvserve.errors", "kvserve.config", "kvserve.cpu", "kvserve.outputs")),
+    ("base", ("kvserve", "kvserve.errors", "kvserve.config", "kvserve.cpu", "kvserve.hugepages", "kvserve.outputs")),
     # Libraries that know no model and no engine: the HTTP front (web/), tokenizer and chat
     # template, output constraints, sampling parameters and their defaults, fill-in-the-middle,
     # the GGUF reader the tokenizer and the model's load share.

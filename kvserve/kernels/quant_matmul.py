@@ -93,10 +93,15 @@ def x8_available() -> bool:
     return lib is not None and lib.kvserve_x8() == 1
 
 
-def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool = False) -> torch.Tensor:
-    """W's rows in the x8 layout (qtype a GGML id of X8_TYPES), or back (unpack: qtype an x8 id): a new tensor."""
+def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """W's rows in the x8 layout (qtype a GGML id of X8_TYPES), or back (unpack: qtype an x8 id): a new
+    tensor, or written into `out` (uint8, as many bytes as blocks, contiguous)."""
     _check(blocks, qtype, rows, cols)
-    out = torch.empty_like(blocks)
+    if out is None:
+        out = torch.empty_like(blocks)
+    elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != blocks.numel():
+        raise ValueError(f"out must be {blocks.numel()} contiguous uint8 bytes, got {out.dtype} {tuple(out.shape)}")
     rc = _lib().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack))
     if rc == -2:
         raise MemoryError(f"no memory for one {cols}-column row while repacking a weight: free memory and load again")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve import hugepages
 from kvserve.config import ModelConfig, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
@@ -88,8 +89,12 @@ class LlamaModel:
         def take_opt(name: str) -> Weight | None:
             return take(name) if name in tensors else None
 
+        # The repacked weights, one after another on huge pages where the OS gives them (hugepages.py):
+        # a decode step streams through them all.
+        arena = hugepages.Arena()
+
         def linear(names: list[str], bias: torch.Tensor | None = None):
-            return make_linear([take(n) for n in names], bias, dtype)
+            return make_linear([take(n) for n in names], bias, dtype, arena)
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden] (or its blocks)
         self.layers: list[LayerWeights] = []
@@ -116,8 +121,8 @@ class LlamaModel:
         if self.tied and isinstance(self.embed, QuantizedWeight):
             # One table for the lookup and the LM head: the kernels' layout serves both (a lookup
             # unpacks its few rows; the head is the step's largest matmul).
-            self.embed = self.embed.packed()
-        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype)
+            self.embed = self.embed.packed(arena)
+        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype, arena)
         # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].down))

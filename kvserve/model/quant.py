@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from kvserve import hugepages
 from kvserve.kernels import quant_matmul
 from kvserve.model.dequant import dequantize
 from kvserve.model.linear import Linear, bf16_packing_available
@@ -135,13 +136,15 @@ class QuantizedWeight:
             return QuantizedWeight(self.blocks[start:stop].contiguous(), self.qtype, (stop - start, self.shape[1]))
         return self.unpacked().rows(start, stop).packed()
 
-    def packed(self) -> QuantizedWeight:
+    def packed(self, arena: hugepages.Arena | None = None) -> QuantizedWeight:
         """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants on the
-        SIMD builds; KVSERVE_X8=0 keeps the stored layout), else itself."""
+        SIMD builds; KVSERVE_X8=0 keeps the stored layout), else itself. The new blocks are cut from
+        `arena` where one is given (a model's weights on huge pages)."""
         if self.x8 or int(self.qtype) not in quant_matmul.X8_TYPES or not quant_matmul.x8_available() or not x8_enabled():
             return self
         out, cols = self.shape
-        flat = quant_matmul.pack_x8(self.blocks.contiguous().reshape(-1), int(self.qtype), out, cols)
+        into = None if arena is None else arena.empty((self.blocks.numel(),))
+        flat = quant_matmul.pack_x8(self.blocks.contiguous().reshape(-1), int(self.qtype), out, cols, out=into)
         return QuantizedWeight(flat.reshape(self.blocks.shape), self.qtype, self.shape, x8=True)
 
 
@@ -271,10 +274,11 @@ class ConcatLinear:
 Weight = torch.Tensor | QuantizedWeight
 
 
-def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype) -> Linear | QuantizedLinear | ConcatLinear:
+def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype,
+                arena: hugepages.Arena | None = None) -> Linear | QuantizedLinear | ConcatLinear:
     """One linear layer from the row-wise concatenation of `weights` (float tensors in the model
     dtype, or GGML blocks), keeping blocks quantized where the kernels can multiply them, in the
-    kernels' x8 layout where they have one."""
+    kernels' x8 layout where they have one (its blocks cut from `arena` where one is given)."""
     kernels = quant_matmul.available()
     if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
         log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
@@ -284,14 +288,14 @@ def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.d
     qtypes = {w.qtype if isinstance(w, QuantizedWeight) else None for w in weights}
     if len(qtypes) == 1:
         if len(weights) == 1:
-            return QuantizedLinear(weights[0].packed(), bias)
+            return QuantizedLinear(weights[0].packed(arena), bias)
         shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
         fused = QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape)
-        return QuantizedLinear(fused.packed(), bias)
+        return QuantizedLinear(fused.packed(arena), bias)
     parts, start = [], 0
     for w in weights:
         b = None if bias is None else bias[start : start + w.shape[0]]
-        parts.append(make_linear([w], b, dtype))
+        parts.append(make_linear([w], b, dtype, arena))
         start += w.shape[0]
     return ConcatLinear(parts)
 

@@ -1,0 +1,92 @@
+"""Memory on transparent huge pages for what a decode step streams through: the weights.
+
+A decode step reads every weight once, front to back, from memory. On 4 KiB pages every page is
+a TLB miss and the CPU's stream prefetcher stops at each page's edge; on 2 MiB pages neither
+happens, and the same kernels read a model's layers 5-15% faster (AMD Zen 4, 2 threads:
+docs/benchmarks.md, "Weights on huge pages"). Linux backs anonymous memory with huge pages
+where madvise(MADV_HUGEPAGE) asks for them when /sys/kernel/mm/transparent_hugepage/enabled is
+`always` or `madvise` (the default of most distributions). Elsewhere, or with
+KVSERVE_HUGEPAGES=0, an `Arena` hands out plain torch tensors.
+
+Weights are cut from an `Arena`'s chunks one after another, so a small model's many small
+matrices share huge pages instead of each rounding up to one of its own (a huge page is
+resident as a whole once touched).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from functools import lru_cache
+
+import torch
+
+HUGE_PAGE = 2 << 20
+CHUNK = 64 << 20  # an arena's chunk; a larger tensor gets a chunk of its own size
+ALIGN = 64  # tensors start on cache lines
+_MADV_HUGEPAGE = 14
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str:
+    """The kernel's THP setting: `always`, `madvise`, `never`, or `unavailable` (not Linux, no THP)."""
+    try:
+        with open(_THP_MODE) as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unavailable"
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    if platform.system() != "Linux":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def enabled() -> bool:
+    """Whether arenas ask for huge pages: Linux with THP on `always` or `madvise`, and
+    KVSERVE_HUGEPAGES not 0."""
+    if os.environ.get("KVSERVE_HUGEPAGES", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return thp_mode() in ("always", "madvise") and _madvise() is not None
+
+
+def _advised_bytes(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] starting on a huge page's boundary, its pages advised MADV_HUGEPAGE before
+    anything touches them (the view keeps the whole allocation alive)."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    view = raw[offset : offset + nbytes]
+    span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages, inside raw
+    _madvise()(view.data_ptr(), span, _MADV_HUGEPAGE)  # (refused, by an old kernel: plain pages, same bytes)
+    return view
+
+
+class Arena:
+    """Hands out tensors cut one after another from chunks of huge-page memory (`enabled()`), or
+    plain `torch.empty` tensors. A chunk lives while any tensor cut from it does."""
+
+    def __init__(self, huge: bool | None = None, chunk: int = CHUNK) -> None:
+        self.huge = enabled() if huge is None else huge
+        self.chunk = chunk
+        self._free: torch.Tensor | None = None  # the current chunk's unused bytes
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` and `dtype`."""
+        if not self.huge:
+            return torch.empty(shape, dtype=dtype)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        need = (n + ALIGN - 1) // ALIGN * ALIGN
+        if self._free is None or self._free.numel() < need:
+            self._free = _advised_bytes(max(self.chunk, need))
+        out, self._free = self._free[:n], self._free[need:]
+        return out.view(dtype).view(shape)
