@@ -2,8 +2,8 @@
 
 A decode step reads every weight once, front to back, from memory. On 4 KiB pages every page is
 a TLB miss and the CPU's stream prefetcher stops at each page's edge; on 2 MiB pages neither
-happens, and the same kernels read a model's layers 5-15% faster (AMD Zen 4, 2 threads:
-docs/benchmarks.md, "Weights on huge pages"). Linux backs anonymous memory with huge pages
+happens: on a Zen 4 at 2 threads the same kernels read a model's layers in 0.86-0.95 of the time,
+and a token takes 0.89-0.97 of it (docs/benchmarks.md, "Weights on huge pages"). Linux backs anonymous memory with huge pages
 where madvise(MADV_HUGEPAGE) asks for them when /sys/kernel/mm/transparent_hugepage/enabled is
 `always` or `madvise` (the default of most distributions). Elsewhere, or with
 KVSERVE_HUGEPAGES=0, an `Arena` hands out plain torch tensors.
