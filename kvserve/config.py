@@ -5,8 +5,14 @@ CacheConfig sizes the paged KV pool; SchedulerConfig bounds each engine step.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def env_switch(name: str) -> bool:
+    """An on/off switch of the environment (KVSERVE_NATIVE, KVSERVE_X8, ...): on unless set to 0, false, no or off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 # The RoPE scaling kinds kvserve computes. Others that Llama-family checkpoints use -- YaRN,

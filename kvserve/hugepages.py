@@ -15,11 +15,12 @@ resident as a whole once touched).
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 from functools import lru_cache
 
 import torch
+
+from kvserve.config import env_switch
 
 HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # an arena's chunk; a larger tensor gets a chunk of its own size
@@ -55,18 +56,16 @@ def _madvise():
 def enabled() -> bool:
     """Whether arenas ask for huge pages: Linux with THP on `always` or `madvise`, and
     KVSERVE_HUGEPAGES not 0."""
-    if os.environ.get("KVSERVE_HUGEPAGES", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return thp_mode() in ("always", "madvise") and _madvise() is not None
+    return env_switch("KVSERVE_HUGEPAGES") and thp_mode() in ("always", "madvise") and _madvise() is not None
 
 
 def _advised_bytes(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] starting on a huge page's boundary, its pages advised MADV_HUGEPAGE before
     anything touches them (the view keeps the whole allocation alive)."""
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # room to start on a boundary with `span` after it
     offset = -raw.data_ptr() % HUGE_PAGE
     view = raw[offset : offset + nbytes]
-    span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages, inside raw
     _madvise()(view.data_ptr(), span, _MADV_HUGEPAGE)  # (refused, by an old kernel: plain pages, same bytes)
     return view
 
@@ -84,7 +83,7 @@ class Arena:
         """An uninitialised contiguous tensor of `shape` and `dtype`."""
         if not self.huge:
             return torch.empty(shape, dtype=dtype)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         need = (n + ALIGN - 1) // ALIGN * ALIGN
         if self._free is None or self._free.numel() < need:
             self._free = _advised_bytes(max(self.chunk, need))

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch  # loaded first: its libgomp is the one the kernels link against
 
 from kvserve import cpu
+from kvserve.config import env_switch
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -45,7 +46,7 @@ def arch_flags() -> list[str]:
 
 
 def enabled() -> bool:
-    return os.environ.get("KVSERVE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("KVSERVE_NATIVE")
 
 
 def cache_dir() -> Path:

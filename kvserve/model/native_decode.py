@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
 from kvserve import kernels
+from kvserve.config import env_switch
 from kvserve.kernels import KV_DTYPES, decode_step
 from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.llama import LlamaModel
@@ -35,7 +35,7 @@ _FIELDS = ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "s
 
 
 def enabled() -> bool:
-    return os.environ.get("KVSERVE_NATIVE_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("KVSERVE_NATIVE_DECODE")
 
 
 class Unsupported(Exception):

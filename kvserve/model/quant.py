@@ -28,7 +28,6 @@ Where the C kernels are unavailable, weights are dequantized once to float (corr
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from kvserve import hugepages
+from kvserve.config import env_switch
 from kvserve.kernels import quant_matmul
 from kvserve.model.dequant import dequantize
 from kvserve.model.linear import Linear, bf16_packing_available
@@ -158,7 +158,7 @@ class QuantizedWeight:
 
 
 def x8_enabled() -> bool:
-    return os.environ.get("KVSERVE_X8", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch("KVSERVE_X8")
 
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
