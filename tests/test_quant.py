@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def check_kernels() -> str:
             stored = torch.from_numpy(blocks).reshape(-1)
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
             layouts = [(stored, int(qtype))]
-            if int(qtype) in quant_matmul.X8_TYPES and quant_matmul.x8_available():
+            if int(qtype) in quant_matmul.X8_TYPES:  # every build multiplies every x8 type
                 # Rows repacked 8 blocks at a time (whole groups, then the rest as stored; a K-quant a
                 # super-block at a time, its sub-blocks the 8 lanes), rows in fours interleaved group by
                 # group (the last rows % 4 not): the same checks, and the layout undoes exactly.
@@ -87,6 +88,12 @@ def check_kernels() -> str:
                 assert torch.equal(quant_matmul.pack_x8(x8, quant_matmul.X8 + int(qtype), rows, cols, unpack=True), stored)
                 assert (per == 32 and cols < 8 * per) or not torch.equal(x8, stored)
                 layouts.append((x8, quant_matmul.X8 + int(qtype)))
+            if len(layouts) == 2 and cpu.isa() == "portable" and platform.machine() in ("x86_64", "AMD64"):
+                # Plain C runs an x8 group's blocks through the stored path's float work in its order:
+                # the same bits from either layout (without SIMD flags x86-64 has no FMA to fuse them apart).
+                x = torch.randn(9, cols, generator=g)
+                assert torch.equal(quant_matmul.matmul(layouts[1][0], layouts[1][1], rows, cols, x),
+                                   quant_matmul.matmul(stored, int(qtype), rows, cols, x)), qtype.name
             for flat, kind in layouts:
                 name = f"{qtype.name}{' x8' if kind >= quant_matmul.X8 else ''}"
                 assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols), exact), name
@@ -106,8 +113,10 @@ def check_kernels() -> str:
                 for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
                     part = quant_matmul.matmul(flat, kind, rows, cols, x[lo:hi])
                     assert torch.equal(part, together[lo:hi]), f"{name} {rows}x{cols} rows {lo}:{hi}"
-    # The SIMD builds multiply the x8 layout; the plain C build keeps the stored one.
-    assert quant_matmul.x8_available() == (cpu.isa() in ("avx2", "avx512"))
+    # What the loader repacks: every x8 type on the SIMD builds; on plain C all but Q8_0 (its stored rows
+    # are one contiguous dot there).
+    assert [quant_matmul.x8_available(t) for t in quant_matmul.X8_TYPES] == [
+        cpu.isa() != "portable" or t != int(Q.Q8_0) for t in quant_matmul.X8_TYPES]
     w = torch.randn(37, 300, generator=g).bfloat16()
     x = torch.randn(5, 300, generator=g)
     exact = x.double() @ w.double().T
@@ -221,7 +230,7 @@ def test_rows_of_a_packed_weight_slice_as_the_stored_rows_do() -> None:
     stored = QuantizedWeight(torch.from_numpy(blocks), Q.Q4_0, (23, 17 * 32))
     packed = stored.packed()
     full = torch.from_numpy(gguf.quants.dequantize(blocks, Q.Q4_0))
-    assert packed.x8 == quant_matmul.x8_available()
+    assert packed.x8 == quant_matmul.x8_available(int(Q.Q4_0))
     for start, stop in ((0, 23), (1, 6), (4, 12), (6, 23), (21, 22)):
         part = packed.rows(start, stop)
         assert part.x8 == packed.x8 and part.shape == (stop - start, 17 * 32)
@@ -279,7 +288,8 @@ def test_default_model_keeps_its_blocks(llms) -> None:
     assert q.model.lm_head.weight is q.model.embed  # the tied head multiplies the same blocks
     # The layers' Q4_1 rows and the tied table's Q8_0 rows are in the kernels' x8 layout where the
     # build multiplies it (one copy of the table serves the lookup and the LM head)
-    assert q.model.layers[0].gate_up.weight.x8 == quant_matmul.x8_available() == q.model.embed.x8
+    assert q.model.layers[0].gate_up.weight.x8 == quant_matmul.x8_available(int(Q.Q4_1))
+    assert q.model.embed.x8 == quant_matmul.x8_available(int(Q.Q8_0))
     # The KV cache: float16 under the quantized weights (half the bytes), float32 on the exact path.
     assert q.kv_dtype == torch.float16 and q.runner.kv_caches[0].dtype == torch.float16
     assert f.kv_dtype == torch.float32 and f.runner.kv_caches[0].dtype == torch.float32

@@ -21,7 +21,10 @@
  * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K rows are repacked at load into the x8 layout (kvserve_pack_x8, as
  * llama.cpp's and ik_llama.cpp's repacked types are, here 8 blocks of one row): one integer dot
  * instruction then advances 8 blocks at once, each block's sum in its own lane, and the float
- * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8).
+ * work falls to one convert and one FMA per 8 blocks and row pair (tile_x8). The plain C build
+ * multiplies x8 rows too (all types but Q8_0 are repacked there): a group's codes decoded once
+ * for the tile's activation rows, then 32 bytes at a time that the compiler vectorizes for any
+ * target, with the stored path's float work in its order (the same bits as the stored layout).
  *
  * Also: rows of quantized blocks dequantized to float32 (the embedding lookup, and the large-batch
  * path, where BLAS on a dequantized copy beats the integer kernel), and a GEMV over bfloat16
@@ -101,11 +104,7 @@ static inline int x8_slab(int t, long r, long rows) { return slab_rows(t) > 1 &&
 
 /* Bytes and values per block of each type; 0 for an unknown type. */
 static int block_bytes(int t) {
-#ifdef KV_AVX2
     if (t >= X8 && !x8_packs(t - X8)) return 0;
-#else
-    if (t >= X8) return 0; /* the plain C build multiplies only the stored layout */
-#endif
     switch (base_type(t)) {
     case T_Q8_0: return 34;
     case T_Q4_0: return 18;
@@ -145,7 +144,7 @@ typedef struct {
     float *d, *s;
     int16_t *h;
     long nb;
-    int8_t *qt; /* q of each whole group of 8 blocks transposed as the x8 weights are (SIMD builds) */
+    int8_t *qt; /* q of each whole group of 8 blocks transposed as the x8 weights are */
     float *dp, *sp; /* d and s of each whole group, rows 2P and 2P + 1 side by side (see qt_at) */
     long T;
 } acts;
@@ -231,6 +230,10 @@ static void quantize_row(const float *x, const acts *A, long t) {
             memcpy(A->sp + pair_at(A, tt >> 1, g) + 8 * (tt & 1), A->s + t * A->nb + g, 32);
         }
     }
+#else /* word s (4 values) of block j → bytes 4 j.. of transposed word s (tile_x8); no pairs to fill */
+    for (long g = 0; A->qt != NULL && g + 8 <= A->nb; g += 8)
+        for (int s = 0; s < 8; s++)
+            for (int j = 0; j < 8; j++) memcpy(qt_at(A, t, g + s) + 4 * j, A->q + 32 * (t * A->nb + g + j) + 4 * s, 4);
 #endif
 }
 
@@ -882,11 +885,13 @@ KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int R
     }
 }
 
-#else /* plain C: one weight row · one activation row at a time */
+#else /* plain C: stored rows one weight row · one activation row at a time; x8 rows a group for a tile's rows */
 
-static float dot1_q8_0(const uint8_t *w, const acts *A, long o) {
-    float sum = 0.f;
-    for (long b = 0; b < A->nb; b++, w += 34) {
+/* Each dot_* adds blocks b0..b1 of a row (w at block b0; K-quants: super-blocks) against activation
+ * row o / nb to sum, one block after another: the x8 path (tile_x8 below) runs the same float
+ * work in the same order, so a row gives the same bits in either layout. */
+static float dot_q8_0(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum) {
+    for (long b = b0; b < b1; b++, w += 34) {
         const int8_t *q = (const int8_t *)(w + 2), *a = A->q + 32 * (o + b);
         int isum = 0;
         for (int i = 0; i < 32; i++) isum += q[i] * a[i];
@@ -895,10 +900,9 @@ static float dot1_q8_0(const uint8_t *w, const acts *A, long o) {
     return sum;
 }
 
-static float dot1_q4(const uint8_t *w, const acts *A, long o, int has_min) {
+static float dot_q4(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum, int has_min) {
     const int bs = has_min ? 20 : 18;
-    float sum = 0.f;
-    for (long b = 0; b < A->nb; b++, w += bs) {
+    for (long b = b0; b < b1; b++, w += bs) {
         const uint8_t *qs = w + bs - 16;
         const int8_t *a = A->q + 32 * (o + b);
         int isum = 0;
@@ -909,10 +913,9 @@ static float dot1_q4(const uint8_t *w, const acts *A, long o, int has_min) {
     return sum;
 }
 
-static float dot1_q5(const uint8_t *w, const acts *A, long o, int has_min) {
+static float dot_q5(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum, int has_min) {
     const int bs = has_min ? 24 : 22;
-    float sum = 0.f;
-    for (long b = 0; b < A->nb; b++, w += bs) {
+    for (long b = b0; b < b1; b++, w += bs) {
         const uint8_t *qs = w + bs - 16;
         uint32_t qh;
         memcpy(&qh, w + (has_min ? 4 : 2), 4);
@@ -926,10 +929,9 @@ static float dot1_q5(const uint8_t *w, const acts *A, long o, int has_min) {
     return sum;
 }
 
-static float dot1_q45_k(const uint8_t *w, const acts *A, long o, int five) {
+static float dot_q45_k(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum, int five) {
     const int bs = five ? 176 : 144;
-    float sum = 0.f;
-    for (long sb = 0; sb < A->nb / 8; sb++, w += bs) {
+    for (long sb = b0; sb < b1; sb++, w += bs) {
         uint8_t sc[8], mn[8];
         k_scale_min(w + 4, sc, mn);
         const float d = f16_to_f32(w), dmin = f16_to_f32(w + 2);
@@ -951,9 +953,8 @@ static float dot1_q45_k(const uint8_t *w, const acts *A, long o, int five) {
     return sum;
 }
 
-static float dot1_q6_k(const uint8_t *w, const acts *A, long o) {
-    float sum = 0.f;
-    for (long sb = 0; sb < A->nb / 8; sb++, w += 210) {
+static float dot_q6_k(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum) {
+    for (long sb = b0; sb < b1; sb++, w += 210) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
         float s = 0.f;
@@ -974,24 +975,135 @@ static float dot1_q6_k(const uint8_t *w, const acts *A, long o) {
     return sum;
 }
 
-static float dot1(int t, const uint8_t *w, const acts *A, long o) {
+/* Blocks b0..b1 of a stored row of type t (K-quants: super-blocks), added to sum. */
+static float dot_blocks(int t, const uint8_t *w, const acts *A, long o, long b0, long b1, float sum) {
     switch (t) {
-    case T_Q8_0: return dot1_q8_0(w, A, o);
-    case T_Q4_0: return dot1_q4(w, A, o, 0);
-    case T_Q4_1: return dot1_q4(w, A, o, 1);
-    case T_Q5_0: return dot1_q5(w, A, o, 0);
-    case T_Q5_1: return dot1_q5(w, A, o, 1);
-    case T_Q4_K: return dot1_q45_k(w, A, o, 0);
-    case T_Q5_K: return dot1_q45_k(w, A, o, 1);
-    default: return dot1_q6_k(w, A, o);
+    case T_Q8_0: return dot_q8_0(w, A, o, b0, b1, sum);
+    case T_Q4_0: return dot_q4(w, A, o, b0, b1, sum, 0);
+    case T_Q4_1: return dot_q4(w, A, o, b0, b1, sum, 1);
+    case T_Q5_0: return dot_q5(w, A, o, b0, b1, sum, 0);
+    case T_Q5_1: return dot_q5(w, A, o, b0, b1, sum, 1);
+    case T_Q4_K: return dot_q45_k(w, A, o, b0, b1, sum, 0);
+    case T_Q5_K: return dot_q45_k(w, A, o, b0, b1, sum, 1);
+    default: return dot_q6_k(w, A, o, b0, b1, sum);
+    }
+}
+
+/* An x8 group's (8 blocks, or a K-quant super-block's 8 sub-blocks) codes in qt's order: c[32 S + 4 j + b]
+ * is value 4 S + b of block j, as dot_blocks multiplies it (Q6_K less 32; the others as unsigned codes
+ * whose offset or minimum goes through the activation sums). Q8_0's words are its codes already
+ * (x8_sums reads them in place). Layouts: x8_move. */
+static void x8_codes(int t, const uint8_t *G, int8_t c[256]) {
+    if (t == T_Q6_K) { /* d, 16 scales, 2 words of high bits, 4 of low nibbles */
+        for (int S = 0; S < 8; S++) {
+            const int s = S & 3, upper = S >> 2;
+            for (int k = 0; k < 32; k++) {
+                const int lo = (G[82 + 32 * s + k] >> (4 * upper)) & 15;
+                const int hi = (G[18 + 32 * (s / 2) + k] >> (4 * (s % 2) + 2 * upper)) & 3;
+                c[32 * S + k] = (int8_t)((lo | (hi << 4)) - 32);
+            }
+        }
+        return;
+    }
+    const int k_quant = t == T_Q4_K || t == T_Q5_K, five = t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K;
+    /* where the 4 words of nibbles start, and (Q5_*) the lanes' fifth bits: bit v of lane j's word */
+    const int head = k_quant ? 16 : t == T_Q4_1 || t == T_Q5_1 ? 32 : 16;
+    const uint8_t *qs = G + (t == T_Q5_K ? 48 : head + 32 * (five && !k_quant)), *qh = G + (t == T_Q5_K ? 16 : head);
+    for (int k = 0; k < 128; k++) {
+        c[k] = (int8_t)(qs[k] & 15);
+        c[k + 128] = (int8_t)(qs[k] >> 4);
+    }
+    /* 4 fifth bits (values 4 s.., one word's bytes) → 16 in each byte whose bit is set (little-endian words) */
+    static const uint32_t spread[16] = {0x0, 0x10, 0x1000, 0x1010, 0x100000, 0x100010, 0x101000, 0x101010, 0x10000000,
+                                        0x10000010, 0x10001000, 0x10001010, 0x10100000, 0x10100010, 0x10101000, 0x10101010};
+    for (int j = 0; five && j < 8; j++) {
+        uint32_t bits, word;
+        memcpy(&bits, qh + 4 * j, 4);
+        for (int s = 0; s < 8; s++) { /* values 4 s..4 s + 3 of lane j (s >= 4: the upper half's) */
+            memcpy(&word, c + 32 * s + 4 * j, 4);
+            word |= spread[(bits >> (s < 4 ? 4 * s : 16 + 4 * (s - 4))) & 15];
+            memcpy(c + 32 * s + 4 * j, &word, 4);
+        }
+    }
+}
+
+/* A group's codes c (x8_codes, or Q8_0's words) against activation row `at` (its transposed words qt):
+ * lane j's integer sums over values 0..15 and 16..31 (Q6_K scales each half apart; the others add them). */
+static void x8_sums(const int8_t *c, const acts *A, long at, long g, int isum[8][2]) {
+    int acc[2][32] = {{0}};
+    for (int S = 0; S < 8; S++) {
+        const int8_t *a = qt_at(A, at, g + S), *w = c + 32 * S;
+        int *sum = acc[S >> 2];
+        for (int k = 0; k < 32; k++) sum[k] += w[k] * a[k];
+    }
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < 2; h++) isum[j][h] = acc[h][4 * j] + acc[h][4 * j + 1] + acc[h][4 * j + 2] + acc[h][4 * j + 3];
+}
+
+/* x8 rows (wrows): each group's codes decoded once for the tile's RT activation rows, then dot_blocks'
+ * float work, block by block, and the blocks past the last whole group as stored. */
+static void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const int k_quant = k_type(t);
+    const long nb = A->nb * 32 / block_values(t), groups = x8_groups(t, nb);
+    for (int i = 0; i < RW; i++) {
+        float sum[RTMAX] = {0.f};
+        for (long g = 0; g < groups; g++) {
+            const uint8_t *G = R->w + i * R->rs + g * R->gs;
+            int8_t codes[256];
+            const int8_t *c = t == T_Q8_0 ? (const int8_t *)(G + 16) : codes;
+            if (t != T_Q8_0) x8_codes(t, G, codes);
+            const long blk = 8 * g; /* the group's first activation block */
+            for (int k = 0; k < RT; k++) {
+                const long at = t0 + k, o = at * A->nb;
+                int isum[8][2];
+                x8_sums(c, A, at, blk, isum);
+                if (t == T_Q6_K) {
+                    const int8_t *sc = (const int8_t *)(G + 2);
+                    float s = 0.f;
+                    for (int j = 0; j < 8; j++)
+                        s += A->d[o + blk + j] * (float)(sc[2 * j] * isum[j][0] + sc[2 * j + 1] * isum[j][1]);
+                    sum[k] += f16_to_f32(G) * s;
+                } else if (k_quant) {
+                    uint8_t sc[8], mn[8];
+                    k_scale_min(G + 4, sc, mn);
+                    const float d = f16_to_f32(G), dmin = f16_to_f32(G + 2);
+                    for (int j = 0; j < 8; j++)
+                        sum[k] += d * sc[j] * A->d[o + blk + j] * (float)(isum[j][0] + isum[j][1]) - dmin * mn[j] * A->s[o + blk + j];
+                } else {
+                    const int has_min = t == T_Q4_1 || t == T_Q5_1;
+                    for (int j = 0; j < 8; j++) {
+                        const float d = f16_to_f32(G + 2 * j);
+                        const int is = isum[j][0] + isum[j][1];
+                        if (t == T_Q8_0) {
+                            sum[k] += d * A->d[o + blk + j] * (float)is;
+                        } else {
+                            const float m = has_min ? f16_to_f32(G + 16 + 2 * j) : (t == T_Q4_0 ? -8.f : -16.f) * d;
+                            sum[k] += d * A->d[o + blk + j] * (float)is + m * A->s[o + blk + j];
+                        }
+                    }
+                }
+            }
+        }
+        for (int k = 0; k < RT; k++) {
+            const long o = (t0 + k) * A->nb;
+            if (!k_quant) sum[k] = dot_blocks(t, R->tail + i * R->trs, A, o, 8 * groups, nb, sum[k]);
+            y[k * ldy + i] = sum[k];
+        }
     }
 }
 
 KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    if (t >= X8) {
+        tile_x8(base_type(t), R, A, t0, RW, RT, y, ldy);
+        return;
+    }
     KV_UNROLL
     for (int i = 0; i < RW; i++)
         KV_UNROLL
-        for (int k = 0; k < RT; k++) y[k * ldy + i] = dot1(t, R->w + i * R->rs, A, (t0 + k) * A->nb);
+        for (int k = 0; k < RT; k++) {
+            const long o = (t0 + k) * A->nb;
+            y[k * ldy + i] = dot_blocks(t, R->w + i * R->rs, A, o, 0, A->nb * 32 / block_values(t), 0.f);
+        }
 }
 #endif
 
@@ -1279,12 +1391,14 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
     memcpy(dst + tail * bs, src + tail * bs, (size_t)(nb - tail) * bs);
 }
 
-/* Whether this build multiplies x8 rows (the SIMD builds); the plain C build keeps the stored layout. */
-int kvserve_x8(void) {
+/* Whether this build multiplies rows of GGML type t faster in the x8 layout than as stored: the SIMD builds for
+ * every x8 type; plain C for all but Q8_0, whose stored 32 bytes already make one contiguous dot there
+ * (its x8 rows, multiplied too, took 1.5-1.7x the time on x86-64 without SIMD flags). */
+int kvserve_x8(int t) {
 #ifdef KV_AVX2
-    return 1;
+    return x8_packs(t);
 #else
-    return 0;
+    return x8_packs(t) && t != T_Q8_0;
 #endif
 }
 

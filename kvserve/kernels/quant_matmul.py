@@ -14,7 +14,7 @@ _SIGNATURES = {
     "kvserve_dequant_rows": [_i, _p, _l, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
     "kvserve_quant_dot": [],
-    "kvserve_x8": [],
+    "kvserve_x8": [_i],
     "kvserve_pack_x8": [_i, _p, _p, _l, _l, _i],
 }
 DOTS = ("portable", "avx2", "avx512_vnni")  # kvserve_quant_dot()'s answers, by number
@@ -87,10 +87,12 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids:
     return out
 
 
-def x8_available() -> bool:
-    """Whether the loaded kernels multiply x8 rows (the AVX2 and AVX-512 builds do; plain C does not)."""
+def x8_available(qtype: int) -> bool:
+    """Whether the loaded kernels multiply rows of GGML type qtype in the x8 layout, faster than as stored:
+    every x8 type on the AVX2 and AVX-512 builds, all but Q8_0 on the plain C one (every build multiplies
+    every x8 type correctly; this is what the loader repacks)."""
     lib = _lib()
-    return lib is not None and lib.kvserve_x8() == 1
+    return lib is not None and lib.kvserve_x8(qtype) == 1
 
 
 def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool = False,

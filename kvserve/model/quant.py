@@ -18,7 +18,8 @@ make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights in
 a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 / K types'
 rows, and Q8_0's on AVX-512 builds,
 in slabs of four interleaved group by group, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
-bytes, about 2x less arithmetic per block. A tied LM head and the embedding share one packed copy (a lookup
+bytes, about 2x less arithmetic per block (on the plain C build every type but Q8_0, whose stored rows are one
+contiguous dot there). A tied LM head and the embedding share one packed copy (a lookup
 unpacks the rows it reads).
 
 `quantize()` makes Q8_0 / Q4_0 blocks from float weights (checkpoints quantized on load), with
@@ -137,10 +138,10 @@ class QuantizedWeight:
         return self.unpacked().rows(start, stop).packed()
 
     def packed(self, arena: hugepages.Arena | None = None) -> QuantizedWeight:
-        """The same weight in the x8 layout where the kernels multiply it (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants on the
-        SIMD builds; KVSERVE_X8=0 keeps the stored layout), else itself. The new blocks are cut from
+        """The same weight in the x8 layout where the kernels multiply it faster (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+        K-quants on the SIMD builds, all but Q8_0 on plain C; KVSERVE_X8=0 keeps the stored layout), else itself. The new blocks are cut from
         `arena` where one is given (a model's weights on huge pages)."""
-        if self.x8 or int(self.qtype) not in quant_matmul.X8_TYPES or not quant_matmul.x8_available() or not x8_enabled():
+        if self.x8 or not quant_matmul.x8_available(int(self.qtype)) or not x8_enabled():
             return self
         out, cols = self.shape
         into = None if arena is None else arena.empty((self.blocks.numel(),))
