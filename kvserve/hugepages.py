@@ -10,13 +10,14 @@ KVSERVE_HUGEPAGES=0, an `Arena` hands out plain torch tensors.
 
 Weights are cut from an `Arena`'s chunks one after another, so a small model's many small
 matrices share huge pages instead of each rounding up to one of its own (a huge page is
-resident as a whole once touched).
+resident as a whole once touched). Each chunk is a private anonymous mapping of its own, never
+touched before the advice: memory from malloc may be heap that earlier tensors already faulted
+in on 4 KiB pages, which the advice does not turn into huge ones.
 """
 from __future__ import annotations
 
-import ctypes
+import mmap
 import platform
-from functools import lru_cache
 
 import torch
 
@@ -25,7 +26,6 @@ from kvserve.config import env_switch
 HUGE_PAGE = 2 << 20
 CHUNK = 64 << 20  # an arena's chunk; a larger tensor gets a chunk of its own size
 ALIGN = 64  # tensors start on cache lines
-_MADV_HUGEPAGE = 14
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -40,34 +40,24 @@ def thp_mode() -> str:
     return text[start + 1 : end] if 0 <= start < end else "unavailable"
 
 
-@lru_cache(maxsize=1)
-def _madvise():
-    if platform.system() != "Linux":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
 def enabled() -> bool:
     """Whether arenas ask for huge pages: Linux with THP on `always` or `madvise`, and
     KVSERVE_HUGEPAGES not 0."""
-    return env_switch("KVSERVE_HUGEPAGES") and thp_mode() in ("always", "madvise") and _madvise() is not None
+    return env_switch("KVSERVE_HUGEPAGES") and thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def _advised_bytes(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes] starting on a huge page's boundary, its pages advised MADV_HUGEPAGE before
-    anything touches them (the view keeps the whole allocation alive)."""
+    """uint8 [nbytes] starting on a huge page's boundary, in a fresh private anonymous mapping whose
+    pages are advised MADV_HUGEPAGE before anything touches them (the tensor keeps the mapping alive)."""
     span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE  # whole huge pages
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # room to start on a boundary with `span` after it
+    mem = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # room to start on a boundary
+    raw = torch.frombuffer(mem, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    view = raw[offset : offset + nbytes]
-    _madvise()(view.data_ptr(), span, _MADV_HUGEPAGE)  # (refused, by an old kernel: plain pages, same bytes)
-    return view
+    try:
+        mem.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    except OSError:  # (refused, by an old kernel: plain pages, same bytes)
+        pass
+    return raw[offset : offset + nbytes]
 
 
 class Arena:

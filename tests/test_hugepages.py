@@ -62,6 +62,41 @@ def test_arena_memory_is_backed_by_huge_pages(monkeypatch):
     assert huge_kib_at(t.data_ptr() + (8 << 20)) >= 2048
 
 
+HEAP_REUSE = """
+import ctypes, torch
+from kvserve.hugepages import Arena
+libc = ctypes.CDLL(None)
+# large blocks from the heap, kept there when freed (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD), as a long run's malloc may
+assert libc.mallopt(-3, 1 << 30) == 1 and libc.mallopt(-1, 1 << 30) == 1
+t = torch.ones(80 << 20, dtype=torch.uint8)  # heap faulted in on 4 KiB pages, then freed for reuse
+del t
+a = Arena().empty((16 << 20,))
+a.fill_(1)
+address, inside = a.data_ptr() + (8 << 20), False
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo <= address < hi
+    elif inside and head == "AnonHugePages:":
+        print(int(line.split()[1]))
+        break
+"""
+
+
+@pytest.mark.skipif(not THP_ON, reason="this kernel gives no transparent huge pages (THP never or absent)")
+def test_arena_chunks_are_fresh_mappings_not_reused_heap():
+    """Advice does not turn pages already faulted in on 4 KiB into huge ones: a chunk from malloc's heap,
+    freed by earlier tensors, stayed on small pages (as once happened late in a test run)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", HEAP_REUSE], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "KVSERVE_HUGEPAGES": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 2048
+
+
 @pytest.mark.skipif(not THP_ON, reason="this kernel gives no transparent huge pages (THP never or absent)")
 def test_a_models_repacked_weights_lie_on_huge_pages(monkeypatch, default_gguf):
     from kvserve import LLM
