@@ -81,16 +81,80 @@ def test_work_buffers_grow_for_longer_contexts_and_larger_batches(llm: LLM) -> N
     _decode_both(llm.runner, _prompts(9, seed=5), steps=2)
 
 
+def _per_op_one_token_at_a_time(runner: ModelRunner, prompt: list[int], table: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """The prompt fed through the per-op path one decode step per token, then `steps` greedy tokens:
+    (the logits after the prompt, the tokens)."""
+    native, runner.native = runner.native, None
+    try:
+        for i, t in enumerate(prompt):
+            first = runner.run([SeqChunk([t], i, table, True)]).clone()
+        seq = [*prompt, int(first.argmax())]
+        for _ in range(steps - 1):
+            seq.append(int(runner.run([SeqChunk([seq[-1]], len(seq) - 1, table, True)]).argmax()))
+        return first, seq[len(prompt):]
+    finally:
+        runner.native = native
+
+
 def test_greedy_generation_is_the_same_through_either_path(llm: LLM) -> None:
+    """The engine's native path (prompt rows and decode steps in the native step) gives the tokens of the
+    per-op path reading each prompt token as a decode step: prompt rows attend as decode rows do."""
     prompts = _prompts(6, seed=1)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     native = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    saved, llm.runner.native = llm.runner.native, None
+    table = list(range(200, 206))  # blocks no request holds once generate() is done
+    assert native == [_per_op_one_token_at_a_time(llm.runner, p, table, 24)[1] for p in prompts]
+
+
+def test_prompt_rows_give_the_bits_of_decoding_the_prompt(llm: LLM, monkeypatch) -> None:
+    """Prompt chunks in the native step: each row a query of its own, so a prompt's logits and K/V are the
+    ones decoding it token by token gives, whatever its chunking and whatever else shares its step. Rows
+    at or past NATIVE_PROMPT_CONTEXT (24 here) take the per-op forward, by their position alone."""
+    from kvserve.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "NATIVE_PROMPT_CONTEXT", 24)
+    runner = llm.runner
+    a, b = _prompts(2, seed=7)
+    a, b = (a * 3)[:20], (b * 3)[:40]  # a: every row below 24; b: rows 24.. past it
+    ta, tb, tr = [10, 11], [20, 21, 22], [30, 31, 32]
+    alone = runner.run([SeqChunk(a, 0, ta, True)]).clone()
+    ref, _ = _per_op_one_token_at_a_time(runner, a, tr, 1)
+    assert torch.equal(alone[0], ref[0])
+    assert torch.equal(runner.kv_caches[3][:, :, 10:12].flatten(2, 3)[:, :, :20],
+                       runner.kv_caches[3][:, :, 30:32].flatten(2, 3)[:, :, :20])
+    # b across the cutoff, in two chunks, the first beside a's next decode row and a third prompt's chunk
+    mixed = runner.run([SeqChunk([5], 20, ta, True), SeqChunk(b[:30], 0, tb, False),
+                        SeqChunk(_prompts(1, seed=9)[0], 0, [40, 41, 42, 43, 44], True)]).clone()
+    got = runner.run([SeqChunk(b[30:], 30, tb, True)]).clone()
+    # reference: b's rows 0..23 as decode steps (= native prompt rows), 24..29 and 30..39 as per-op chunks
+    native = runner.native
+    for i in range(24):
+        runner.run([SeqChunk([b[i]], i, tr, True)])
+    runner.native = None
     try:
-        per_op = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        runner.run([SeqChunk(b[24:30], 24, tr, False)])
+        ref_b = runner.run([SeqChunk(b[30:], 30, tr, True)]).clone()
     finally:
-        llm.runner.native = saved
-    assert native == per_op
+        runner.native = native
+    assert torch.equal(got[0], ref_b[0])
+    assert torch.equal(runner.kv_caches[7][:, :, 20:23].flatten(2, 3)[:, :, :40],
+                       runner.kv_caches[7][:, :, 30:33].flatten(2, 3)[:, :, :40])
+    # a's decode row in the mixed step: the bits it has alone
+    assert torch.equal(mixed[0], runner.run([SeqChunk([5], 20, ta, True)])[0])
+
+
+def test_prompt_rows_take_the_per_op_path_past_the_integer_kernels_rows(llm: LLM, monkeypatch) -> None:
+    """Without batch invariance the per-op forward leaves the integer kernel from some row count on
+    (BLAS, bf16): a chunk of that many rows keeps it, so the native step changes no path's arithmetic."""
+    runner = llm.runner
+    calls = []
+    monkeypatch.setattr(runner, "_native_prompt_rows",
+                        lambda *a: calls.append(len(a[1])) or torch.zeros(len(a[1]), llm.config.hidden_size))
+    rows = runner.native.integer_rows()
+    runner.run([SeqChunk(list(range(100, 110)), 0, [50], True)]) if rows > 10 else None
+    monkeypatch.setattr(runner.native, "integer_rows", lambda: 10)
+    runner.run([SeqChunk(list(range(100, 110)), 0, [51], True)])  # 10 rows: the per-op forward
+    assert calls == ([10] if rows > 10 else [])
 
 
 def test_a_sequence_gets_the_same_logits_alone_or_in_a_batch(llm: LLM) -> None:

@@ -10,8 +10,9 @@ batch's index tables and the sampling.
 It takes a model whose matrices are all GGML blocks the kernels multiply (the quantized
 default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load), float32 activations and
 a CPU KV pool (an int8 one with its row scales); any other model keeps the per-op path (`build()` returns None and says why at
-debug level). Prefill chunks always take the per-op path: they are matmul-bound, and BLAS
-does them better. The matmuls and attention are the per-op path's own kernels, so the two agree
+debug level). Prompt chunks take it too while the per-op forward would multiply them with the same integer
+kernels (every chunk where batches are invariant; below the BLAS crossover otherwise), each row a query of its own
+(engine/runner.py's `_native_prompt_rows`). The matmuls and attention are the per-op path's own kernels, so the two agree
 to float rounding (SiLU's exp and RoPE's cos/sin are computed in C; tests/test_native_decode.py
 compares them). `KVSERVE_NATIVE_DECODE=0` turns the step off.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import numpy as np
 import torch
 
 from kvserve import kernels
@@ -132,6 +134,8 @@ class NativeDecode:
             out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
         m.layers = layers
         self._layers, self._model = layers, m
+        self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
+                         for p in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
         if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
             raise Unsupported("shapes the native step does not take")
         self._block_size = block_size
@@ -177,11 +181,18 @@ class NativeDecode:
         self._index_np, self._tables_np = b["index"].numpy(), b["tables"].numpy()
         w.max_batch, w.max_context, w.max_threads = batch, context, threads
 
+    def integer_rows(self) -> int:
+        """The rows from which some linear of the per-op forward leaves the integer kernel (dequantize +
+        BLAS, or bf16); a step of fewer rows computes in the native step what the per-op one would."""
+        return min(p.blas_from for p in self._linears)
+
     @torch.inference_mode()
     def __call__(self, ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-                 logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode token per sequence → (hidden [B, hidden], logits [B, V] or None where the
-        caller must run the LM head). Both are views of work buffers: valid until the next call."""
+                 logits: bool = True, rows_per_seq: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row → (hidden [B, hidden], logits [B, V] or None where the caller must run
+        the LM head). Both are views of work buffers: valid until the next call. Each row attends to
+        its sequence's keys up to its own position; block_tables has one table per row, or, with
+        rows_per_seq, one per sequence whose rows follow one another (a prompt chunk's)."""
         B = len(ids)
         threads = torch.get_num_threads()
         width = max(len(t) for t in block_tables)
@@ -189,9 +200,15 @@ class NativeDecode:
         w = self._work
         if B > w.max_batch or max(seq_lens) > w.max_context or threads > w.max_threads or width > self._max_width:
             self._grow(B, max(max(seq_lens), width * self._block_size), threads)
-        index, tables = self._index_np, self._tables_np  # no tensor is allocated per step
+        index, tables = self._index_np, self._tables_np  # no tensor is allocated per decode step
         index[0, :B], index[1, :B], index[2, :B] = ids, positions, slots
-        tables[: B * width] = [b for t in block_tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        if rows_per_seq is None:
+            tables[: B * width] = [b for t in block_tables for b in (t + [0] * (width - len(t)) if len(t) < width else t)]
+        else:
+            per_seq = np.zeros((len(block_tables), width), dtype=np.int32)
+            for i, t in enumerate(block_tables):
+                per_seq[i, : len(t)] = t
+            tables[: B * width].reshape(B, width)[:] = np.repeat(per_seq, rows_per_seq, axis=0)
         tables[B * width : B * width + B] = seq_lens
         hidden = self._buffers["hidden"]
         head = logits and B < self.head_rows
