@@ -1393,7 +1393,7 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
 
 /* Whether this build multiplies rows of GGML type t faster in the x8 layout than as stored: the SIMD builds for
  * every x8 type; plain C for all but Q8_0, whose stored 32 bytes already make one contiguous dot there
- * (its x8 rows, multiplied too, took 1.5-1.7x the time on x86-64 without SIMD flags). */
+ * (its x8 rows, multiplied too, took 1.4-1.5x the time on x86-64 without SIMD flags). */
 int kvserve_x8(int t) {
 #ifdef KV_AVX2
     return x8_packs(t);
