@@ -98,12 +98,18 @@ def _per_op_one_token_at_a_time(runner: ModelRunner, prompt: list[int], table: l
 
 def test_greedy_generation_is_the_same_through_either_path(llm: LLM) -> None:
     """The engine's native path (prompt rows and decode steps in the native step) gives the tokens of the
-    per-op path reading each prompt token as a decode step: prompt rows attend as decode rows do."""
+    per-op path reading each prompt token as a decode step: prompt rows attend as decode rows do. With
+    batch invariance on (the SIMD builds' default; the plain C build's turned on here), so that the
+    batch of six and the reference's rows of one multiply alike."""
     prompts = _prompts(6, seed=1)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    native = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    table = list(range(200, 206))  # blocks no request holds once generate() is done
-    assert native == [_per_op_one_token_at_a_time(llm.runner, p, table, 24)[1] for p in prompts]
+    llm.model.set_batch_invariant(True)
+    try:
+        native = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        table = list(range(200, 206))  # blocks no request holds once generate() is done
+        assert native == [_per_op_one_token_at_a_time(llm.runner, p, table, 24)[1] for p in prompts]
+    finally:
+        llm.model.set_batch_invariant(llm.batch_invariant)
 
 
 def test_prompt_rows_give_the_bits_of_decoding_the_prompt(llm: LLM, monkeypatch) -> None:
