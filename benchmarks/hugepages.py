@@ -4,12 +4,12 @@ greedy generations of one prompt alternated between the two; the best time per t
 and whether their tokens agree (they must: the same bytes, elsewhere in memory)."""
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 
+from benchmarks import one_model_ab_parser
 from kvserve.hugepages import thp_mode
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
@@ -18,12 +18,7 @@ PROMPT = "Write a long story about a cat who learns to read the source code of a
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.hugepages", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per timed run (EOS ignored)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
+    args = one_model_ab_parser("hugepages", __doc__, "tokens generated per timed run (EOS ignored)").parse_args(argv)
     torch.set_num_threads(args.threads)
     llms = {}
     for name, env in (("plain pages", "0"), ("huge pages", "1")):

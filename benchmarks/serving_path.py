@@ -12,7 +12,6 @@ served ITL - alone period is what the serving path adds: a slower forward pass (
 the client share the cores), more time between steps, and the hand-over to the socket."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import one_model_ab_parser
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
 
@@ -73,12 +73,7 @@ def alone(llm: LLM, prompt: str, tokens: int) -> Run:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.serving_path", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream (EOS ignored)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
+    args = one_model_ab_parser("serving_path", __doc__, "tokens per stream (EOS ignored)").parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
