@@ -17,7 +17,6 @@ in on 4 KiB pages, which the advice does not turn into huge ones.
 from __future__ import annotations
 
 import mmap
-import platform
 
 import torch
 

@@ -265,9 +265,11 @@ class ModelRunner:
         take the per-op forward's attention, whose work grows less with the context, in a second pass.
         Which path a row takes depends on its position alone, so its bits do not depend on its batch or
         its chunking, and a prompt row's K/V and logits are the ones decoding it would give."""
-        head = [n for c in chunks for n in [min(len(c.token_ids), max(0, NATIVE_PROMPT_CONTEXT - c.start_pos))
-                                            if len(c.token_ids) > 1 else 1]]
-        T, rows = len(ids), [r for c, h, r0 in zip(chunks, head, _starts(chunks)) for r in range(r0, r0 + h)]
+        # each chunk's rows below the cutoff (a decode row: always), the head; the rest, its tail
+        head = [1 if len(c.token_ids) == 1 else min(len(c.token_ids), max(0, NATIVE_PROMPT_CONTEXT - c.start_pos))
+                for c in chunks]
+        starts = _starts(chunks)
+        T, rows = len(ids), [r for h, r0 in zip(head, starts) for r in range(r0, r0 + h)]
         hidden = None
         if rows:
             native_hidden, _ = self.native([ids[r] for r in rows], [positions[r] for r in rows], [slots[r] for r in rows],
@@ -277,7 +279,7 @@ class ModelRunner:
             hidden = torch.empty(T, native_hidden.shape[1])
             hidden[torch.tensor(rows, dtype=torch.long)] = native_hidden
         tails = [(SeqChunk(c.token_ids[h:], c.start_pos + h, c.block_ids, c.need_logits), r0 + h)
-                 for c, h, r0 in zip(chunks, head, _starts(chunks)) if h < len(c.token_ids)]
+                 for c, h, r0 in zip(chunks, head, starts) if h < len(c.token_ids)]
         rest = [r for c, r0 in tails for r in range(r0, r0 + len(c.token_ids))]
         tail_hidden = self._forward([c for c, _ in tails], [ids[r] for r in rest], [positions[r] for r in rest],
                                     [slots[r] for r in rest])
