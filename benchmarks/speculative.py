@@ -10,7 +10,9 @@ with one word changed) and `random` (random words), chat-templated, greedy, a fi
 output tokens; at n users a run generates
 `--groups` groups of n distinct prompts, one group after another. Reported: the best tokens/s of each
 setting and their ratio, at each number of users (prompts generated together), the drafted and
-accepted tokens, and whether every greedy output was the same with speculation as without.
+accepted tokens, what one more row cost a step by the speculator's own fit (in ms, and as the share
+of a one-row step that `benchmarks.draft_ceiling` reads its ceilings at), and whether every
+greedy output was the same with speculation as without.
 """
 from __future__ import annotations
 
@@ -19,6 +21,16 @@ import time
 
 from kvserve import LLM, CacheConfig, SamplingParams, SpeculativeConfig
 from kvserve.bench.datasets import DatasetConfig, load_samples
+
+
+def row_share(llm: LLM) -> str:
+    """What one more row costs a step, in ms and as a share of a one-row step: the speculator's own fit
+    of its steps so far (T(R) = a + b·R; engine/speculative.py's StepTimes), e.g. "0.9 ms (0.21)"."""
+    times = llm.engine.speculator.step_times
+    if not times.measured:
+        return "-"
+    a, b = times.line()
+    return f"{b * 1e3:.2f} ms ({b / (a + b):.2f})"
 
 
 def main() -> None:
@@ -50,8 +62,8 @@ def main() -> None:
                                                 prompt_lookup_min=args.prompt_lookup_min,
                                                 prompt_lookup_max=max(args.prompt_lookup_max, args.prompt_lookup_min)),
                   cache=cache)
-    print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | same output |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| workload | users | off (tok/s) | on (tok/s) | ratio | drafted | accepted | acceptance | row cost | same output |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for ds in args.datasets.split(","):
         cfg = DatasetConfig(name=ds, num_prompts=args.groups * max(users), input_len=args.input_len,
                             output_len=args.output_len)
@@ -75,7 +87,8 @@ def main() -> None:
             accepted = s.spec_accepted_tokens - before.spec_accepted_tokens
             same = "yes" if len(tokens[False]) == 1 and tokens[False] == tokens[True] else "NO"
             print(f"| {ds} | {n} | {best[False]:.1f} | {best[True]:.1f} | {best[True] / best[False]:.2f} | "
-                  f"{drafted} | {accepted} | {accepted / drafted if drafted else 0:.2f} | {same} |", flush=True)
+                  f"{drafted} | {accepted} | {accepted / drafted if drafted else 0:.2f} | {row_share(llm)} | {same} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
