@@ -145,9 +145,7 @@ class ModelRunner:
         """Per-token outputs of the wanting chunks' prompt tokens, from the step's hidden states
         [T, hidden]: the sum of those states (pooling), and each next prompt token's logprob
         under the logits at the position before it (prompt_logprobs), with the k best."""
-        offsets = [0]
-        for c in chunks:
-            offsets.append(offsets[-1] + len(c.token_ids))
+        offsets = _starts(chunks)
         outs: list[PromptOutputs] = []
         rows: list[int] = []  # rows of `hidden` whose logits score a prompt token
         targets: list[int] = []  # the prompt token each of those rows scores
