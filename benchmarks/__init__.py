@@ -20,6 +20,8 @@ public names; the load generator users get, `kvserve bench serve`, is kvserve/be
   hugepages         a model's weights on plain and on huge pages, alternated in one process
   serving_path      what the serving path adds to a token at one user: served vs in-process
   draft_ceiling     what prompt-lookup drafting could win, replayed on the copy corpus
+  speculative_peers `make bench-speculative`: speculation off and on, kvserve beside llama-server's
+                    n-gram drafters, served
 """
 from __future__ import annotations
 
