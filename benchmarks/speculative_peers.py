@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-from benchmarks import peers
-from benchmarks.compare import CTX_PER_SLOT, THREADS, Server, bench_tokenizer
+from benchmarks import formats
+from benchmarks.compare import THREADS, Server, bench_tokenizer
 from kvserve.bench.datasets import DatasetConfig, load_samples
 from kvserve.bench.serve import BenchConfig, run
 
@@ -31,15 +30,12 @@ LLAMA_SPEC = {"ngram-simple": ["--spec-type", "ngram-simple"],
 
 
 def argv_for(setting: str, model: Path, slots: int):
-    """The server command for a setting: "kvserve", "kvserve ngram", "llama-server" or "llama-server <LLAMA_SPEC key>"."""
-    if setting.startswith("kvserve"):
-        spec = ["--speculative", "ngram"] if setting == "kvserve ngram" else []
-        return lambda port: [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
-                             "--no-access-log", "--threads", str(THREADS), *spec]
-    spec = LLAMA_SPEC[setting.removeprefix("llama-server ")] if setting != "llama-server" else []
-    binary = peers.setup_llama_server()
-    return lambda port: [str(binary), "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots),
-                         "-c", str(slots * CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port), *spec]
+    """The server command for a setting: "kvserve", "kvserve ngram", "llama-server" or "llama-server <LLAMA_SPEC key>":
+    benchmarks.formats' command for the engine, with the setting's speculative flags."""
+    engine, _, spec = setting.partition(" ")
+    base = formats.argv_for("kvserve" if engine == "kvserve" else "llama", model, slots)
+    flags = (["--speculative", "ngram"] if engine == "kvserve" else LLAMA_SPEC[spec]) if spec else []
+    return lambda port: base(port) + flags
 
 
 def measure(setting: str, model: Path, dataset: DatasetConfig, users: int, log: Path) -> tuple[float, list[str]]:
