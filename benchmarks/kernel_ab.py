@@ -10,6 +10,8 @@ tile shape must not change a row's arithmetic). One thread by default. Each buil
 into its own x8 layout (`kvserve_pack_x8`), or keeps the stored one where it has no x8 layout for the
 type, so builds whose layouts differ compare too; where one of them sums in another order (a new
 layout), `--other-bits` reports the outputs' largest difference instead of requiring the same bits.
+`--shapes step` times a whole decode step's matmuls on the shipped file's shapes, ~96 MB of weights
+read from memory a pass, as a step reads them (`--threads 2` as the server runs).
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ SHAPES_K = [("1536→576 Q4_K", 576, 1536, Q.Q4_K), ("1536→576 Q5_K", 576, 153
             ("2048→32768 Q4_K, 38 MB", 32768, 2048, Q.Q4_K)]
 SHAPES_1B = [("2048→3072 Q4_0", 3072, 2048, Q.Q4_0), ("2048→16384 Q4_0", 16384, 2048, Q.Q4_0),
              ("8192→2048 Q4_0", 2048, 8192, Q.Q4_0), ("2048→3072 Q4_1", 3072, 2048, Q.Q4_1)]
+# One decode step's matmuls on the shipped file: 30 layers of Q4_1 qkv, o, gate_up and down, each layer its own
+# weights, and the tied Q8_0 LM head: ~96 MB a pass, read from memory as a step reads it (`--shapes step`).
+STEP_LAYER = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)]
+STEP = STEP_LAYER * 30 + [(49152, 576, Q.Q8_0)]
 _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
          ctypes.c_int]
 
@@ -84,8 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--other-bits", action="store_true",
                     help="the builds sum in another order: report the outputs' largest difference, not require equal bits")
-    ap.add_argument("--shapes", choices=("default", "1b", "k"), default="default",
-                    help="the default model's layers, a Llama-3.2-1B-shaped model's, or K-quant rows")
+    ap.add_argument("--shapes", choices=("default", "1b", "k", "step"), default="default",
+                    help="the default model's layers, a Llama-3.2-1B-shaped model's, K-quant rows, or a whole "
+                         "step's matmuls on the shipped file (each layer its own weights, one pass a call)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.threads} thread(s), µs per call, best of {args.rounds} alternated rounds\n")
         print(f"| shape | B | {names[0]} | {names[1]} | {names[1]} / {names[0]} |")
         print("|---|---:|---:|---:|---:|")
+        if args.shapes == "step":
+            time_step(libs, args)
+            return
         for label, rows, cols, qtype in {"default": SHAPES, "1b": SHAPES_1B, "k": SHAPES_K}[args.shapes]:
             w = random_weight(qtype, rows, cols).packed()
             stored = w.unpacked().blocks.contiguous()
@@ -122,6 +132,34 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"{label} B={B}: the two builds' outputs differ (a new order of sums: --other-bits)")
                 a, b = (best[n] * 1e6 for n in names)
                 print(f"| {label} | {B} | {a:,.1f} | {b:,.1f} | {b / a:.2f} |{note}", flush=True)
+
+
+def time_step(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
+    """A pass over STEP's matrices per call and build, the builds alternated, each build's best round."""
+    names = list(libs)
+    mats = []
+    for rows, cols, qtype in STEP:
+        w = random_weight(qtype, rows, cols).packed()
+        stored = w.unpacked().blocks.contiguous()
+        mats.append((rows, cols, {n: own_layout(libs[n], w, stored) for n in names}))
+    for B in (int(b) for b in args.batches.split(",")):
+        xs = {cols: torch.randn(B, cols) for cols in {c for _, c, _ in STEP}}
+        ys = {n: [torch.empty(B, rows) for rows, _, _ in mats] for n in names}
+        best = dict.fromkeys(names, float("inf"))
+        for _ in range(args.rounds):
+            for n in names:
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    for (rows, cols, blocks), y in zip(mats, ys[n]):
+                        libs[n].kvserve_quant_matmul(blocks[n][1], blocks[n][0].data_ptr(), rows, cols, xs[cols].data_ptr(),
+                                                     B, y.data_ptr(), args.threads)
+                best[n] = min(best[n], (time.perf_counter() - t0) / 5)
+        diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(*ys.values()))
+        if not args.other_bits and diff:
+            raise SystemExit(f"step B={B}: the two builds' outputs differ (a new order of sums: --other-bits)")
+        a, b = (best[n] * 1e6 for n in names)
+        note = f" largest difference {diff:.1e} of the largest output |" if args.other_bits else ""
+        print(f"| a step's matmuls ({len(STEP)}, shipped file) | {B} | {a:,.1f} | {b:,.1f} | {b / a:.2f} |{note}", flush=True)
 
 
 if __name__ == "__main__":

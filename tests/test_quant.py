@@ -70,12 +70,16 @@ def check_kernels() -> str:
     work in tiles (4 weight rows for one activation row, 2 x 4 for batches, with AVX-512 4 x 4 or
     4 weight rows x 3 pairs of activation rows, an odd batch's last row paired with itself; scales
     8 blocks at a time), so the shapes include row counts and batches that leave partial tiles and
-    columns of 1, 3, 8 and 17 blocks (a partial group of 8, a full one, both)."""
+    columns of 1, 3, 8 and 17 blocks (a partial group of 8, a full one, both), and of 18 and 20 (in a
+    slab, tails of one and two tail pairs; 3 blocks: a pair and a block as stored)."""
     assert quant_matmul.available()
     g = torch.Generator().manual_seed(0)
     for qtype in TYPES:
         per = GGML_QUANT_SIZES[qtype][0]
-        for rows, cols in ((1, per), (37, 3 * per), (7, 8 * per if per == 32 else per), (130, 2 * per if per == 256 else 544)):
+        shapes = [(1, per), (37, 3 * per), (7, 8 * per if per == 32 else per), (130, 2 * per if per == 256 else 544)]
+        if per == 32:  # tails of 2 blocks (the default model's 576) and 4: in a slab, one and two tail pairs
+            shapes += [(45, 576), (13, 640)]
+        for rows, cols in shapes:
             blocks = random_blocks(qtype, rows, cols, seed=rows)
             stored = torch.from_numpy(blocks).reshape(-1)
             exact = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))

@@ -123,6 +123,16 @@ static int block_values(int t) { return k_type(t) ? 256 : 32; }
 static inline long x8_groups(int t, long nb) { return k_type(t) ? nb : nb / 8; }
 static inline size_t x8_group_bytes(int t) { return (k_type(t) ? 1 : 8) * (size_t)block_bytes(t); }
 static inline long x8_tail_blocks(int t, long nb) { return k_type(t) ? 0 : nb % 8; }
+/* Tail pairs (the SIMD builds): in a slab (below), the blocks past its rows' last whole group taken two at a
+ * time, blocks 2p and 2p + 1 of its 4 rows packed as one x8 group, lane 2i + j holding row i's block 2p + j.
+ * A tile then sums its rows' tails in a group's arithmetic, one group for 4 rows, where block-by-block sums
+ * (acc32) made a 576-wide row (2 groups and 2 blocks) cost more than a 768-wide one. An odd tail's last
+ * block stays as stored. -DKV_NO_TAIL_PAIRS keeps every tail as stored (for A/B runs). */
+#if defined(KV_AVX2) && !defined(KV_NO_TAIL_PAIRS)
+static inline long tail_pairs(int t, long nb) { return x8_tail_blocks(t, nb) / 2; }
+#else
+static inline long tail_pairs(int t, long nb) { (void)t, (void)nb; return 0; }
+#endif
 
 /* Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes. */
 static inline void k_scale_min(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -166,6 +176,12 @@ static acts acts_over(char *buf, long T, long nb, int x8) {
  * whole group are not stored. */
 static inline int8_t *qt_at(const acts *A, long t, long blk) { return A->qt + 64 * ((t >> 1) * A->nb + blk) + 32 * (t & 1); }
 static inline long pair_at(const acts *A, long P, long blk) { return 2 * (P * A->nb + blk); } /* dp / sp: 16 floats */
+/* A tail pair's activation words (blocks blk and blk + 1, blk past the last whole group) in the 128 bytes
+ * qt keeps for those two blocks of a row pair: word s (values 4s..4s+3) of both blocks, 8 bytes, row 2P's
+ * then row 2P + 1's, so one 64-bit broadcast gives the 4 lane pairs of a tail pair group their words. */
+static inline int8_t *tail_word(const acts *A, long t, long blk, int s) {
+    return A->qt + 64 * ((t >> 1) * A->nb + blk) + 16 * s + 8 * (t & 1);
+}
 
 static void quantize_row(const float *x, const acts *A, long t) {
     for (long b = 0, o = t * A->nb; b < A->nb; b++, o++, x += 32) {
@@ -230,6 +246,10 @@ static void quantize_row(const float *x, const acts *A, long t) {
             memcpy(A->sp + pair_at(A, tt >> 1, g) + 8 * (tt & 1), A->s + t * A->nb + g, 32);
         }
     }
+    for (long b = A->nb / 8 * 8; A->qt != NULL && b + 2 <= A->nb; b += 2) /* tail pairs' words */
+        for (long tt = t; tt <= t + twice; tt++)
+            for (int s = 0; s < 8; s++)
+                for (int j = 0; j < 2; j++) memcpy(tail_word(A, tt, b, s) + 4 * j, A->q + 32 * (t * A->nb + b + j) + 4 * s, 4);
 #else /* word s (4 values) of block j → bytes 4 j.. of transposed word s (tile_x8); no pairs to fill */
     for (long g = 0; A->qt != NULL && g + 8 <= A->nb; g += 8)
         for (int s = 0; s < 8; s++)
@@ -249,14 +269,18 @@ static void quantize_row(const float *x, const acts *A, long t) {
 #define RWMAX 4
 #define RTMAX 4
 /* Where a tile's RW weight rows lie. Stored layouts: row i at w + i rs (rs: a row's bytes; gs, tail
- * and trs unused). x8 rows: row i's group g (8 blocks) at w + i rs + g gs, its blocks past the last
- * whole group (GGML's layout) at tail + i trs: a slab's rows (x8_slab) or one row after another. */
+ * and trs unused). x8 rows: row i's group g (8 blocks) at w + i rs + g gs; in a slab, its tail pairs
+ * (np groups from tp, the tile's row i in lanes 2 (lane0 + i) and 2 (lane0 + i) + 1); its blocks past
+ * those (GGML's layout) at tail + i trs: a slab's rows (x8_slab) or one row after another. */
 typedef struct {
     const uint8_t *w;
     size_t rs, gs;
     const uint8_t *tail;
     size_t trs;
     size_t ahead; /* x8 in a slab: from a group of the rows to the same group two slabs on; else 0 */
+    const uint8_t *tp;
+    long np;
+    int lane0;
 } wrows;
 #define KV_INLINE static inline __attribute__((always_inline))
 /* tile loops unrolled before the accumulator arrays are split into registers */
@@ -441,7 +465,8 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
  * lane j (Q4: 4 words of low nibbles, codes 0-15 against activation words 0-3, and of high nibbles, codes
  * 16-31 against words 4-7, Q5's with their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8
  * blocks' scale products per row pair, and one FMA for the offset / minimum term (x8_scales; a K-quant's
- * sub-block scales and minimums unpacked once per super-block). The blocks past the last whole group are
+ * sub-block scales and minimums unpacked once per super-block). In a slab, the blocks past the last whole group
+ * go two at a time as tail pairs (one group for the slab's 4 rows, each row taking its two lanes); the rest are
  * stored as GGML's, and summed as tile32 sums them. Every (i, k) sum runs the same operations whatever the tile. */
 #ifdef KV_VNNI
 #define DP(acc, u, a) _mm256_dpbusd_epi32(acc, u, a)
@@ -476,72 +501,89 @@ KV_INLINE void x8_scales(int t, const uint8_t *o, __m256 *d, __m256 *m) {
     if (t == T_Q5_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-16.f));
     if (t == T_Q8_0 && Q8_OFFSET) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-128.f));
 }
-KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+/* Activation word s of row `at` against a group at block blk: qt's word of a whole group, or (pair) a tail
+ * pair's two blocks' words broadcast to its 4 lane pairs. */
+KV_INLINE __m256i act_word(const acts *A, long at, long blk, int s, int pair) {
+    if (pair) {
+        long long v;
+        memcpy(&v, tail_word(A, at, blk, s), 8);
+        return _mm256_set1_epi64x(v);
+    }
+    return _mm256_loadu_si256((const __m256i *)qt_at(A, at, blk + s));
+}
+/* The integer dots of one group (its first block blk) of RW weight rows (row i's at w + i rs) against RT
+ * activation rows: lane j of dot[i][k], block j's sum. */
+KV_INLINE void x8_dots(int t, const uint8_t *w, size_t rs, const acts *A, long t0, long blk, int pair, int RW, int RT,
+                       __m256i dot[][RTMAX]) {
     const int five = t == T_Q5_0 || t == T_Q5_1 || t == T_Q5_K, mins = t == T_Q4_1 || t == T_Q5_1, kq = t == T_Q4_K || t == T_Q5_K;
     const int codes = (kq ? 16 : mins ? 32 : 16) + (five ? 32 : 0); /* (Q4_K / Q5_K: d, dmin, 12 bytes of scales) */
-    const long nb = A->nb, groups = nb / 8;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
+    if (t != T_Q8_0) {
+        __m256i qh[RWMAX];
+        KV_UNROLL
+        for (int i = 0; i < RW; i++)
+            if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes - 32));
+        KV_UNROLL
+        for (int s = 0; s < 4; s++) {
+            __m256i lo[RWMAX], hi[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
+                lo[i] = _mm256_and_si256(v, m4);
+                hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (five) {
+                    lo[i] = _mm256_or_si256(lo[i], x8_fifth_bits(qh[i], s / 2, s));
+                    hi[i] = _mm256_or_si256(hi[i], x8_fifth_bits(qh[i], 2 + s / 2, s));
+                }
+            }
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const __m256i a0 = act_word(A, t0 + k, blk, s, pair), a1 = act_word(A, t0 + k, blk, s + 4, pair);
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+#ifdef KV_VNNI
+                    dot[i][k] = DP(DP(dot[i][k], lo[i], a0), hi[i], a1);
+#else /* codes < 32: two maddubs' int16 pairs add without overflow before one madd */
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], a0), _mm256_maddubs_epi16(hi[i], a1));
+                    dot[i][k] = _mm256_add_epi32(dot[i][k], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+                }
+            }
+        }
+    } else {
+        KV_UNROLL
+        for (int s = 0; s < 8; s++) {
+            __m256i u[RWMAX], sg[RWMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                sg[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
+                u[i] = Q8_OFFSET ? _mm256_xor_si256(sg[i], _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(sg[i], sg[i]);
+            }
+            KV_UNROLL
+            for (int k = 0; k < RT; k++) {
+                const __m256i a = act_word(A, t0 + k, blk, s, pair);
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) dot[i][k] = DP(dot[i][k], u[i], Q8_OFFSET ? a : _mm256_sign_epi8(a, sg[i]));
+            }
+        }
+    }
+}
+/* Two floats (a tail pair's blocks' activation scales) in each lane pair. */
+static inline __m256 lane_pairs(const float *p) { return _mm256_castpd_ps(_mm256_broadcast_sd((const double *)p)); }
+KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
+    const long nb = A->nb, groups = nb / 8;
     __m256 acc[RWMAX][RTMAX];
     zero_sums(acc, RW, RT);
     for (long g = 0; g < groups; g++) {
         __m256i dot[RWMAX][RTMAX];
-        KV_UNROLL
-        for (int i = 0; i < RW; i++)
-            KV_UNROLL
-            for (int k = 0; k < RT; k++) dot[i][k] = _mm256_setzero_si256();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
         prefetch_group(R, g, RW, RT, (int)x8_group_bytes(t));
-        if (t != T_Q8_0) {
-            __m256i qh[RWMAX];
-            KV_UNROLL
-            for (int i = 0; i < RW; i++)
-                if (five) qh[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes - 32));
-            KV_UNROLL
-            for (int s = 0; s < 4; s++) {
-                __m256i lo[RWMAX], hi[RWMAX];
-                KV_UNROLL
-                for (int i = 0; i < RW; i++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
-                    lo[i] = _mm256_and_si256(v, m4);
-                    hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    if (five) {
-                        lo[i] = _mm256_or_si256(lo[i], x8_fifth_bits(qh[i], s / 2, s));
-                        hi[i] = _mm256_or_si256(hi[i], x8_fifth_bits(qh[i], 2 + s / 2, s));
-                    }
-                }
-                KV_UNROLL
-                for (int k = 0; k < RT; k++) {
-                    const __m256i a0 = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s));
-                    const __m256i a1 = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s + 4));
-                    KV_UNROLL
-                    for (int i = 0; i < RW; i++) {
-#ifdef KV_VNNI
-                        dot[i][k] = DP(DP(dot[i][k], lo[i], a0), hi[i], a1);
-#else /* codes < 32: two maddubs' int16 pairs add without overflow before one madd */
-                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], a0), _mm256_maddubs_epi16(hi[i], a1));
-                        dot[i][k] = _mm256_add_epi32(dot[i][k], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-                    }
-                }
-            }
-        } else {
-            KV_UNROLL
-            for (int s = 0; s < 8; s++) {
-                __m256i u[RWMAX], sg[RWMAX];
-                KV_UNROLL
-                for (int i = 0; i < RW; i++) {
-                    sg[i] = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
-                    u[i] = Q8_OFFSET ? _mm256_xor_si256(sg[i], _mm256_set1_epi8((char)0x80)) : _mm256_sign_epi8(sg[i], sg[i]);
-                }
-                KV_UNROLL
-                for (int k = 0; k < RT; k++) {
-                    const __m256i a = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s));
-                    KV_UNROLL
-                    for (int i = 0; i < RW; i++) dot[i][k] = DP(dot[i][k], u[i], Q8_OFFSET ? a : _mm256_sign_epi8(a, sg[i]));
-                }
-            }
-        }
+        x8_dots(t, w, rs, A, t0, 8 * g, 0, RW, RT, dot);
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
@@ -555,7 +597,33 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
             }
         }
     }
-    if (8 * groups < nb) acc32(t, R->tail, R->trs, A, t0, RW, RT, acc, 8 * groups);
+    /* Tail pairs: one group's dots serve the slab's 4 rows; each row takes its two lanes, in a group's
+     * operations (m·s, then dot·(d·d_a)), the other lanes left as they were. */
+    __m256 mine[RWMAX];
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        mine[i] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_set1_epi32(R->lane0 + i)));
+    for (long p = 0; p < R->np; p++) {
+        const long blk = 8 * groups + 2 * p;
+        const uint8_t *G = R->tp + p * x8_group_bytes(t);
+        __m256i dot[1][RTMAX];
+        x8_dots(t, G, 0, A, t0, blk, 1, 1, RT, dot);
+        __m256 d, m;
+        x8_scales(t, G, &d, &m);
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) {
+            const long off = (t0 + k) * nb + blk;
+            const __m256 sa = lane_pairs(A->s + off), sd = _mm256_mul_ps(d, lane_pairs(A->d + off));
+            const __m256 f = _mm256_cvtepi32_ps(dot[0][k]);
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                if (t != T_Q8_0 || Q8_OFFSET) acc[i][k] = _mm256_blendv_ps(acc[i][k], _mm256_fmadd_ps(m, sa, acc[i][k]), mine[i]);
+                acc[i][k] = _mm256_blendv_ps(acc[i][k], _mm256_fmadd_ps(f, sd, acc[i][k]), mine[i]);
+            }
+        }
+    }
+    const long g0 = 8 * groups + 2 * R->np;
+    if (g0 < nb) acc32(t, R->tail, R->trs, A, t0, RW, RT, acc, g0);
     store_sums(acc, RW, RT, y, ldy);
 }
 /* x8 Q6_K super-blocks (x8_move): d (f16), the 16 int8 scales, 2 words of high bits, 4 words of low
@@ -700,14 +768,52 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             }
         }
     }
-    if (8 * groups < nb) { /* the blocks past the last group, stored as GGML's: acc32's operations, two rows a vector */
-        const long g0 = 8 * groups;
+    long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
+    KV_UNROLL
+    for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
+    for (long q = 0; q < R->np; q++) { /* tail pairs, as tile_x8 sums them: row i's lanes in both halves */
+        const long blk = 8 * groups + 2 * q;
+        const uint8_t *G = R->tp + q * 8 * bs;
+        __m512i dot[PPMAX];
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) dot[p] = _mm512_setzero_si512();
+        const __m512i halves = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1); /* row 2P's 8 bytes, then row 2P + 1's */
+        const int words = t == T_Q8_0 ? 8 : 4;
+        KV_UNROLL
+        for (int s = 0; s < words; s++) {
+            const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(G + codes + 32 * s)));
+            const __m512i lo = t == T_Q8_0 ? _mm512_xor_si512(v, bias) : _mm512_and_si512(v, m4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            KV_UNROLL
+            for (int p = 0; p < RP; p++) {
+                const int8_t *a = tail_word(A, 2 * (P0 + p), blk, s);
+                dot[p] = _mm512_dpbusd_epi32(dot[p], lo, _mm512_permutexvar_epi64(halves, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)a))));
+                if (t != T_Q8_0)
+                    dot[p] = _mm512_dpbusd_epi32(dot[p], hi, _mm512_permutexvar_epi64(halves, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a + 64)))));
+            }
+        }
+        __m256 d, m;
+        x8_scales(t, G, &d, &m);
+        const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) {
+            const long o = 2 * (P0 + p) * nb + blk, o2 = second[p] * nb + blk;
+            const __m512 sa = _mm512_insertf32x8(_mm512_castps256_ps512(lane_pairs(A->s + o)), lane_pairs(A->s + o2), 1);
+            const __m512 da = _mm512_insertf32x8(_mm512_castps256_ps512(lane_pairs(A->d + o)), lane_pairs(A->d + o2), 1);
+            const __m512 f = _mm512_cvtepi32_ps(dot[p]), sd = _mm512_mul_ps(d2, da);
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const __mmask16 mine = (__mmask16)(0x0303u << (2 * (R->lane0 + i)));
+                acc[i][p] = _mm512_mask3_fmadd_ps(m2, sa, acc[i][p], mine);
+                acc[i][p] = _mm512_mask3_fmadd_ps(f, sd, acc[i][p], mine);
+            }
+        }
+    }
+    if (8 * groups + 2 * R->np < nb) { /* the blocks past those, stored as GGML's: acc32's operations, two rows a vector */
+        const long g0 = 8 * groups + 2 * R->np;
         const int n = (int)(nb - g0);
         const __m256i mask = lanes_below(n);
         __m512 scl[PWMAX][PPMAX];
-        long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
-        KV_UNROLL
-        for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
@@ -1148,10 +1254,13 @@ static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r
         const size_t gb = x8_group_bytes(t), tb = (size_t)x8_tail_blocks(t, nb) * block_bytes(t);
         const uint8_t *S = w + (r & ~(long)(SLAB - 1)) * rb;
         const long i0 = r & (SLAB - 1), groups = x8_groups(t, nb);
-        const wrows R = {S + i0 * gb, gb, SLAB * gb, S + SLAB * groups * gb + i0 * tb, tb, 2 * SLAB * rb};
+        const long np = tail_pairs(t, nb);
+        const size_t rest = tb - (size_t)(2 * np * block_bytes(t)); /* each row's tail past its pairs */
+        const uint8_t *tails = S + SLAB * groups * gb;
+        const wrows R = {S + i0 * gb, gb, SLAB * gb, tails + np * gb + i0 * rest, rest, 2 * SLAB * rb, tails, np, (int)i0};
         return R;
     }
-    const wrows R = {w + r * rb, rb, x8_group_bytes(t), w + r * rb + x8_groups(t, nb) * x8_group_bytes(t), rb, 0};
+    const wrows R = {w + r * rb, rb, x8_group_bytes(t), w + r * rb + x8_groups(t, nb) * x8_group_bytes(t), rb, 0, NULL, 0, 0};
     return R;
 }
 
@@ -1311,6 +1420,17 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
  * 4j..4j+3 (a Q4 block's 16 bytes of codes are 4 words, a Q8_0 block's 32 are 8, a Q5 block's
  * fifth bits and codes 5). Blocks past the last whole
  * group are copied as they are. A row keeps its size, so rows can still be sliced and fused. */
+/* Lane j of the x8 group G (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) from the stored block b (pack), or back into b. */
+static void x8_lane(int t, uint8_t *G, int j, uint8_t *b, int pack) {
+    const int head = t == T_Q4_1 || t == T_Q5_1 ? 4 : 2;
+    const int words = t == T_Q8_0 ? 8 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 4; /* a Q5 block's first word: its fifth bits */
+    for (int h = 0; h < head; h += 2) /* d, then Q4_1's m: 8 f16 each */
+        memcpy(pack ? G + 8 * h + 2 * j : b + h, pack ? b + h : G + 8 * h + 2 * j, 2);
+    for (int wd = 0; wd < words; wd++) {
+        uint8_t *x = G + 8 * head + 32 * wd + 4 * j, *p = b + head + 4 * wd;
+        memcpy(pack ? x : p, pack ? p : x, 4);
+    }
+}
 static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) {
     if (t == T_Q6_K) { /* stored: ql[128], qh[64], scales[16], d; x8 (tile_x8_q6k): d, scales, 64 bytes of
                         * high bits, 128 of low nibbles. Value v of sub-block j (h = j / 4, g = j % 4): low
@@ -1371,22 +1491,11 @@ static void x8_move(int t, const uint8_t *src, uint8_t *dst, long nb, int pack) 
         }
         return;
     }
-    const int bs = block_bytes(t), head = t == T_Q4_1 || t == T_Q5_1 ? 4 : 2;
-    const int words = t == T_Q8_0 ? 8 : t == T_Q5_0 || t == T_Q5_1 ? 5 : 4; /* a Q5 block's first word: its fifth bits */
-    for (long g = 0; g + 8 <= nb; g += 8) {
-        const uint8_t *in = src + g * bs;
-        uint8_t *out = dst + g * bs;
-        for (int j = 0; j < 8; j++) {
-            for (int h = 0; h < head; h += 2) { /* d, then Q4_1's m: 8 f16 each */
-                const int x = 8 * h + 2 * j, p = j * bs + h;
-                memcpy(out + (pack ? x : p), in + (pack ? p : x), 2);
-            }
-            for (int wd = 0; wd < words; wd++) {
-                const int x = 8 * head + 32 * wd + 4 * j, p = j * bs + head + 4 * wd;
-                memcpy(out + (pack ? x : p), in + (pack ? p : x), 4);
-            }
-        }
-    }
+    const int bs = block_bytes(t);
+    for (long g = 0; g + 8 <= nb; g += 8)
+        for (int j = 0; j < 8; j++)
+            if (pack) x8_lane(t, dst + g * bs, j, (uint8_t *)src + (g + j) * bs, 1);
+            else x8_lane(t, (uint8_t *)src + g * bs, j, dst + (g + j) * bs, 0);
     const long tail = nb / 8 * 8;
     memcpy(dst + tail * bs, src + tail * bs, (size_t)(nb - tail) * bs);
 }
@@ -1403,8 +1512,8 @@ int kvserve_x8(int t) {
 }
 
 /* Slabs: the x8 rows of a matrix in fours, each four's bytes (4 rows' worth) holding group 0 of its
- * rows 0..3, then group 1 of rows 0..3, ..., then the four rows' blocks past the last whole group one
- * row after another. A tile of 4 rows then reads one stream of memory front to back, which the
+ * rows 0..3, then group 1 of rows 0..3, ..., then the four rows' tail pairs (tail_pairs: one group each),
+ * then their blocks past those one row after another. A tile of 4 rows then reads one stream of memory front to back, which the
  * hardware prefetcher follows at full speed (four streams of separate rows it did not: 1.4-1.6x
  * slower from memory at one token). The last rows % 4 rows stay one after another.
  * Copies row r of an x8 matrix m (nb blocks of t a row) into a one-row buffer in the x8 layout, or
@@ -1417,12 +1526,16 @@ static void slab_row(int t, uint8_t *m, long rows, long nb, long r, uint8_t *row
         return;
     }
     uint8_t *S = m + (r & ~(long)(SLAB - 1)) * rb;
-    const long i = r & (SLAB - 1), groups = x8_groups(t, nb);
-    for (long g = 0; g <= groups; g++) { /* (g == groups: the tail) */
-        uint8_t *at = g < groups ? S + (SLAB * g + i) * gb : S + SLAB * groups * gb + i * tb;
-        const size_t n = g < groups ? gb : tb;
-        memcpy(put ? at : row + g * gb, put ? row + g * gb : at, n);
+    const long i = r & (SLAB - 1), groups = x8_groups(t, nb), np = tail_pairs(t, nb);
+    for (long g = 0; g < groups; g++) {
+        uint8_t *at = S + (SLAB * g + i) * gb;
+        memcpy(put ? at : row + g * gb, put ? row + g * gb : at, gb);
     }
+    uint8_t *tails = S + SLAB * groups * gb, *own = row + groups * gb; /* (a slab of 4: a tail pair's 8 lanes) */
+    for (long p = 0; p < np; p++)
+        for (int j = 0; j < 2; j++) x8_lane(t, tails + p * gb, (int)(2 * i + j), own + (2 * p + j) * bs, put);
+    const size_t rest = tb - 2 * np * bs;
+    memcpy(put ? tails + np * gb + i * rest : own + 2 * np * bs, put ? own + 2 * np * bs : tails + np * gb + i * rest, rest);
 }
 
 /* dst = rows of src (GGML type qtype: Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) in the x8 layout, or back (unpack != 0,

@@ -17,7 +17,8 @@ with the same blocks.
 make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights into the kernels' x8 layout (8 blocks of
 a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 / K types'
 rows, and Q8_0's on AVX-512 builds,
-in slabs of four interleaved group by group, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
+in slabs of four interleaved group by group, their blocks past the last group two at a time as one more group of
+the four rows, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
 bytes, about 2x less arithmetic per block (on the plain C build every type but Q8_0, whose stored rows are one
 contiguous dot there). A tied LM head and the embedding share one packed copy (a lookup
 unpacks the rows it reads).
