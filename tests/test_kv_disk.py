@@ -293,8 +293,10 @@ def test_a_server_serves_a_prefix_from_disk_and_counts_it(tmp_path_factory) -> N
         assert server.metric("kvserve_kv_disk_load_errors_total") == 0
         # The second request's evictions are still being written, and the engine's counters are
         # read as of its last step (every 0.5 s while idle): the gauge settles on the files' sum.
-        on_disk = lambda: sum(f.stat().st_size for f in disk.rglob("*.kvb"))  # noqa: E731
-        wait_for(lambda: server.metric("kvserve_kv_disk_bytes_used") == on_disk() > 0)
+        def settled() -> bool:
+            return server.metric("kvserve_kv_disk_bytes_used") == sum(f.stat().st_size for f in disk.rglob("*.kvb")) > 0
+
+        wait_for(settled)
         assert server.metric("kvserve_kv_disk_bytes_capacity") == int(0.01 * (1 << 30))
         second = _complete(server, b)  # its blocks stay in RAM until the shutdown saves them
     finally:

@@ -599,11 +599,11 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
     }
     /* Tail pairs: one group's dots serve the slab's 4 rows; each row takes its two lanes, in a group's
      * operations (m·s, then dot·(d·d_a)), the other lanes left as they were. */
-    __m256 mine[RWMAX];
-    KV_UNROLL
-    for (int i = 0; i < RW; i++)
-        mine[i] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_set1_epi32(R->lane0 + i)));
     for (long p = 0; p < R->np; p++) {
+        __m256 mine[RWMAX];
+        KV_UNROLL
+        for (int i = 0; i < RW; i++)
+            mine[i] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_set1_epi32(R->lane0 + i)));
         const long blk = 8 * groups + 2 * p;
         const uint8_t *G = R->tp + p * x8_group_bytes(t);
         __m256i dot[1][RTMAX];
@@ -1513,9 +1513,9 @@ int kvserve_x8(int t) {
 
 /* Slabs: the x8 rows of a matrix in fours, each four's bytes (4 rows' worth) holding group 0 of its
  * rows 0..3, then group 1 of rows 0..3, ..., then the four rows' tail pairs (tail_pairs: one group each),
- * then their blocks past those one row after another. A tile of 4 rows then reads one stream of memory front to back, which the
- * hardware prefetcher follows at full speed (four streams of separate rows it did not: 1.4-1.6x
- * slower from memory at one token). The last rows % 4 rows stay one after another.
+ * then their blocks past those one row after another. A tile of 4 rows then reads one stream of memory
+ * front to back, which the hardware prefetcher follows at full speed (four streams of separate rows it
+ * did not: 1.4-1.6x slower from memory at one token). The last rows % 4 rows stay one after another.
  * Copies row r of an x8 matrix m (nb blocks of t a row) into a one-row buffer in the x8 layout, or
  * from it (put != 0). */
 static void slab_row(int t, uint8_t *m, long rows, long nb, long r, uint8_t *row, int put) {
