@@ -71,8 +71,10 @@ def test_the_default_model_takes_the_native_step(llm: LLM) -> None:
     assert isinstance(llm.runner.native, NativeDecode)
 
 
-def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM) -> None:
-    _decode_both(llm.runner, _prompts(5), steps=6)
+@pytest.mark.parametrize("n", [1, 5])
+def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM, n: int) -> None:
+    # One row takes its own order (each KV head's rotation with its attention); more rows, a barrier between.
+    _decode_both(llm.runner, _prompts(n), steps=6)
 
 
 def test_work_buffers_grow_for_longer_contexts_and_larger_batches(llm: LLM) -> None:
@@ -190,8 +192,9 @@ def _tiny_quantized(tiny_llama_dir, qtypes: dict[str, Q], bias: bool = False, wi
     return LlamaModel(dataclasses.replace(ckpt.config, sliding_window=window), tensors, torch.float32)
 
 
+@pytest.mark.parametrize("one_row", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype) -> None:
+def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype, one_row) -> None:
     """A window of 8 with freed (-1) blocks before it: the step reads only the window, as the
     per-op path does (whose window tests/test_sliding_window.py checks against transformers);
     without the window it would refuse the tables."""
@@ -200,11 +203,13 @@ def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype) -> None:
     pools = [torch.zeros(2, c.num_key_value_heads, 64, BS, c.head_dim, dtype=kv_dtype) for _ in model.layers]
     runner = ModelRunner(model, pools, BS)
     assert runner.native is not None and runner.native._model.window == 8
-    _decode_both(runner, _prompts(4, seed=6), steps=6, window=8)
+    prompts = [[(11 * i) % 30000 + 100 for i in range(40)]] if one_row else _prompts(4, seed=6)
+    _decode_both(runner, prompts, steps=6, window=8)
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
-def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir, kv_dtype) -> None:
+def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir, kv_dtype, n) -> None:
     # q in Q8_0 beside k/v in Q4_0: three parts in one fused projection, as K-quant files mix types.
     model = _tiny_quantized(tiny_llama_dir, {"k_proj": Q.Q4_0, "v_proj": Q.Q4_0, "up_proj": Q.Q4_0}, bias=True)
     assert isinstance(model.layers[0].qkv, ConcatLinear) and len(model.layers[0].qkv.parts) == 3
@@ -214,7 +219,7 @@ def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir,
     scales = [torch.zeros(pool.shape[:-1], dtype=torch.float16) for pool in pools] if kv_dtype == torch.int8 else None
     runner = ModelRunner(model, pools, BS, kv_scales=scales)
     assert runner.native is not None and (runner.native._layers[0].kv_scale is not None) == (scales is not None)
-    _decode_both(runner, _prompts(3, seed=3), steps=5)
+    _decode_both(runner, _prompts(n, seed=3), steps=5)
 
 
 def test_models_the_step_does_not_take_keep_the_per_op_path(tiny_llama_dir, monkeypatch) -> None:
@@ -240,3 +245,62 @@ def test_slots_outside_the_pool_are_refused_and_nothing_is_written(llm: LLM) -> 
     # Compared as bytes: blocks never written may hold NaN, which equals nothing.
     assert all(torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
                for a, b in zip(before, runner.kv_caches[:2]))
+
+
+def _argmax_native(logits: torch.Tensor, cols: int, threads: int) -> tuple[list[int], list[float]]:
+    B = logits.shape[0]
+    ids, vals = torch.empty(B, dtype=torch.int64), torch.empty(B)
+    rc = decode_step.library().kvserve_argmax(logits.data_ptr(), B, logits.shape[1], cols, ids.data_ptr(),
+                                               vals.data_ptr(), threads)
+    assert rc == 0
+    return ids.tolist(), vals.tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 7])
+def test_the_native_argmax_is_numpys(threads: int) -> None:
+    """Each row's argmax as numpy's, whichever thread scanned which columns: the first of equal maxima
+    (here on both sides of every thread's boundary), the first NaN before any number, +inf, all -inf,
+    -0.0 against 0.0, and only the first `cols` columns."""
+    V, cols = 1000, 993
+    g = torch.Generator().manual_seed(threads)
+    rows = [torch.randn(V, generator=g) for _ in range(4)]
+    tied = torch.randn(V, generator=g)
+    tied[[7, 250, 251, 500, 749, 992]] = 9.0  # 16-column chunks dealt to 2-7 threads fall between these
+    rows.append(tied)
+    nan = torch.randn(V, generator=g)
+    nan[[300, 800]] = float("nan")
+    nan[10] = float("inf")
+    rows.append(nan)
+    inf = torch.randn(V, generator=g)
+    inf[[600, 900]] = float("inf")
+    rows.append(inf)
+    rows.append(torch.full((V,), float("-inf")))
+    zeros = torch.full((V,), -1.0)
+    zeros[[400, 401]] = torch.tensor([-0.0, 0.0])
+    rows.append(zeros)
+    past = torch.randn(V, generator=g)
+    past[cols:] = 100.0  # past `cols`: not looked at
+    rows.append(past)
+    logits = torch.stack(rows)
+    ids, vals = _argmax_native(logits, cols, threads)
+    want = logits[:, :cols].numpy().argmax(axis=1).tolist()
+    assert ids == want
+    assert [t[i].item() for t, i in zip(logits, want)] == pytest.approx(vals, nan_ok=True)
+    assert want[4:9] == [7, 300, 600, 0, 400]
+
+
+def test_a_greedy_step_takes_its_tokens_from_the_native_argmax(llm: LLM) -> None:
+    """The native step's argmax (what a greedy step samples) is numpy's over the logits it returns, within
+    the sampler's vocabulary (here narrower than the LM head's, as with a padded head)."""
+    native, blocks = llm.runner.native, iter(range(1, 10_000))
+    prompts = _prompts(5, seed=7)
+    V = llm.runner.sampler.vocab_size
+    for cols in (V, V - 1000):
+        tables = [[next(blocks) for _ in range(len(p) // BS + 1)] for p in prompts]
+        hidden, logits, best = native([p[-1] for p in prompts], [len(p) - 1 for p in prompts],
+                                      [t[(len(p) - 1) // BS] * BS + (len(p) - 1) % BS for p, t in zip(prompts, tables)],
+                                      tables, argmax_cols=cols)
+        ids, vals = best
+        assert ids == logits[:, :cols].numpy().argmax(axis=1).tolist()
+        assert vals == [logits[r, i].item() for r, i in enumerate(ids)]
+    assert native([1], [0], [BS], [[1]], argmax_cols=0)[2] is None

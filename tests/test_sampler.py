@@ -309,6 +309,24 @@ def test_non_finite_logits_never_give_a_token(poison, params):
         assert out.logprobs[0].token_id == out.token_ids[0]
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
+                                    dict(temperature=0.0, presence_penalty=0.5), dict(temperature=0.8, seed=3)])
+def test_a_precomputed_argmax_serves_the_greedy_hot_path_alone(params):
+    """best (each row's argmax and its logit, as the native decode step hands them over) is the greedy hot
+    path's answer, a non-finite logit there no token; rows the hot path does not take sample the logits."""
+    logits = random_logits(4, seed=5)
+    logits[1, 9] = float("nan")
+    logits[3, :] = float("-inf")
+    best = ([7, 9, 11, 0], [1.0, float("nan"), float("inf"), float("-inf")])  # not the logits' argmax: told apart
+    rows = [row(**params) for _ in range(4)]
+    got = Sampler(V, seed=0)(logits, rows, best)
+    if params == dict(temperature=0.0):
+        assert got.token_ids == [7, NO_TOKEN, NO_TOKEN, NO_TOKEN]
+    else:
+        assert got.token_ids == Sampler(V, seed=0)(logits, rows).token_ids
+        assert got.token_ids[1] == got.token_ids[3] == NO_TOKEN
+
+
 def test_fast_argmax_equals_torch_with_ties():
     x = torch.randn(5, 4000, generator=torch.Generator().manual_seed(3))
     x[2, [10, 20, 30]] = 100.0  # a tie: the lowest id wins, as in torch

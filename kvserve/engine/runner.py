@@ -26,7 +26,7 @@ from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.verify import Verified, rows_for, verify
 from kvserve.model.attention import AttentionMetadata
 from kvserve.model.llama import LlamaModel
-from kvserve.model.native_decode import NativeDecode
+from kvserve.model.native_decode import Best, NativeDecode
 from kvserve.outputs import TokenLogprob
 from kvserve.structured import grammar
 
@@ -117,7 +117,10 @@ class ModelRunner:
                 sampling.append(seq)
             if seq.wants_prompt_outputs:
                 wanting.append(len(chunks) - 1)
-        logits, hidden = self._run(chunks, keep_hidden=bool(wanting))
+        # A greedy step (no draft, no grammar) takes each row's argmax from the native step, made while
+        # the logits are in its threads' caches: read afterwards they come from the other core's cache.
+        greedy = bool(sampling) and not drafted and all(s.params.greedy and s.matcher is None for s in sampling)
+        logits, hidden, best = self._run(chunks, keep_hidden=bool(wanting), argmax=greedy)
         prompt_outputs = self._prompt_outputs(sched, chunks, wanting, hidden) if wanting else []
         verified: list[Verified] = []
         if drafted:
@@ -127,7 +130,7 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput([], [], [], prompt_outputs, drafted, verified)
         rows = [self._row(s) for s in sampling]
-        out = self.sampler(grammar.apply_masks(logits, sampling), rows)  # structured output: allowed tokens only
+        out = self.sampler(grammar.apply_masks(logits, sampling), rows, best)  # structured output: allowed tokens only
         return RunnerOutput(sampling, out.token_ids, out.logprobs, prompt_outputs, drafted, verified)
 
     def _row(self, s: Sequence) -> SamplingRow:
@@ -196,9 +199,11 @@ class ModelRunner:
         return self._run(chunks)[0]
 
     @torch.inference_mode()
-    def _run(self, chunks: list[SeqChunk], keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """run()'s logits, and with keep_hidden every token's final hidden state [T, hidden]
-        (the per-op forward then, never the native decode step, which keeps none)."""
+    def _run(self, chunks: list[SeqChunk], keep_hidden: bool = False,
+             argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Best | None]:
+        """run()'s logits; with keep_hidden every token's final hidden state [T, hidden] (the per-op
+        forward then, never the native decode step, which keeps none); with argmax, where the native
+        step makes every row's logits, each row's argmax over the sampler's vocabulary (else None)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -233,14 +238,15 @@ class ModelRunner:
             for kv in [*self.kv_caches, *(self.kv_scales or [])]:
                 kv.index_fill_(2, idx, 0)
         if self.native is not None and len(ids) == len(chunks) and not keep_hidden:  # a decode step, in one call
-            hidden, logits = self.native(ids, positions, slots, [c.block_ids for c in chunks], last_rows is None)
+            hidden, logits, best = self.native(ids, positions, slots, [c.block_ids for c in chunks], last_rows is None,
+                                               argmax_cols=self.sampler.vocab_size if argmax else 0)
             if logits is not None:
-                return logits, None
-            return self._logits(hidden, last_rows), None
+                return logits, None, best
+            return self._logits(hidden, last_rows), None, None
         if self.native is not None and not keep_hidden and len(ids) < self.native.integer_rows():
-            return self._logits(self._native_prompt_rows(chunks, ids, positions, slots), last_rows), None
+            return self._logits(self._native_prompt_rows(chunks, ids, positions, slots), last_rows), None, None
         hidden = self._forward(chunks, ids, positions, slots)
-        return self._logits(hidden, last_rows), (hidden if keep_hidden else None)
+        return self._logits(hidden, last_rows), (hidden if keep_hidden else None), None
 
     def _forward(self, chunks: list[SeqChunk], ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """The per-op forward of the chunks' rows → final hidden states [T, hidden]."""
@@ -270,7 +276,7 @@ class ModelRunner:
         T, rows = len(ids), [r for h, r0 in zip(head, starts) for r in range(r0, r0 + h)]
         hidden = None
         if rows:
-            native_hidden, _ = self.native([ids[r] for r in rows], [positions[r] for r in rows], [slots[r] for r in rows],
+            native_hidden, _, _ = self.native([ids[r] for r in rows], [positions[r] for r in rows], [slots[r] for r in rows],
                                            [c.block_ids for c, h in zip(chunks, head) if h], False, [h for h in head if h])
             if len(rows) == T:
                 return native_hidden

@@ -254,19 +254,29 @@ class Sampler:
                             else np.random.Generator(np.random.PCG64()))
         return self._shared
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 best: tuple[list[int], list[float]] | None = None) -> SamplerOutput:
+        """One token per row. best: each row's argmax over logits[:, :vocab_size] and the logit there,
+        where the caller made them with the logits (the native decode step does); a greedy batch then
+        takes them as they are, without reading the logits again."""
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(
                 f"logits must be [{len(rows)}, >= {self.vocab_size}] (one row per SamplingRow), "
                 f"got {list(logits.shape)}"
             )
+        # Hot path: argmax (exact in any float dtype, no float32 copy); a row was finite iff the
+        # value it picked is (argmax picks a NaN or +inf where there is one; an all -inf row picks -inf).
+        hot = all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
+                  and not r.banned_token_ids and not r.params.logit_bias for r in rows)
+        if hot and best is not None:
+            tokens, values = best
+            if not all(map(math.isfinite, values)):
+                tokens = [t if math.isfinite(v) else NO_TOKEN for t, v in zip(tokens, values)]
+            return SamplerOutput(tokens, [None] * len(rows))
         logits = logits[:, : self.vocab_size]
-        if all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
-               and not r.banned_token_ids and not r.params.logit_bias for r in rows):
-            # Hot path: argmax (exact in any float dtype, no float32 copy); a row was finite iff
-            # the value it picked is (argmax picks a NaN or +inf where there is one; an all -inf
-            # row picks -inf). On the CPU in numpy: a torch reduction over the row would start the
-            # OpenMP threads, which costs more than the work while the cores serve other threads.
+        if hot:
+            # On the CPU in numpy: a torch reduction over the row would start the OpenMP threads,
+            # which costs more than the work while the cores serve other threads.
             picked = argmax(logits)
             tokens = picked.tolist()
             rows_idx = torch.arange(len(tokens))

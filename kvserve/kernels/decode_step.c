@@ -5,7 +5,10 @@
  * ctypes crossing and an OpenMP fork/join, which at one token cost as much as the arithmetic.
  * Here the whole forward runs inside one OpenMP parallel region: the threads stay put and meet at
  * a barrier between operations (llama.cpp's graph runner works the same way), over buffers the
- * caller allocated once. Python keeps the scheduling, the sampling and everything else.
+ * caller allocated once. Python keeps the scheduling, the sampling and everything else, but for a greedy
+ * step's argmax, made here while the logits are in the threads' caches (after a step has streamed the
+ * weights through them, Python's first reads of anything run ~10x slower than warm: the sampler's argmax
+ * and its torch ops took ~0.3 ms a token).
  *
  * The operations are the ones the per-op path calls (one unity build of the three kernel files):
  * quant_matmul.c's tiles (so each output row's arithmetic, and so each sequence's tokens, do not
@@ -65,6 +68,8 @@ typedef struct {
     int max_threads;
     float *x, *h, *qkv, *q, *k, *att, *o, *gu, *act, *delta, *cs, *sn, *scores;
     char *acts; /* quantized activations: act_rows(max_batch) * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
+    float *best_val;   /* [max_threads, max_batch]: each thread's best logit of its columns (argmax) */
+    int64_t *best_idx; /* [max_threads, max_batch]: its column, -1 for none */
 } kv_work;
 
 /* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */
@@ -74,12 +79,9 @@ static acts acts_for(char *buf, long T, const kv_linear *L) {
     return acts_over(buf, T, L->cols / 32, x8);
 }
 
-/* Inside the parallel region, every thread calls it: quantize x's rows, barrier, then the
+/* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the
  * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
-static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf) {
-    const acts A = acts_for(buf, T, L);
-#pragma omp for schedule(static)
-    for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
+static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y) {
     long chunks = 0;
     for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
 #pragma omp for schedule(static)
@@ -95,13 +97,39 @@ static void linear_in_region(const kv_linear *L, const float *x, long T, float *
         const int qt = L->type[p];
         const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
         const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
-        row_range(qt, L->w[p], rb, &A, T, r0, r1, y + off, L->total_rows);
+        row_range(qt, L->w[p], rb, A, T, r0, r1, y + off, L->total_rows);
     }
     if (L->bias) {
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++)
             for (long r = 0; r < L->total_rows; r++) y[t * L->total_rows + r] += L->bias[r];
     }
+}
+
+/* Quantize x's rows, barrier, then the matmul. (Where one operation makes a row just before, its loop
+ * quantizes the row itself, sparing a barrier: see kvserve_decode_step.) */
+static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf) {
+    const acts A = acts_for(buf, T, L);
+#pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
+    matmul_in_region(L, &A, T, y);
+}
+
+/* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
+ * format a literal in each copy. */
+static void rope_store(const kv_model *m, const kv_layer *L, const kv_work *ws, const int64_t *slots, int t, int h,
+                       long num_slots) {
+#define GROUP(F) rope_store_group(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, L->kv_scale, slots, t, h, m->H, m->Hkv, \
+                                  m->D, num_slots, 0, F)
+    if (m->kv_fmt == FMT_F16)
+        GROUP(FMT_F16);
+    else if (m->kv_fmt == FMT_I8)
+        GROUP(FMT_I8);
+    else if (m->kv_fmt == FMT_F32)
+        GROUP(FMT_F32);
+    else
+        GROUP(FMT_BF16);
+#undef GROUP
 }
 
 static int linear_ok(const kv_linear *L, long cols, long rows) {
@@ -112,6 +140,76 @@ static int linear_ok(const kv_linear *L, long cols, long rows) {
         sum += L->rows[p];
     }
     return sum == rows;
+}
+
+/* Whether logit v at column i comes before bv at bi in numpy's argmax: a NaN before any number (the
+ * first NaN wins), else the larger value, and between equals the lower column; bi < 0 is none. */
+static inline int ahead(float v, int64_t i, float bv, int64_t bi) {
+    if (i < 0 || bi < 0) return bi < 0 && i >= 0;
+    const int vn = v != v, bn = bv != bv;
+    if (vn || bn) return vn && (!bn || i < bi);
+    return v > bv || (v == bv && i < bi);
+}
+
+/* row[c0..c1)'s argmax as numpy's: its column (-1 when empty) and value. */
+static void argmax_cols(const float *row, long c0, long c1, float *val, int64_t *idx) {
+    if (c0 >= c1) {
+        *idx = -1, *val = 0.f;
+        return;
+    }
+    float m = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (long c = c0; c < c1; c++) {
+        m = row[c] > m ? row[c] : m;
+        nan |= row[c] != row[c];
+    }
+    long c = c0;
+    if (nan)
+        while (row[c] == row[c]) c++;
+    else
+        while (row[c] != m) c++; /* m is one of the values (all -inf: the first) */
+    *idx = c, *val = row[c];
+}
+
+/* Inside a parallel region, after the logits [B, ld] are written: each row's argmax over its first `cols`
+ * logits into argmax / argmax_val. Each thread scans the columns a static schedule dealt it as the LM head's
+ * 16-row chunks (still in its cache), keeping its best in best_val / best_idx [threads, stride]; then the
+ * threads' bests merge, which gives the same column however the columns were dealt. */
+static void argmax_in_region(const float *logits, long ld, long cols, int B, float *best_val, int64_t *best_idx,
+                             long stride, int64_t *argmax, float *argmax_val) {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const long chunks = (cols + 15) / 16, q = chunks / nt, r = chunks % nt;
+    const long c0 = 16 * (me * q + (me < r ? me : r)), c1 = c0 + 16 * (q + (me < r));
+    for (int t = 0; t < B; t++)
+        argmax_cols(logits + (size_t)t * ld, c0 < cols ? c0 : cols, c1 < cols ? c1 : cols,
+                    best_val + (size_t)me * stride + t, best_idx + (size_t)me * stride + t);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int t = 0; t < B; t++) {
+        float v = 0.f;
+        int64_t i = -1;
+        for (int k = 0; k < nt; k++) {
+            const size_t at = (size_t)k * stride + t;
+            if (ahead(best_val[at], best_idx[at], v, i)) v = best_val[at], i = best_idx[at];
+        }
+        argmax[t] = i, argmax_val[t] = v;
+    }
+}
+
+/* The same on its own, for logits [B, ld] of the caller's: 0; -1 when cols is not in 1..ld; -2 out of memory. */
+int kvserve_argmax(const float *logits, int B, long ld, long cols, int64_t *argmax, float *argmax_val, int nthreads) {
+    if (B <= 0 || cols < 1 || cols > ld) return B <= 0 ? 0 : -1;
+    float *val = malloc(sizeof(float) * (size_t)nthreads * B);
+    int64_t *idx = malloc(sizeof(int64_t) * (size_t)nthreads * B);
+    if (!val || !idx) {
+        free(val), free(idx);
+        return -2;
+    }
+#pragma omp parallel num_threads(nthreads)
+    argmax_in_region(logits, ld, cols, B, val, idx, B, argmax, argmax_val);
+    free(val), free(idx);
+    return 0;
 }
 
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
@@ -151,12 +249,15 @@ static void embed_row(const kv_model *m, long id, float *x) {
 
 /* ids, positions, slots: [B] int64; tables [B, max_blocks] int32; seq_lens [B] int32.
  * Writes the final-normed hidden states into hidden [B, hidden] and, when the model has an LM
- * head here and logits is given, the logits into logits [B, vocab]. Returns 0; -1 shapes the step does not take; -3
+ * head here and logits is given, the logits into logits [B, vocab]; with argmax given too, each row's
+ * argmax over its first argmax_cols logits (numpy's: the first NaN, else the first maximum) into
+ * argmax [B] and the logit there into argmax_val [B] (a greedy sampler's whole work). Returns 0; -1 shapes the step does not take; -3
  * (nothing written) when an id, a slot, a context or a block id lies outside its range; -4 when
  * the work buffers are too small for this batch. */
 int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64_t *ids, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, int max_blocks, const int32_t *seq_lens,
-                        float *hidden, float *logits, int nthreads) {
+                        float *hidden, float *logits, int64_t *argmax, float *argmax_val, long argmax_cols,
+                        int nthreads) {
     if (B <= 0) return 0;
     if (B > ws->max_batch || nthreads > ws->max_threads) return -4;
     const long num_slots = m->num_blocks * m->block_size;
@@ -166,6 +267,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                                             m->window);
     if (max_len < 0) return max_len;
     if (max_len > ws->max_context) return -4;
+    if (argmax && (argmax_cols < 1 || argmax_cols > m->vocab)) return -1;
     const int N = m->hidden, H = m->H, Hkv = m->Hkv, D = m->D, F = m->ffn, G = H / Hkv;
     const float eps = m->eps;
 #pragma omp parallel num_threads(nthreads)
@@ -178,41 +280,58 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
         }
         for (int l = 0; l < m->n_layers; l++) {
             const kv_layer *L = &m->layers[l];
-            /* h = norm(x + the previous layer's MLP output) */
-#pragma omp for schedule(static)
-            for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
-            linear_in_region(&L->qkv, ws->h, B, ws->qkv, ws->acts);
-            /* q, k rotated; k and v into their slots (a literal pool format per copy) */
+            /* h = norm(x + the previous layer's MLP output), each row quantized for qkv by its own thread */
+            const acts Aqkv = acts_for(ws->acts, B, &L->qkv);
 #pragma omp for schedule(static)
             for (int t = 0; t < B; t++) {
-                uint16_t *sc = L->kv_scale;
-                if (m->kv_fmt == FMT_F16)
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_F16);
-                else if (m->kv_fmt == FMT_I8)
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_I8);
-                else if (m->kv_fmt == FMT_F32)
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_F32);
-                else
-                    rope_store_row(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, sc, slots, t, H, Hkv, D, num_slots, 0, FMT_BF16);
+                add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
+                quantize_row(ws->h + (size_t)t * N, &Aqkv, t);
             }
+            matmul_in_region(&L->qkv, &Aqkv, B, ws->qkv);
+            /* q, k rotated; k and v into their slots; then attention. One row (one sequence's decode step) reads
+             * no other row's new keys, so each KV head's rotations go with its attention: one barrier fewer, and
+             * the rotations spread over the threads. Rows of one prompt chunk read each other's: a barrier. */
+            if (B == 1) {
 #pragma omp for schedule(static)
-            for (int item = 0; item < B * Hkv; item++) {
-                const int b = item / Hkv, h = item % Hkv;
-                attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h, H, Hkv,
-                            (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+                for (int h = 0; h < Hkv; h++) {
+                    rope_store(m, L, ws, slots, 0, h, num_slots);
+                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables, seq_lens[0], m->window, 0, h, H, Hkv,
+                                (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+                }
+            } else {
+#pragma omp for schedule(static)
+                for (int t = 0; t < B; t++)
+                    for (int h = 0; h < Hkv; h++) rope_store(m, L, ws, slots, t, h, num_slots);
+#pragma omp for schedule(static)
+                for (int item = 0; item < B * Hkv; item++) {
+                    const int b = item / Hkv, h = item % Hkv;
+                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h,
+                                H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+                }
             }
             linear_in_region(&L->o, ws->att, B, ws->o, ws->acts);
+            const acts Agu = acts_for(ws->acts, B, &L->gate_up);
 #pragma omp for schedule(static)
-            for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
-            linear_in_region(&L->gate_up, ws->h, B, ws->gu, ws->acts);
+            for (int t = 0; t < B; t++) {
+                add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
+                quantize_row(ws->h + (size_t)t * N, &Agu, t);
+            }
+            matmul_in_region(&L->gate_up, &Agu, B, ws->gu);
             /* act = silu(gate) * up */
+            const acts Adown = acts_for(ws->acts, B, &L->down);
 #pragma omp for schedule(static)
-            for (int t = 0; t < B; t++) silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
-            linear_in_region(&L->down, ws->act, B, ws->delta, ws->acts);
+            for (int t = 0; t < B; t++) {
+                silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
+                quantize_row(ws->act + (size_t)t * F, &Adown, t);
+            }
+            matmul_in_region(&L->down, &Adown, B, ws->delta);
         }
 #pragma omp for schedule(static)
         for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
-        if (m->lm_head.nparts && logits) linear_in_region(&m->lm_head, hidden, B, logits, ws->acts);
+        if (m->lm_head.nparts && logits) {
+            linear_in_region(&m->lm_head, hidden, B, logits, ws->acts);
+            if (argmax) argmax_in_region(logits, m->vocab, argmax_cols, B, ws->best_val, ws->best_idx, ws->max_batch, argmax, argmax_val);
+        }
     }
     return 0;
 }

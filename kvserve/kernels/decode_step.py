@@ -43,13 +43,15 @@ class Work(ctypes.Structure):
     _fields_ = [
         ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
         *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
-        ("acts", _p),
+        ("acts", _p), ("best_val", _p), ("best_idx", _p),
     ]
 
 
 _SIGNATURES = {
     "kvserve_decode_check": [ctypes.POINTER(Model)],
-    "kvserve_decode_step": [ctypes.POINTER(Model), ctypes.POINTER(Work), _i, _p, _p, _p, _p, _i, _p, _p, _p, _i],
+    "kvserve_argmax": [_p, _i, _l, _l, _p, _p, _i],
+    "kvserve_decode_step": [ctypes.POINTER(Model), ctypes.POINTER(Work), _i, _p, _p, _p, _p, _i, _p, _p, _p, _p, _p,
+                            _l, _i],
 }
 
 

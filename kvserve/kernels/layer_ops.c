@@ -143,24 +143,33 @@ static inline void store_row(char *dst, uint16_t *scale, const char *src, int D,
     }
 }
 
+/* Row t's query heads of KV head h rotated into q_out, its key head h rotated into k_out, and that key and
+ * its value into slot slots[t] of the pool (each group's outputs apart, so groups may go to different threads). */
+__attribute__((always_inline)) static inline void rope_store_group(const void *qkv, const void *cs, const void *sn,
+                                                                  void *q_out, void *k_out, void *kv, uint16_t *kv_scale,
+                                                                  const int64_t *slots, int t, int h, int H, int Hkv,
+                                                                  int D, long num_slots, const int bf16, const int kv_fmt) {
+    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4;
+    const size_t kv_esize = fmt_bytes(kv_fmt);
+    const size_t row = (size_t)t * width, co = (size_t)t * D;
+    const int G = H / Hkv;
+    for (int g = h * G; g < (h + 1) * G; g++) rope_head(qkv, row + (size_t)g * D, cs, sn, co, q_out, ((size_t)t * H + g) * D, D, bf16);
+    const size_t ko = ((size_t)t * Hkv + h) * D;
+    rope_head(qkv, row + (size_t)(H + h) * D, cs, sn, co, k_out, ko, D, bf16);
+    const size_t krow = (size_t)h * num_slots + slots[t], vrow = (size_t)(Hkv + h) * num_slots + slots[t];
+    char *kslot = (char *)kv + krow * D * kv_esize, *vslot = (char *)kv + vrow * D * kv_esize;
+    /* an int8 pool's scales: one per pool row, at the row's own index */
+    store_row(kslot, kv_scale ? kv_scale + krow : NULL, (const char *)k_out + ko * esize, D, bf16, kv_fmt);
+    store_row(vslot, kv_scale ? kv_scale + vrow : NULL, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize, D,
+              bf16, kv_fmt);
+}
+
 __attribute__((always_inline)) static inline void rope_store_row(const void *qkv, const void *cs, const void *sn,
                                                                 void *q_out, void *k_out, void *kv, uint16_t *kv_scale,
                                                                 const int64_t *slots, int t, int H, int Hkv, int D,
                                                                 long num_slots, const int bf16, const int kv_fmt) {
-    const size_t width = (size_t)(H + 2 * Hkv) * D, esize = bf16 ? 2 : 4;
-    const size_t kv_esize = fmt_bytes(kv_fmt);
-    const size_t row = (size_t)t * width, co = (size_t)t * D;
-    for (int h = 0; h < H; h++) rope_head(qkv, row + (size_t)h * D, cs, sn, co, q_out, ((size_t)t * H + h) * D, D, bf16);
-    for (int h = 0; h < Hkv; h++) {
-        const size_t ko = ((size_t)t * Hkv + h) * D;
-        rope_head(qkv, row + (size_t)(H + h) * D, cs, sn, co, k_out, ko, D, bf16);
-        const size_t krow = (size_t)h * num_slots + slots[t], vrow = (size_t)(Hkv + h) * num_slots + slots[t];
-        char *kslot = (char *)kv + krow * D * kv_esize, *vslot = (char *)kv + vrow * D * kv_esize;
-        /* an int8 pool's scales: one per pool row, at the row's own index */
-        store_row(kslot, kv_scale ? kv_scale + krow : NULL, (const char *)k_out + ko * esize, D, bf16, kv_fmt);
-        store_row(vslot, kv_scale ? kv_scale + vrow : NULL, (const char *)qkv + (row + (size_t)(H + Hkv + h) * D) * esize,
-                  D, bf16, kv_fmt);
-    }
+    for (int h = 0; h < Hkv; h++)
+        rope_store_group(qkv, cs, sn, q_out, k_out, kv, kv_scale, slots, t, h, H, Hkv, D, num_slots, bf16, kv_fmt);
 }
 
 /* qkv [T, (H + 2 Hkv) * D] from the fused projection; cos, sin [T, D] in the model dtype.

@@ -62,18 +62,27 @@ static inline __attribute__((always_inline)) void scaled_queries(const void *q, 
     }
 }
 
-/* Each head's n scores → its softmax weights, in place. */
-static inline void softmax_rows(float *restrict scores, int G, int n) {
+/* Each head's n scores → its softmax weights, in place. The sum runs in 8 partial sums, value t into sum t % 8,
+ * added up in a fixed order, and the function is compiled once (noinline): neither where the row lies in memory
+ * (a vectorized reduction peels to an alignment: the scores buffers are per thread, malloc'd in
+ * kvserve_paged_decode) nor the code around a call can change how a head's weights round. */
+static __attribute__((noinline)) void softmax_rows(float *restrict scores, int G, int n) {
     for (int g = 0; g < G; g++) {
-        float *s = scores + (size_t)g * n, m = -INFINITY, sum = 0.f;
+        float *s = scores + (size_t)g * n, m = -INFINITY, part[8] = {0.f};
         for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < n; t++) {
+        int t = 0;
+        for (; t + 8 <= n; t += 8)
+            for (int j = 0; j < 8; j++) {
+                s[t + j] = exp_approx(s[t + j] - m);
+                part[j] += s[t + j];
+            }
+        for (; t < n; t++) {
             s[t] = exp_approx(s[t] - m);
-            sum += s[t];
+            part[t % 8] += s[t];
         }
+        const float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
         const float inv = 1.f / sum;
-        for (int t = 0; t < n; t++) s[t] *= inv;
+        for (t = 0; t < n; t++) s[t] *= inv;
     }
 }
 

@@ -31,6 +31,8 @@ from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.llama import LlamaModel
 from kvserve.model.quant import KERNEL_TYPES, ConcatLinear, QuantizedLinear, QuantizedWeight
 
+Best = tuple[list[int], list[float]]  # each row's argmax (its token id) and the logit there
+
 log = logging.getLogger("kvserve.model")
 
 _FIELDS = ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn")
@@ -171,6 +173,11 @@ class NativeDecode:
         acts = torch.zeros((batch + 1) * max(N, H * D, F) // 32 * 84 + 64, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
+        # Each row's argmax over the logits (a greedy step's sampling, done while they are in cache):
+        # the threads' partial bests, then the rows' ids and values.
+        b["best_val"], b["best_idx"] = torch.zeros(threads, batch), torch.zeros(threads, batch, dtype=torch.int64)
+        w.best_val, w.best_idx = b["best_val"].data_ptr(), b["best_idx"].data_ptr()
+        b["argmax"], b["argmax_val"] = torch.zeros(batch, dtype=torch.int64), torch.zeros(batch)
         b["hidden"] = torch.zeros(batch, N)
         b["logits"] = torch.zeros(batch, c.vocab_size) if self.head_rows else torch.zeros(0)
         # The step's index arrays, written in place each step: ids, positions, slots (int64), and
@@ -188,9 +195,11 @@ class NativeDecode:
 
     @torch.inference_mode()
     def __call__(self, ids: list[int], positions: list[int], slots: list[int], block_tables: list[list[int]],
-                 logits: bool = True, rows_per_seq: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 logits: bool = True, rows_per_seq: list[int] | None = None,
+                 argmax_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, Best | None]:
         """One token per row → (hidden [B, hidden], logits [B, V] or None where the caller must run
-        the LM head). Both are views of work buffers: valid until the next call. Each row attends to
+        the LM head, and with argmax_cols each row's argmax over its first argmax_cols logits and the
+        logit there, or None). The tensors are views of work buffers: valid until the next call. Each row attends to
         its sequence's keys up to its own position; block_tables has one table per row, or, with
         rows_per_seq, one per sequence whose rows follow one another (a prompt chunk's)."""
         B = len(ids)
@@ -213,11 +222,16 @@ class NativeDecode:
         hidden = self._buffers["hidden"]
         head = logits and B < self.head_rows
         out = self._buffers["logits"] if head else None
+        best = head and 0 < argmax_cols
         ip, tp = self._buffers["index"].data_ptr(), self._buffers["tables"].data_ptr()
+        ids_out, vals_out = self._buffers["argmax"], self._buffers["argmax_val"]
         rc = self._lib.kvserve_decode_step(
             ctypes.byref(self._model), ctypes.byref(w), B, ip, ip + 8 * w.max_batch, ip + 16 * w.max_batch,
-            tp, width, tp + 4 * B * width, hidden.data_ptr(), None if out is None else out.data_ptr(), threads)
+            tp, width, tp + 4 * B * width, hidden.data_ptr(), None if out is None else out.data_ptr(),
+            ids_out.data_ptr() if best else None, vals_out.data_ptr() if best else None, argmax_cols if best else 0,
+            threads)
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
                                "outside the model's vocabulary or the KV pool")
-        return hidden[:B], (out[:B] if head else None)
+        picked = (ids_out[:B].tolist(), vals_out[:B].tolist()) if best else None
+        return hidden[:B], (out[:B] if head else None), picked
