@@ -152,7 +152,7 @@ static inline int ahead(float v, int64_t i, float bv, int64_t bi) {
 }
 
 /* row[c0..c1)'s argmax as numpy's: its column (-1 when empty) and value. */
-static void argmax_cols(const float *row, long c0, long c1, float *val, int64_t *idx) {
+static void argmax_span(const float *row, long c0, long c1, float *val, int64_t *idx) {
     if (c0 >= c1) {
         *idx = -1, *val = 0.f;
         return;
@@ -182,7 +182,7 @@ static void argmax_in_region(const float *logits, long ld, long cols, int B, flo
     const long chunks = (cols + 15) / 16, q = chunks / nt, r = chunks % nt;
     const long c0 = 16 * (me * q + (me < r ? me : r)), c1 = c0 + 16 * (q + (me < r));
     for (int t = 0; t < B; t++)
-        argmax_cols(logits + (size_t)t * ld, c0 < cols ? c0 : cols, c1 < cols ? c1 : cols,
+        argmax_span(logits + (size_t)t * ld, c0 < cols ? c0 : cols, c1 < cols ? c1 : cols,
                     best_val + (size_t)me * stride + t, best_idx + (size_t)me * stride + t);
 #pragma omp barrier
 #pragma omp for schedule(static)
