@@ -302,7 +302,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #pragma omp for schedule(static)
                 for (int t = 0; t < B; t++)
                     for (int h = 0; h < Hkv; h++) rope_store(m, L, ws, slots, t, h, num_slots);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1) /* dealt in turn: a prompt's later rows see more keys */
                 for (int item = 0; item < B * Hkv; item++) {
                     const int b = item / Hkv, h = item % Hkv;
                     attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h,

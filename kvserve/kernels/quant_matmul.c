@@ -369,7 +369,23 @@ KV_INLINE void zero_sums(__m256 acc[][RTMAX], int RW, int RT) {
         for (int k = 0; k < RT; k++) acc[i][k] = _mm256_setzero_ps();
 }
 
+/* hsum of a0..a3 at once, [hsum(a0), hsum(a1), hsum(a2), hsum(a3)]: the same additions in the same pairs
+ * (x_j = v_j + v_j+4, then (x_0 + x_2) + (x_1 + x_3)), so the same bits, in a third of the instructions. */
+static inline __m128 hsum4_rows(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31)); /* [x(a0) | x(a1)] */
+    const __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+    /* per 128-bit lane: x_0 + x_2, x_1 + x_3 of s01's vector, then of s23's */
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)); /* lanes [a0 a2 ..], [a1 a3 ..] */
+}
+
 KV_INLINE void store_sums(__m256 acc[][RTMAX], int RW, int RT, float *y, long ldy) {
+    if (RW == 4) {
+        KV_UNROLL
+        for (int k = 0; k < RT; k++) _mm_storeu_ps(y + k * ldy, hsum4_rows(acc[0][k], acc[1][k], acc[2][k], acc[3][k]));
+        return;
+    }
     KV_UNROLL
     for (int i = 0; i < RW; i++)
         KV_UNROLL
@@ -851,6 +867,24 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
                 }
             }
         }
+    }
+    if (RW == 4) { /* hsum4_rows on both halves at once: row 2P's four sums, then row 2P + 1's */
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) {
+            const long r = 2 * (P0 + p);
+            /* 128-bit lanes of acc[i][p]: v0..3, v4..7 of row 2P, then of row 2P + 1 */
+            const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+            const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m256 both = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, z));
+            _mm_storeu_ps(y + r * ldy, _mm256_castps256_ps128(both));
+            if (r + 1 < A->T) _mm_storeu_ps(y + (r + 1) * ldy, _mm256_extractf128_ps(both, 1));
+        }
+        return;
     }
     KV_UNROLL
     for (int i = 0; i < RW; i++)
