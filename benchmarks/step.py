@@ -11,7 +11,9 @@ dispatch, packing the batch, sampling) is worth measuring on its own. This print
   - each part of the forward timed alone over all layers (linears, attention, the fused
     elementwise ops), LM head and sampling; what the parts do not add up to is Python and
     dispatch between them;
-  - torch's operator count per step (each one a dispatch through the ATen stack).
+  - torch's operator count per step (each one a dispatch through the ATen stack);
+  - with `--phases`, inside the native step: each thread's work and its wait at the barrier after each
+    phase (norm, qkv, attention, ..., LM head), from decode_step.c's profiling build (the same bits).
 Timings on a shared machine are noisy: compare figures taken in the same run. `--clock cpu`
 times with the process's CPU time instead of the wall clock: on a machine busy with other work
 that is the steadier figure (with --threads 1, it is the work the step does).
@@ -21,6 +23,7 @@ in turn, at a long context where reading the cache is a large share of the step.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +32,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig
+from kvserve.kernels import decode_step
 from kvserve.model import quant
 
 
@@ -210,6 +214,39 @@ def phases(llm: LLM, batch: int, steps: int, sampling: dict = GREEDY) -> dict[st
     return out
 
 
+def native_phases(llm: LLM, batch: int, steps: int, prompt_len: int = 32,
+                  sampling: dict = GREEDY) -> tuple[list[str], list[list[float]]] | None:
+    """ms per step of each thread's work and wait in each phase of the native step ([phase][work t0.., wait t0..]),
+    from the profiling build of decode_step.c run in real engine steps after prompts of prompt_len tokens (as
+    engine_step_ms); None without a native step."""
+    native = llm.runner.native
+    lib = decode_step.library(phases=True)
+    if native is None or lib is None:
+        return None
+    engine, threads = llm.engine, torch.get_num_threads()
+    work = (ctypes.c_double * (threads * len(decode_step.PHASES)))()
+    wait = (ctypes.c_double * (threads * len(decode_step.PHASES)))()
+    old = native.use_library(lib)
+    try:
+        sp = SamplingParams(**sampling, max_tokens=steps + 8, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"np-{i}", [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], sp)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests.values() for s in r.seqs):
+            engine.step()  # prefill
+        engine.step()
+        lib.kvserve_phase_times(work, wait, threads)  # from here on
+        for _ in range(steps):
+            engine.step()
+        counted = lib.kvserve_phase_times(work, wait, threads)
+    finally:
+        native.use_library(old)
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+    n = len(decode_step.PHASES)
+    return list(decode_step.PHASES), [[1e3 * v[t * n + k] / counted for v in (work, wait) for t in range(threads)]
+                                      for k in range(n)]
+
+
 def op_count(llm: LLM, batch: int) -> int:
     """torch operators dispatched in one engine decode step of `batch` rows."""
     engine = llm.engine
@@ -241,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="also time each phase inside the native step, thread by thread")
     ap.add_argument("--temperature", type=float, default=0.0, help="the decoding rows' sampling (default: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     args = ap.parse_args(argv)
@@ -265,6 +303,20 @@ def run(llm: LLM, args: argparse.Namespace, sampling: dict) -> None:
               f"{op_count(llm, b)} torch ops per step")
         for name, v in phases(llm, b, args.steps, sampling).items():
             print(f"  {name:40s} {v:7.2f} ms")
+        inside = native_phases(llm, b, args.steps, args.prompt_len, sampling) if args.phases else None
+        if inside:
+            names, rows = inside
+            t = len(rows[0]) // 2
+            print("  inside the native step, ms per step (thread 0 is the engine's):")
+            print(f"  {'phase':40s} " + " ".join(f"{f'work t{i}':>8s}" for i in range(t)) + "   "
+                  + " ".join(f"{f'wait t{i}':>8s}" for i in range(t)))
+            for name, row in zip(names, rows):
+                if any(row):
+                    print(f"  {name:40s} " + " ".join(f"{v:8.3f}" for v in row[:t]) + "   "
+                          + " ".join(f"{v:8.3f}" for v in row[t:]))
+            sums = [sum(r[i] for r in rows) for i in range(2 * t)]
+            print(f"  {'all phases':40s} " + " ".join(f"{v:8.3f}" for v in sums[:t]) + "   "
+                  + " ".join(f"{v:8.3f}" for v in sums[t:]))
         if args.no_breakdown:
             continue
         print("  the parts, each timed alone over the 30 layers (weights and KV read as a step reads them):")

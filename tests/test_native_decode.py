@@ -6,6 +6,7 @@ the per-op path; bad tables are refused without writing the pool.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import random
 
@@ -304,3 +305,29 @@ def test_a_greedy_step_takes_its_tokens_from_the_native_argmax(llm: LLM) -> None
         assert ids == logits[:, :cols].numpy().argmax(axis=1).tolist()
         assert vals == [logits[r, i].item() for r, i in enumerate(ids)]
     assert native([1], [0], [BS], [[1]], argmax_cols=0)[2] is None
+
+
+def test_the_profiling_build_gives_the_same_bits_and_times_every_phase(llm: LLM) -> None:
+    """decode_step.library(phases=True) (`python -m benchmarks.step --phases`) adds only clocks and barriers: the
+    step's logits and argmax to the bit, and each phase a step runs timed (one row rotates its keys inside attention)."""
+    lib, native = decode_step.library(phases=True), llm.runner.native
+    n, threads, V = len(decode_step.PHASES), torch.get_num_threads(), llm.runner.sampler.vocab_size
+    work, wait = (ctypes.c_double * (threads * n))(), (ctypes.c_double * (threads * n))()
+    lib.kvserve_phase_times(work, wait, threads)  # zeroed
+    for rows in (1, 3):
+        ids = [p[0] for p in _prompts(rows, seed=11)]
+        tables = [[1 + i] for i in range(rows)]  # first tokens: each reads only the slot the step writes
+        step = (ids, [0] * rows, [t[0] * BS for t in tables], tables)
+        _, logits, best = native(*step, argmax_cols=V)
+        ref = (logits.clone(), best)
+        old = native.use_library(lib)
+        try:
+            _, logits, best = native(*step, argmax_cols=V)
+        finally:
+            assert native.use_library(old) is lib
+        assert torch.equal(logits, ref[0]) and best == ref[1]
+        assert lib.kvserve_phase_times(work, wait, threads) == 1
+        timed = [k for k in range(n) if any(work[t * n + k] > 0 for t in range(threads))]
+        rope = decode_step.PHASES.index("RoPE + KV store")
+        assert timed == [k for k in range(n) if rows > 1 or k != rope]
+        assert all(wait[i] >= 0 for i in range(threads * n))

@@ -56,7 +56,8 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile(name: str) -> Path:
+def _compile(name: str, defines: tuple[str, ...] = ()) -> Path:
+    """kvserve/kernels/<name>.c built for this CPU (with `-D` defines: a variant, e.g. a profiling build) into the cache."""
     src = SOURCES / f"{name}.c"
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -64,10 +65,10 @@ def _compile(name: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     # every source of the folder: a kernel may include another's .c (decode_step.c includes all three)
     others = [f.read_text() for f in sorted([*SOURCES.glob("*.h"), *SOURCES.glob("*.c")]) if f != src]
-    flags = [*FLAGS, *arch_flags()]
+    flags = [*FLAGS, *arch_flags(), *(f"-D{d}" for d in defines)]
     cpu_signature = " ".join(sorted(cpu.cpu_flags())) or platform.machine()
     key = hashlib.sha256("\0".join([src.read_text(), *others, cc, version, " ".join(flags), cpu_signature]).encode())
-    out = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / f"{'-'.join((name, *defines))}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,12 +126,12 @@ def build_all() -> dict[str, str | None]:
 
 
 @lru_cache(maxsize=None)
-def load(name: str) -> ctypes.CDLL | None:
+def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (kvserve/kernels/<name>.c), or None where unavailable."""
     if not enabled():
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(name)))
+        lib = ctypes.CDLL(str(_compile(name, defines)))
         log.info("native kernel %s loaded", name)
         return lib
     except Exception as e:  # any failure means: use the torch path
@@ -138,9 +139,9 @@ def load(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def bind(name: str, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """load(name) with each exported function's argument types set (all return int)."""
-    lib = load(name)
+def bind(name: str, signatures: dict[str, list], defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """load(name, defines) with each exported function's argument types set (all return int)."""
+    lib = load(name, defines)
     if lib is not None and not getattr(lib, "_kvserve_typed", False):
         for fn, args in signatures.items():
             getattr(lib, fn).argtypes = args

@@ -27,6 +27,43 @@
 
 #define MAX_PARTS 3
 
+/* Phases of a step. Built with -DKV_PHASES (kvserve.kernels.decode_step.library(phases=True); `python -m
+ * benchmarks.step --phases`), each thread adds up, per phase, the seconds of its own work and of its wait at the
+ * barrier after it: each `omp for` gets `nowait` and an explicit barrier, which keeps every result's bits. */
+enum { PH_EMBED, PH_NORM, PH_QKV, PH_ROPE, PH_ATTN, PH_O_QUANT, PH_O, PH_NORM2, PH_GATE_UP, PH_SILU, PH_DOWN, PH_FINAL,
+       PH_HEAD_QUANT, PH_HEAD, PH_ARGMAX, N_PHASES };
+#ifdef KV_PHASES
+#define PHASE_THREADS 64
+static double phase_work[PHASE_THREADS][N_PHASES], phase_wait[PHASE_THREADS][N_PHASES];
+static long phase_steps;
+static double phase_mark[PHASE_THREADS]; /* each thread's last barrier */
+#define FOR_STATIC _Pragma("omp for schedule(static) nowait")
+#define FOR_DEALT _Pragma("omp for schedule(static, 1) nowait")
+#define PHASE(n)                                                                              \
+    do {                                                                                      \
+        const int me_ = omp_get_thread_num();                                                 \
+        const double t_ = omp_get_wtime();                                                    \
+        phase_work[me_][n] += t_ - phase_mark[me_];                                           \
+        _Pragma("omp barrier") phase_mark[me_] = omp_get_wtime();                             \
+        phase_wait[me_][n] += phase_mark[me_] - t_;                                           \
+    } while (0)
+/* work, wait [threads, N_PHASES] seconds summed since the last call, and the steps they cover; then zeroed. */
+int kvserve_phase_times(double *work, double *wait, int threads) {
+    for (int t = 0; t < threads && t < PHASE_THREADS; t++)
+        for (int n = 0; n < N_PHASES; n++) {
+            work[t * N_PHASES + n] = phase_work[t][n], wait[t * N_PHASES + n] = phase_wait[t][n];
+            phase_work[t][n] = phase_wait[t][n] = 0.0;
+        }
+    const long steps = phase_steps;
+    phase_steps = 0;
+    return (int)steps;
+}
+#else
+#define FOR_STATIC _Pragma("omp for schedule(static)")
+#define FOR_DEALT _Pragma("omp for schedule(static, 1)") /* dealt in turn: a prompt's later rows see more keys */
+#define PHASE(n) ((void)0)
+#endif
+
 /* One linear layer: y[T, rows] = x[T, cols] . W^T (+ bias), W the row-wise concatenation of its parts. */
 typedef struct {
     int nparts;
@@ -81,10 +118,11 @@ static acts acts_for(char *buf, long T, const kv_linear *L) {
 
 /* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the
  * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
-static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y) {
+static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y, int phase) {
+    (void)phase;
     long chunks = 0;
     for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
-#pragma omp for schedule(static)
+    FOR_STATIC
     for (long c = 0; c < chunks; c++) {
         long first = 0, off = 0;
         int p = 0;
@@ -99,20 +137,23 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y
         const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
         row_range(qt, L->w[p], rb, A, T, r0, r1, y + off, L->total_rows);
     }
+    PHASE(phase);
     if (L->bias) {
-#pragma omp for schedule(static)
+        FOR_STATIC
         for (long t = 0; t < T; t++)
             for (long r = 0; r < L->total_rows; r++) y[t * L->total_rows + r] += L->bias[r];
+        PHASE(phase);
     }
 }
 
 /* Quantize x's rows, barrier, then the matmul. (Where one operation makes a row just before, its loop
  * quantizes the row itself, sparing a barrier: see kvserve_decode_step.) */
-static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf) {
+static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf, int phase) {
     const acts A = acts_for(buf, T, L);
-#pragma omp for schedule(static)
+    FOR_STATIC
     for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
-    matmul_in_region(L, &A, T, y);
+    PHASE(phase - 1); /* the quantize phase before each linear's */
+    matmul_in_region(L, &A, T, y, phase);
 }
 
 /* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
@@ -185,7 +226,7 @@ static void argmax_in_region(const float *logits, long ld, long cols, int B, flo
         argmax_span(logits + (size_t)t * ld, c0 < cols ? c0 : cols, c1 < cols ? c1 : cols,
                     best_val + (size_t)me * stride + t, best_idx + (size_t)me * stride + t);
 #pragma omp barrier
-#pragma omp for schedule(static)
+    FOR_STATIC
     for (int t = 0; t < B; t++) {
         float v = 0.f;
         int64_t i = -1;
@@ -273,64 +314,79 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #pragma omp parallel num_threads(nthreads)
     {
         float *scores = ws->scores + (size_t)omp_get_thread_num() * G * ws->max_context;
-#pragma omp for schedule(static)
+#ifdef KV_PHASES
+        phase_mark[omp_get_thread_num()] = omp_get_wtime();
+#pragma omp single nowait
+        phase_steps++;
+#endif
+        FOR_STATIC
         for (int t = 0; t < B; t++) {
             embed_row(m, ids[t], ws->x + (size_t)t * N);
             rope_table_row(positions[t], m->inv_freq, D, ws->cs, ws->sn, (size_t)t * D, 0);
         }
+        PHASE(PH_EMBED);
         for (int l = 0; l < m->n_layers; l++) {
             const kv_layer *L = &m->layers[l];
             /* h = norm(x + the previous layer's MLP output), each row quantized for qkv by its own thread */
             const acts Aqkv = acts_for(ws->acts, B, &L->qkv);
-#pragma omp for schedule(static)
+            FOR_STATIC
             for (int t = 0; t < B; t++) {
                 add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
                 quantize_row(ws->h + (size_t)t * N, &Aqkv, t);
             }
-            matmul_in_region(&L->qkv, &Aqkv, B, ws->qkv);
+            PHASE(PH_NORM);
+            matmul_in_region(&L->qkv, &Aqkv, B, ws->qkv, PH_QKV);
             /* q, k rotated; k and v into their slots; then attention. One row (one sequence's decode step) reads
              * no other row's new keys, so each KV head's rotations go with its attention: one barrier fewer, and
              * the rotations spread over the threads. Rows of one prompt chunk read each other's: a barrier. */
             if (B == 1) {
-#pragma omp for schedule(static)
+                FOR_STATIC
                 for (int h = 0; h < Hkv; h++) {
                     rope_store(m, L, ws, slots, 0, h, num_slots);
                     attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables, seq_lens[0], m->window, 0, h, H, Hkv,
                                 (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
                 }
             } else {
-#pragma omp for schedule(static)
+                FOR_STATIC
                 for (int t = 0; t < B; t++)
                     for (int h = 0; h < Hkv; h++) rope_store(m, L, ws, slots, t, h, num_slots);
-#pragma omp for schedule(static, 1) /* dealt in turn: a prompt's later rows see more keys */
+                PHASE(PH_ROPE);
+                FOR_DEALT
                 for (int item = 0; item < B * Hkv; item++) {
                     const int b = item / Hkv, h = item % Hkv;
                     attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h,
                                 H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
                 }
             }
-            linear_in_region(&L->o, ws->att, B, ws->o, ws->acts);
+            PHASE(PH_ATTN);
+            linear_in_region(&L->o, ws->att, B, ws->o, ws->acts, PH_O);
             const acts Agu = acts_for(ws->acts, B, &L->gate_up);
-#pragma omp for schedule(static)
+            FOR_STATIC
             for (int t = 0; t < B; t++) {
                 add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
                 quantize_row(ws->h + (size_t)t * N, &Agu, t);
             }
-            matmul_in_region(&L->gate_up, &Agu, B, ws->gu);
+            PHASE(PH_NORM2);
+            matmul_in_region(&L->gate_up, &Agu, B, ws->gu, PH_GATE_UP);
             /* act = silu(gate) * up */
             const acts Adown = acts_for(ws->acts, B, &L->down);
-#pragma omp for schedule(static)
+            FOR_STATIC
             for (int t = 0; t < B; t++) {
                 silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
                 quantize_row(ws->act + (size_t)t * F, &Adown, t);
             }
-            matmul_in_region(&L->down, &Adown, B, ws->delta);
+            PHASE(PH_SILU);
+            matmul_in_region(&L->down, &Adown, B, ws->delta, PH_DOWN);
         }
-#pragma omp for schedule(static)
+        FOR_STATIC
         for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
+        PHASE(PH_FINAL);
         if (m->lm_head.nparts && logits) {
-            linear_in_region(&m->lm_head, hidden, B, logits, ws->acts);
-            if (argmax) argmax_in_region(logits, m->vocab, argmax_cols, B, ws->best_val, ws->best_idx, ws->max_batch, argmax, argmax_val);
+            linear_in_region(&m->lm_head, hidden, B, logits, ws->acts, PH_HEAD);
+            if (argmax) {
+                argmax_in_region(logits, m->vocab, argmax_cols, B, ws->best_val, ws->best_idx, ws->max_batch, argmax, argmax_val);
+                PHASE(PH_ARGMAX);
+            }
         }
     }
     return 0;

@@ -55,6 +55,15 @@ _SIGNATURES = {
 }
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled step (None where the kernels are off or did not build)."""
-    return kernels.bind("decode_step", _SIGNATURES)
+# The phases kvserve_phase_times reports (decode_step.c's PH_*, in order).
+PHASES = ("embedding", "norm + quantize", "qkv", "RoPE + KV store", "attention", "quantize for o", "o",
+          "norm + quantize", "gate_up", "SiLU + quantize", "down", "final norm", "quantize for the head", "LM head",
+          "argmax")
+
+
+def library(phases: bool = False) -> ctypes.CDLL | None:
+    """The compiled step (None where the kernels are off or did not build). phases: the profiling build, the same
+    arithmetic, each thread timing its work and its waits phase by phase (kvserve_phase_times)."""
+    if not phases:
+        return kernels.bind("decode_step", _SIGNATURES)
+    return kernels.bind("decode_step", {**_SIGNATURES, "kvserve_phase_times": [_p, _p, _i]}, defines=("KV_PHASES",))

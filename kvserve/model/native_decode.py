@@ -188,6 +188,12 @@ class NativeDecode:
         self._index_np, self._tables_np = b["index"].numpy(), b["tables"].numpy()
         w.max_batch, w.max_context, w.max_threads = batch, context, threads
 
+    def use_library(self, lib: ctypes.CDLL) -> ctypes.CDLL:
+        """Run the step with another build of decode_step.c (its profiling build, decode_step.library(phases=True),
+        whose results are the same bits); returns the one it replaces."""
+        old, self._lib = self._lib, lib
+        return old
+
     def integer_rows(self) -> int:
         """The rows from which some linear of the per-op forward leaves the integer kernel (dequantize +
         BLAS, or bf16); a step of fewer rows computes in the native step what the per-op one would."""
