@@ -56,9 +56,9 @@ _SIGNATURES = {
 
 
 # The phases kvserve_phase_times reports (decode_step.c's PH_*, in order).
-PHASES = ("embedding", "norm + quantize", "qkv", "RoPE + KV store", "attention", "quantize for o", "o",
-          "norm + quantize", "gate_up", "SiLU + quantize", "down", "final norm", "quantize for the head", "LM head",
-          "argmax")
+PHASES = ("embedding", "norm + quantize for qkv", "qkv", "RoPE + KV store", "attention", "quantize for o", "o",
+          "norm + quantize for gate_up", "gate_up", "SiLU + quantize for down", "down", "final norm",
+          "quantize for the head", "LM head", "argmax")
 
 
 def library(phases: bool = False) -> ctypes.CDLL | None:
