@@ -1,5 +1,6 @@
 """Ctrl-C or SIGTERM at any moment ends `kvserve serve` cleanly: status 0, no traceback, no C++
-abort — while Python imports, while the model loads, and a second signal during a drain."""
+abort — while Python imports, while the model loads, a second signal during a drain, and the
+first one while grammars compile (a compile cannot be interrupted)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from server_harness import MODEL_NAME, REPO, ServerProcess, free_port, tiny_model_dir
+from kvserve.server.lifecycle import EXIT_GRACE
+from server_harness import MODEL_NAME, REPO, SLOW_SCHEMA, ServerProcess, free_port, tiny_model_dir, wait_for
 
 BAD_SIGNS = ("Traceback", "terminate called", "Aborted", "core dumped", "CancelledError")
 
@@ -99,4 +101,43 @@ def test_a_second_signal_during_the_drain_exits_at_once_and_ends_streams_with_an
     assert took < 3, f"the second signal took {took:.1f} s"
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutdown", events[-3:]
     assert "second SIGTERM during the drain" in log
+    assert not any(bad in log for bad in BAD_SIGNS), log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile_timeout, drain_timeout, status", [(2, 30, 400), (60, 2, 503)],
+                         ids=["requests-timed-out", "waits-cut-off-by-the-drain"])
+def test_the_first_signal_exits_within_the_drain_while_grammars_compile(tmp_path_factory, compile_timeout,
+                                                                         drain_timeout, status):
+    # Three slow schemas: two compile on the pool's threads (for minutes), one waits in its queue.
+    server = ServerProcess(tiny_model_dir(tmp_path_factory), tmp_path_factory.mktemp("sig") / "server.log",
+                           "--grammar-compile-timeout", str(compile_timeout), "--drain-timeout", str(drain_timeout))
+    server.wait_ready()
+    statuses: list[int] = []
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SLOW_SCHEMA}}}
+
+    def slow() -> None:
+        with server.client() as c:
+            statuses.append(c.post("/v1/chat/completions", json=body).status_code)
+
+    clients = [threading.Thread(target=slow) for _ in range(3)]
+    try:
+        for t in clients:
+            t.start()
+        wait_for(lambda: server.metric("kvserve_grammar_compiles_pending") == 3)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(60)
+        took = time.monotonic() - t0
+        for t in clients:
+            t.join(10)
+    finally:
+        log = server.log()
+        server.stop()
+    assert rc == 0, log
+    # Each request ends within its compile timeout or the drain's; the process a moment after.
+    assert took < min(compile_timeout, drain_timeout) + EXIT_GRACE + 3, f"the first SIGTERM took {took:.1f} s:\n{log}"
+    assert statuses == [status] * 3
+    assert "threads still running after the drain: exiting now" in log
     assert not any(bad in log for bad in BAD_SIGNS), log

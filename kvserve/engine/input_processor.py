@@ -4,7 +4,9 @@ request before it reaches the engine is here; `LLMEngine.add_request` takes ids 
 `check` on them itself, so nothing unchecked reaches the scheduler whoever calls it.
 
 Safe on any thread: it reads the tokenizer, fixed sizes and the grammar cache (which locks), so
-the server runs it on a worker thread, off the event loop and the engine thread.
+the server runs it on a worker thread, off the event loop and the engine thread. `check` never
+compiles a constraint (seconds of C++ for some schemas): the server compiles on its grammar pool
+first (kvserve/server/grammar_pool.py), the library in `process`, on the caller's thread.
 """
 from __future__ import annotations
 
@@ -31,23 +33,29 @@ class InputProcessor:
             self.context_note = " (all the KV pool can hold)"
 
     def process(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids (text is tokenized, at most a context's worth), checked with params."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParam("prompt", "prompt must not be empty")
-            try:
-                ids = self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
-            except PromptTooLong:
-                raise InvalidParam(
-                    "prompt", f"prompt is more than {self.max_model_len} tokens but the context holds "
-                    f"{self.max_model_len}{self.context_note}: shorten the prompt") from None
-            return self.check(ids, params)
-        return self.check(list(prompt), params)
+        """The prompt's token ids, checked with params, its constraint compiled here (the library's
+        way in; the server compiles on its grammar pool and calls `encode` and `check`)."""
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)  # a bad schema fails here; kept on it for the matcher
+        return self.check(self.encode(prompt), params)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text tokenized (at most a context's worth), token ids as a list; not yet checked."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise InvalidParam("prompt", "prompt must not be empty")
+        try:
+            return self.tokenizer.encode(prompt, max_tokens=self.max_model_len)
+        except PromptTooLong:
+            raise InvalidParam(
+                "prompt", f"prompt is more than {self.max_model_len} tokens but the context holds "
+                f"{self.max_model_len}{self.context_note}: shorten the prompt") from None
 
     def check(self, ids: list[int], params: SamplingParams) -> list[int]:
         """ids and params as one request: ids in the vocabulary, prompt and output within the
-        context and the pool, logit_bias ids in the vocabulary, the constraint compiled (cached
-        for the request's matcher). Allocates nothing; returns ids."""
+        context and the pool, logit_bias ids in the vocabulary, the constraint compiled already
+        (read, never compiled, here). Allocates nothing; returns ids."""
         params.validate()  # again: a caller may have changed the fields since they were made
         limit, note = self.max_model_len, self.context_note
         if ids and not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < self.vocab_size):
@@ -76,6 +84,8 @@ class InputProcessor:
             raise InvalidParam(
                 "max_tokens", f"the request needs {blocks} KV blocks ({total} tokens) but the pool holds "
                 f"{self.manager.pool.num_blocks}: lower max_tokens or shorten the prompt")
-        if params.constraint is not None:
-            self.grammars.compile(params.constraint)  # a bad schema fails here; cached for the matcher
+        c = params.constraint
+        if c is not None and not self.grammars.cached(c):  # a caller's bug, not the client's: no 400
+            raise RuntimeError(f"{c.param} was not compiled before the check: compile it first "
+                               "(InputProcessor.process, or the server's grammar pool)")
         return ids

@@ -35,7 +35,7 @@ class ServerContext:
         self.metrics = ServerMetrics(lambda: self.client.stats(), lambda: self.state.num_admitted_requests,
                                      self._grammar_stats, settings.model_name, lambda: self.client.cache_info())
         self.client = EngineClient(self.state, self.metrics, self.grammars)
-        self.responses = ResponseStore(settings.responses_store_size)
+        self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
         self.kv_publisher = None  # the ZMQ KV events publisher (kvserve/server/kv_publisher.py), if asked for
         if settings.kv_events_endpoint is not None:
             from kvserve.server.kv_publisher import KVEventPublisher
@@ -58,9 +58,10 @@ class ServerContext:
     async def start_job(self, request: Request, params: SamplingParams, encode: Callable[[], list[int]], *,
                         arrival: float, prefix: str, sep: str = "-",
                         fit_within: int | None = None) -> tuple[Admission, Job]:
-        """Admit one prompt's work (before any tokenizing: 400 or 429 at once), encode it and check
-        it against the context and the pool in one worker-thread hop (`encode` runs there), compile
-        its constraint, and name it: the one way in for every chat-like route.
+        """Admit one prompt's work (before any tokenizing: 400 or 429 at once), compile its
+        constraint on the grammar pool (bounded in time and count), encode the prompt and check it
+        against the context and the pool in one worker-thread hop (`encode` runs there; the check
+        only reads the compiled grammar), and name it: the one way in for every chat-like route.
 
         fit_within: a context (in tokens) that max_tokens is cut to fit after the prompt (None or a
         larger max_tokens: all the room left), for a max_tokens the client did not send, or one that
@@ -79,8 +80,8 @@ class ServerContext:
             return self.client.validate(ids, p), p
 
         try:
+            await self.client.compile(params, request.receive)  # never on the worker threads: they are everyone's
             ids, params = await asyncio.to_thread(prepare)
-            await self.client.compile(params, request.receive)
         except BaseException:
             admission.release()
             raise

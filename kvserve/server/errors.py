@@ -25,6 +25,11 @@ from kvserve.web.errors import (  # noqa: F401 (re-exported)
 )
 
 
+def cut_off() -> APIError:
+    """A request's answer when a drain past its timeout cuts it off (kvserve/server/lifecycle.py)."""
+    return APIError(503, "the server shut down before this request finished (drain timeout)", code="shutdown")
+
+
 def from_invalid(e: ValueError, renames: Mapping[str, str] | None = None) -> APIError:
     """A 400 from an InvalidParam (it names its parameter) or a chat template's refusal."""
     message = str(e)

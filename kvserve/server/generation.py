@@ -121,12 +121,10 @@ class EngineClient:
                        receive: Receive | None = None) -> list[list[int]]:
         """Token ids of each prompt, checked against the context and the KV pool (InvalidParam if
         not). On a worker thread; a long prompt is refused after about a context's worth of it.
-        A constraint is compiled first, on the grammar pool (kvserve/server/grammar_pool.py),
-        given up if the client leaves (`receive`: the request's, its body read)."""
-        if params.constraint is not None:
-            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
+        A constraint is compiled first (`compile`), so the check only reads it."""
+        await self.compile(params, receive)
         inputs = self.state.engine.inputs
-        return await asyncio.to_thread(lambda: [inputs.process(p, params) for p in prompts])
+        return await asyncio.to_thread(lambda: [inputs.check(inputs.encode(p), params) for p in prompts])
 
     def encode_chat_now(self, prompt: ChatPrompt) -> list[int]:
         """The conversation's prompt ids by the model's chat template, content kept as text (on the
@@ -143,9 +141,10 @@ class EngineClient:
 
     async def compile(self, params: SamplingParams, receive: Receive | None = None) -> None:
         """The request's constraint compiled on the grammar pool (kvserve/server/grammar_pool.py),
-        given up if the client leaves (`receive`: the request's, its body read)."""
+        given up if the client leaves (`receive`: the request's, its body read) or a drain cuts
+        it off: the one place the server compiles."""
         if params.constraint is not None:
-            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive)
+            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive, self.state.work)
 
     async def encode_fim(self, prompts: Sequence[str], suffix: str) -> list[list[int]]:
         """Each prompt with the suffix as a fill-in-the-middle prompt (kvserve/fim.py), off the loop."""

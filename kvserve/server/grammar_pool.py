@@ -9,7 +9,12 @@ share, a few slow compiles would starve every other request while /health still 
   - a request that ends (its client left — watched while it waits —, or the timeout) takes its
     compile off the queue if it has not started. One that has started runs to its end (xgrammar cannot be interrupted),
     bounded by the size limits; it still counts against `max_pending` until then, and its
-    result is kept in the cache for the next request that asks.
+    result is kept in the cache for the next request that asks;
+  - a wait is work a drain may cut off (`tracked`: ServerState.work): past the drain timeout
+    the request gets a 503, and a compile still running never holds the process
+    (kvserve/server/lifecycle.py exits without joining its thread).
+Every generation route compiles here, before its prompt is tokenized and checked
+(kvserve/server/context.py); the engine's check only reads what was compiled.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Any
 from starlette.types import Receive
 
 from kvserve.errors import InvalidParam
-from kvserve.server.errors import APIError
+from kvserve.server.errors import APIError, cut_off
 from kvserve.structured.spec import Constraint
 
 log = logging.getLogger("kvserve.server")
@@ -43,10 +48,12 @@ class GrammarPool:
             self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvserve-grammar")
         return self._executor
 
-    async def compile(self, compiler: Any, c: Constraint, receive: Receive | None = None) -> None:
+    async def compile(self, compiler: Any, c: Constraint, receive: Receive | None = None,
+                      tracked: set[asyncio.Future] | None = None) -> None:
         """Compile c for this request (it is pinned on c), or raise: InvalidParam (400) for a
         constraint over the limits, too slow or invalid; APIError 429 when the pool is full, 400
-        when the client left (`receive`: the request's ASGI receive, its body already read)."""
+        when the client left (`receive`: the request's ASGI receive, its body already read), 503
+        when a drain cut the wait off (`tracked`: the server's work that a drain may cancel)."""
         if compiler.cached(c):
             return
         with self._lock:
@@ -58,10 +65,14 @@ class GrammarPool:
         future.add_done_callback(self._done)
         waiting = asyncio.wrap_future(future)
         left = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
+        if tracked is not None:
+            tracked.add(waiting)
         try:
             done, _ = await asyncio.wait({waiting, left} - {None}, timeout=self.timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
+                if waiting.cancelled():  # a drain past its timeout cut it off
+                    raise cut_off()
                 waiting.result()  # the compile's own error, if any
                 return
             waiting.cancel()  # a compile not yet started never starts
@@ -76,6 +87,8 @@ class GrammarPool:
             waiting.cancel()
             raise
         finally:
+            if tracked is not None:
+                tracked.discard(waiting)
             if left is not None:
                 left.cancel()
 
@@ -84,6 +97,7 @@ class GrammarPool:
             self.pending -= 1
 
     def shutdown(self) -> None:
+        """Drop the queued compiles; a running one is left to the process's exit (lifecycle.py)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -10,7 +10,9 @@ Liveness means progress: /health answers 503 `stalled` when the engine has work 
 run longer than its stall timeout, and `dead` once the engine loop has failed.
 
 Signals: the first SIGTERM/SIGINT while serving drains (new requests get 503, admitted ones
-finish, up to drain_timeout), then the process exits 0. A second signal, or one that arrives
+finish, up to drain_timeout, and those still waiting then are cut off, grammar compiles'
+included), then the process exits 0, within EXIT_GRACE of the server's end even when a thread
+still runs (a grammar compile cannot be interrupted). A second signal, or one that arrives
 while the process is still starting, exits at once with status 0 and one log line.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
+EXIT_GRACE = 2.0  # seconds the interpreter gets to end once a drained server has stopped
 
 
 def exit_now(reason: str) -> None:
@@ -220,6 +223,16 @@ class EngineServer(DrainingServer):
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
+
+    async def serve(self, sockets=None) -> None:
+        await super().serve(sockets)
+        if self._draining:
+            # Nothing is left to answer, but a thread may still hold the process: a grammar compile
+            # runs to its end and the interpreter joins its pool's threads at exit, as asyncio.run
+            # joins the loop's worker threads. Leave anyway if they have not ended in a moment.
+            timer = threading.Timer(EXIT_GRACE, exit_now, args=("threads still running after the drain",))
+            timer.daemon = True
+            timer.start()
 
     def exit_early(self, signal_name: str) -> None:
         exit_now(f"{signal_name} while starting")

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import OPENAI, APIError, Dialect, from_invalid
+from kvserve.server.errors import OPENAI, APIError, Dialect, cut_off, from_invalid
 from kvserve.server.generation import Job
 
 if TYPE_CHECKING:
@@ -113,10 +113,6 @@ class Serving:
 # -- how an answer is sent (the module docstring's second half) --------------------------------
 class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready."""
-
-
-def cut_off() -> APIError:
-    return APIError(503, "the server shut down before this request finished (drain timeout)", code="shutdown")
 
 
 async def _wait_disconnect(receive: Receive) -> None:
