@@ -179,9 +179,14 @@ def _key(i: int) -> bytes:
     return hashlib.sha256(str(i).encode()).digest()
 
 
+def _allocated(length: int) -> int:
+    """What a file of `length` bytes takes on this disk (4 KiB blocks, as ext4 and XFS allocate)."""
+    return -(-length // 4096) * 4096
+
+
 def test_lru_by_bytes_keeps_exactly_what_fits(tmp_path) -> None:
     payload = b"\x07" * 4000
-    size = sum(len(p) for p in encode_block(_key(0), NS, [0] * 16, payload))
+    size = _allocated(sum(len(p) for p in encode_block(_key(0), NS, [0] * 16, payload)))
     store = DiskStore(tmp_path, NS, 3 * size + size // 2)  # room for 3 files, not 4
     for i in range(5):
         assert store.put(_key(i), [i] * 16, payload)
@@ -197,6 +202,37 @@ def test_lru_by_bytes_keeps_exactly_what_fits(tmp_path) -> None:
     # A restart with a smaller bound evicts down to it at once.
     smaller = DiskStore(tmp_path, NS, 2 * size)
     assert smaller.num_files == 2 and len(list(tmp_path.rglob("*.kvb"))) == 2 and smaller.bytes_used == 2 * size
+
+
+def test_a_sparse_file_or_a_file_not_its_own_evicts_nothing(tmp_path) -> None:
+    """The bound counts the bytes the disk holds (st_blocks x 512): a 1 GiB sparse file made with
+    truncate, named as one of the store's blocks, costs nothing (and fails its checks when read);
+    files outside the store's layout are never counted, evicted or deleted."""
+    payload, gib = b"\x07" * 4000, 1 << 30
+    store = DiskStore(tmp_path, NS, 1 << 20)
+    for i in range(10):
+        assert store.put(_key(i), [i] * 16, payload)
+    used = store.bytes_used
+    assert used == sum(f.stat().st_blocks * 512 for f in tmp_path.rglob("*.kvb"))
+    sparse = Path(store.path_of(_key(100)))
+    ns = tmp_path / NS.hex()
+    foreign = [tmp_path / "big.kvb", ns / "big.kvb", ns / "ab" / "big.kvb", tmp_path / "zz" / sparse.name,
+               ns / "zz" / sparse.name, sparse.parent / f"{_key(101).hex()}.kvb", tmp_path / "old.kvb.1.2.tmp"]
+    assert _key(101).hex()[:2] != sparse.parent.name  # in another key's directory: not the store's place
+    for path in [sparse, *foreign]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.truncate(gib)
+    link = Path(store.path_of(_key(102)))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(tmp_path / "big.kvb")
+    os.utime(tmp_path / "old.kvb.1.2.tmp", (0, 0))  # a temporary long dead, but not the store's
+    restarted = DiskStore(tmp_path, NS, 1 << 20)
+    assert restarted.num_files == 11 and restarted.bytes_used == used  # the ten blocks and the sparse one
+    assert restarted.counters.evicted_files == 0
+    assert all(bytes(restarted.get(_key(i), [i] * 16)) == payload for i in range(10))
+    assert restarted.get(_key(100), [100] * 16) is None and not sparse.exists()  # fails its checks: deleted
+    assert all(p.stat().st_size == gib for p in foreign) and link.is_symlink()
 
 
 WRITER = textwrap.dedent("""
@@ -294,7 +330,8 @@ def test_a_server_serves_a_prefix_from_disk_and_counts_it(tmp_path_factory) -> N
         # The second request's evictions are still being written, and the engine's counters are
         # read as of its last step (every 0.5 s while idle): the gauge settles on the files' sum.
         def settled() -> bool:
-            return server.metric("kvserve_kv_disk_bytes_used") == sum(f.stat().st_size for f in disk.rglob("*.kvb")) > 0
+            return server.metric("kvserve_kv_disk_bytes_used") == sum(f.stat().st_blocks * 512
+                                                                      for f in disk.rglob("*.kvb")) > 0
 
         wait_for(settled)
         assert server.metric("kvserve_kv_disk_bytes_capacity") == int(0.01 * (1 << 30))

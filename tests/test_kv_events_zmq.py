@@ -26,7 +26,7 @@ from kvserve.kv import event_wire
 from kvserve.kv.events import REMOVED, STORED, BlockEventLog
 from kvserve.router.kv_zmq import Resync, ZmqFollower, apply_batch, replica_endpoint
 from kvserve.router.kv_page import BrokenRule
-from kvserve.server.kv_publisher import KVEventPublisher
+from kvserve.server.kv_publisher import HWM, KVEventPublisher
 from router_harness import RouterThread
 from server_harness import MODEL_NAME, REPO, ServerProcess, free_port, tiny_model_dir
 
@@ -395,6 +395,44 @@ def test_a_late_follower_catches_up_from_replay_and_a_lost_batch_sends_it_back_t
         with pytest.raises(Resync, match="no longer keeps batch 0"):
             asyncio.run(asyncio.wait_for(follow(-1, 4), 10))
     finally:
+        publisher.close()
+
+
+def test_a_stalled_subscriber_queues_at_most_the_high_water_mark_and_replay_is_bounded_by_bytes():
+    """A subscriber that reads nothing costs at most HWM batches in the publisher (vLLM's 100,000
+    queued all 1,500 batches of 90 KB here: 135 MB); ZMQ drops its later ones, and it sees the gap.
+    The replay buffer keeps the newest batches within its byte bound."""
+    pub_port, replay_port = free_port(), free_port()
+    batch = event_wire.KVEventBatch(0.0, [event_wire.BlockStored([bytes(32)], None, [70_000] * 30_000, 30_000,
+                                                                 None, "CPU", None)], 0)
+    size = len(event_wire.encode(batch, "array"))
+    assert size > 80_000  # big enough that the kernel's socket buffers hold few of them
+    publisher = KVEventPublisher(f"tcp://*:{pub_port}", f"tcp://*:{replay_port}", buffer_bytes=10 * size)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.connect(f"tcp://127.0.0.1:{pub_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        time.sleep(0.3)  # ZMQ's slow joiner
+        sent = HWM + 500
+        for _ in range(sent):
+            publisher._send(batch)  # as the publisher's thread sends each batch it encodes
+        time.sleep(0.5)
+        seqs = []
+        while sub.poll(500):
+            seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+        assert seqs == list(range(len(seqs))) and len(seqs) <= HWM + 100 < sent, len(seqs)
+        publisher.start(lambda: None)  # no pool's log: the thread only answers replay
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while dealer.poll(3000) and (frames := dealer.recv_multipart())[2]:
+            replayed.append(int.from_bytes(frames[1], "big"))
+        dealer.close(0)
+        assert replayed == list(range(sent - 10, sent))
+    finally:
+        sub.close(0)
         publisher.close()
 
 

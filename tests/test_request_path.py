@@ -174,7 +174,7 @@ def traced() -> Path:
     from kvserve.server.app import build_app
     from kvserve.server.lifecycle import EngineServer
     from kvserve.server.settings import ServerSettings
-    from kvserve.web.protocols import h11_protocol
+    from kvserve.web.protocols import h11_options
     from server_harness import free_port
 
     recorder = Recorder()
@@ -188,8 +188,8 @@ def traced() -> Path:
         app = build_app(settings, llm=llm)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", log_config=None,
                                 server_header=False,
-                                http=h11_protocol(settings.header_timeout, settings.max_connections,
-                                                  logging.getLogger("kvserve.server")))
+                                **h11_options(settings.header_timeout, settings.max_connections,
+                                              logging.getLogger("kvserve.server")))
         server = EngineServer(config, app.state.ctx.state, settings.drain_timeout)
         thread = threading.Thread(target=server.run, name=LOOP, daemon=True)
         thread.start()

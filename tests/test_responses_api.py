@@ -26,6 +26,7 @@ from router_harness import RouterThread
 from server_harness import API_KEY, MODEL_NAME, start_server
 
 STORE_SIZE = 8
+STORE_MIB = 0.25
 GREEDY = dict(model=MODEL_NAME, temperature=0, max_output_tokens=8, extra_body={"ignore_eos": True})
 TIME_TOOL = {"type": "function", "name": "get_time", "description": "The time now in a city.",
              "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
@@ -39,7 +40,8 @@ ABORTED = 'kvserve_request_finished_total{finish_reason="abort"}'
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--responses-store-size", str(STORE_SIZE))
+    s = start_server(tmp_path_factory, "--responses-store-size", str(STORE_SIZE), "--responses-store-mib",
+                     str(STORE_MIB))
     yield s
     s.stop()
 
@@ -244,6 +246,27 @@ def test_the_store_keeps_the_most_recently_used(client):
     assert "evicted" in e.value.body["message"] and "--responses-store-size" in e.value.body["message"]
 
 
+def test_the_store_is_bounded_by_bytes(client):
+    """A limit: --responses-store-mib 0.25 (256 KiB of JSON). Tools under tool_choice "none" are
+    echoed, never rendered: ~100 KB of them make each response ~100 KB, so the third evicts the
+    first; one larger than the whole store is not kept and says so."""
+    def create(description_chars: int):
+        tool = {**TIME_TOOL, "description": "d" * description_chars}
+        return client.responses.create(input="Hi", tools=[tool], tool_choice="none", model=MODEL_NAME,
+                                       temperature=0, max_output_tokens=1)
+
+    first, second, third = create(100_000), create(100_000), create(100_000)
+    assert client.responses.retrieve(third.id).id == third.id and client.responses.retrieve(second.id).id == second.id
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(first.id)
+    assert "evicted" in e.value.body["message"] and "--responses-store-mib" in e.value.body["message"]
+    huge = create(300_000)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(huge.id)
+    assert "more than the whole store keeps" in e.value.body["message"]
+    assert client.responses.retrieve(third.id).id == third.id  # a response never kept evicts nothing
+
+
 # --- the OpenAI Agents SDK and LangChain ------------------------------------------------------
 
 class Verdict(BaseModel):
@@ -355,6 +378,11 @@ WEB = {"type": "web_search"}
     ({"inptu": "x"}, 400, "inptu"),
     ({"stream": "yes"}, 400, "stream"),
     ({"input": "x" * 40000}, 400, "input"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, 400, "metadata"),  # OpenAI's limits
+    ({"metadata": {"k" * 65: "v"}}, 400, "metadata"),
+    ({"metadata": {"k": "v" * 3_500_000}}, 400, "metadata"),
+    ({"metadata": {"k": ["v"]}}, 400, "metadata"),
+    ({"user": "u" * 3_500_000}, 400, "user"),  # kvserve's: 256 characters
 ])
 def test_bad_input_is_a_4xx_naming_the_field(server, body, status, param):
     with server.client() as c:

@@ -129,6 +129,42 @@ def test_connections_past_the_cap_get_503_and_are_closed(server):
             s.close()
 
 
+def _answer(s: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of the whole answer on a connection the server closes."""
+    s.settimeout(5)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+@pytest.mark.parametrize("parts", [1, 2, 100], ids=["one-read", "two-parts", "trickled"])
+def test_a_request_head_past_64_kib_is_431_and_the_connection_closed(server, parts):
+    """As the router's: the request line and headers are bounded (64 KiB), however they arrive."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n"
+    step = -(-len(head) // parts)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        try:
+            for i in range(0, len(head), step):
+                s.sendall(head[i:i + step])
+                time.sleep(0.005 if parts > 2 else 0.2)
+        except (BrokenPipeError, ConnectionResetError):  # closed once the bound was passed
+            pass
+        answer, body = _answer(s)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer
+    assert json.loads(body)["error"]["code"] == "headers_too_large" and b"65536 bytes" in body
+
+
+def test_a_request_head_under_64_kib_and_a_large_body_are_served(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Big: " + b"a" * 60_000 + b"\r\n\r\n")
+        assert _answer(s)[0].startswith(b"HTTP/1.1 200")
+    with server.client() as c:  # a body's bytes are not the head's, however many arrive with it
+        r = c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hello " * 40_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text  # past the context: read whole
+
+
 @pytest.mark.parametrize("length", [b"-1", b"1" + b"0" * 30])
 def test_a_malformed_content_length_gets_the_openai_error_body(server, length):
     with socket.create_connection(("127.0.0.1", server.port)) as s:

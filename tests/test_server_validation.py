@@ -133,6 +133,13 @@ CASES = [
     ("two-constraints", C, comp(guided_regex="a", guided_choice=["a"]), 400, BAD, "guided_regex"),
     ("logit-bias-out-of-vocab", C, comp(logit_bias={"999999": 1.0}), 400, BAD, "logit_bias"),
     ("logit-bias-not-an-id", CHAT, chat(logit_bias={"hi": 1.0}), 400, BAD, "logit_bias"),
+    # OpenAI's limits on metadata, kvserve's on user
+    ("metadata-17-keys", CHAT, chat(metadata={f"k{i}": "v" for i in range(17)}), 400, BAD, "metadata"),
+    ("metadata-long-key", CHAT, chat(metadata={"k" * 65: "v"}), 400, BAD, "metadata"),
+    ("metadata-long-value", CHAT, chat(metadata={"k": "v" * 513}), 400, BAD, "metadata"),
+    ("metadata-not-a-string", CHAT, chat(metadata={"k": 1}), 400, BAD, "metadata"),
+    ("user-too-long", C, comp(user="u" * 257), 400, BAD, "user"),
+    ("embeddings-user-too-long", E, emb(user="u" * 257), 400, BAD, "user"),
     # other endpoints
     ("tokenize-neither", "/tokenize", {"model": MODEL_NAME}, 400, BAD, "prompt"),
     ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, -5]}, 400, BAD, "tokens"),

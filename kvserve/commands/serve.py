@@ -70,6 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--responses-store-size", type=int, default=1024,
                    help="finished /v1/responses responses kept in memory for GET and previous_response_id, least "
                         "recently used dropped first; 0 keeps none (default: 1024)")
+    g.add_argument("--responses-store-mib", type=float, default=256.0,
+                   help="memory for those stored responses (their JSON), least recently used dropped first past it "
+                        "(default: 256)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
 
     from kvserve.server.app import build_app
-    from kvserve.web.protocols import h11_protocol
+    from kvserve.web.protocols import h11_options
     from kvserve.server.lifecycle import EngineServer, exit_now
 
     from kvserve.parallel.group import env_world
@@ -164,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(settings, load=lambda: load_llm(args), on_load_failure=on_load_failure)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=not args.no_access_log,
                             timeout_graceful_shutdown=2, server_header=False,
-                            http=h11_protocol(settings.header_timeout, settings.max_connections,
-                                                 logging.getLogger("kvserve.server")))
+                            **h11_options(settings.header_timeout, settings.max_connections,
+                                          logging.getLogger("kvserve.server")))
     server = EngineServer(config, app.state.ctx.state, settings.drain_timeout)
     if args.join:
         from kvserve.server.join import Joiner, advertised_url
@@ -256,6 +259,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
         responses_store_size=args.responses_store_size,
+        responses_store_bytes=int(args.responses_store_mib * (1 << 20)),
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic=args.kv_events_topic,
@@ -273,7 +277,7 @@ def _check_limits(args: argparse.Namespace) -> None:
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
               "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
               "max_connections": (1, None), "max_tokens_default": (1, None),
-              "responses_store_size": (0, None), "num_speculative_tokens": (1, 16)}
+              "responses_store_size": (0, None), "responses_store_mib": (0, None), "num_speculative_tokens": (1, 16)}
     for name, (low, high) in ranges.items():
         value = getattr(args, name)
         if value is None:

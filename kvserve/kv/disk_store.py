@@ -13,14 +13,18 @@ file or none; a file that is torn anyway (a disk that lied, a bit flip, a hand e
 checks on read, is deleted and reads as a miss. Nothing read is trusted beyond what it proves:
 the key, namespace and token ids must equal what the lookup asked for.
 
-The capacity bounds every file under ROOT (all namespaces): the oldest by last use (mtime, which
-a hit refreshes, so the order survives restarts) go first. One process owns a ROOT's accounting;
-files other processes add later are not counted until the next start.
+The capacity bounds every block file under ROOT (all namespaces) by the bytes the disk allocated
+to it (st_blocks x 512: a sparse file costs what it holds, not its length): the oldest by last use
+(mtime, which a hit refreshes, so the order survives restarts) go first. Only files in the layout
+above are the store's: anything else under ROOT (another name, a symlink, a directory of its own)
+is never counted, evicted or deleted. One process owns a ROOT's accounting; files other processes
+add later are not counted until the next start.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import threading
 import time
@@ -38,6 +42,9 @@ _HEAD = struct.Struct("<4sI32s16sIQ")  # magic, crc32, key, namespace, n_tokens,
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 60.0  # a temporary file this old belongs to a writer that died
+_NAMESPACE_DIR = re.compile(r"[0-9a-f]{32}")
+_KK_DIR = re.compile(r"[0-9a-f]{2}")
+_BLOCK_NAME = re.compile(r"([0-9a-f]{2})[0-9a-f]{62}")  # a key's hex, its first two digits the directory's
 
 
 @dataclass
@@ -100,17 +107,22 @@ class DiskStore:
         """Index every block file under root, oldest use first; drop dead writers' temporaries."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
-        for dirpath, _, names in os.walk(self.root):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                if name.endswith(SUFFIX):
-                    found.append((st.st_mtime, path, st.st_size))
-                elif name.endswith(TMP_SUFFIX) and now - st.st_mtime > STALE_TMP_SECONDS:
-                    _unlink(path)
+        for ns in _subdirs(self.root, _NAMESPACE_DIR):
+            for kk in _subdirs(ns, _KK_DIR):
+                for entry in _entries(kk):
+                    key, _, suffix = entry.name.partition(".")  # KEY.kvb, or KEY.kvb.PID.TID.tmp
+                    name = _BLOCK_NAME.fullmatch(key)
+                    if name is None or name[1] != kk.name or not entry.is_file(follow_symlinks=False):
+                        continue  # not ours
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if suffix == SUFFIX[1:]:
+                        found.append((st.st_mtime, entry.path, _allocated(st)))
+                    elif suffix.startswith(SUFFIX[1:] + ".") and suffix.endswith(TMP_SUFFIX) \
+                            and now - st.st_mtime > STALE_TMP_SECONDS:
+                        _unlink(entry.path)
         for _, path, size in sorted(found):
             self._files[path] = size
             self._bytes += size
@@ -179,7 +191,8 @@ class DiskStore:
         there already, larger than the whole capacity, or the write failed."""
         path = self.path_of(key)
         parts = encode_block(key, self.namespace, token_ids, payload)
-        size = sum(len(p) for p in parts)
+        length = sum(len(p) for p in parts)
+        size = -(-length // _UNIT) * _UNIT  # what the disk will allocate, at least
         with self._lock:
             if path in self._files or size > self.capacity_bytes:
                 return False
@@ -190,6 +203,8 @@ class DiskStore:
             with open(tmp, "wb") as f:
                 for p in parts:
                     f.write(p)
+                f.flush()
+                size = max(size, _allocated(os.fstat(f.fileno())))
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)
@@ -207,6 +222,27 @@ class DiskStore:
         """Indexed block files, least recently used first."""
         with self._lock:
             return list(self._files)
+
+
+_UNIT = 4096  # the allocation unit a file's length is rounded up to before it is written (ext4's, XFS's)
+
+
+def _allocated(st: os.stat_result) -> int:
+    """The bytes the disk holds for a file: a sparse file's holes cost nothing."""
+    return st.st_blocks * 512
+
+
+def _entries(path: str | os.PathLike) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except OSError:  # removed meanwhile, or not ours to read
+        return []
+
+
+def _subdirs(path: str | os.PathLike, pattern: re.Pattern[str]) -> list[os.DirEntry]:
+    """The directories (not symlinks) in `path` whose names are the store's."""
+    return [e for e in _entries(path) if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
 
 
 def _unlink(path: str) -> None:

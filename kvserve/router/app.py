@@ -154,5 +154,5 @@ def make_server(settings: RouterSettings, access_log: bool = False) -> RouterSer
     # The protocol's connection cap (a JSON 503) is a backstop past the router's 503 (max_concurrent_requests).
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=access_log,
                             timeout_graceful_shutdown=2, server_header=False,
-                            **httptools_options(64 << 10, settings.header_timeout, settings.max_connections))
+                            **httptools_options(settings.header_timeout, settings.max_connections))
     return RouterServer(config, app.state)

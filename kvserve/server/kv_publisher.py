@@ -8,11 +8,15 @@ the same for both. As vLLM's ZmqEventPublisher sends them: each message is [topi
 number (8 bytes, big-endian, from 0), msgpack KVEventBatch]. The replay socket (ROUTER) answers a request
 [identity, "", start sequence (8 bytes big-endian)] with every kept batch numbered from start,
 as [identity, "", seq, payload] each, then [identity, "", -1 (8 bytes, signed), ""]; it keeps the
-last `buffer_steps` batches. As in vLLM, an endpoint with `*` (or ipc://) is bound and any other
-tcp:// endpoint connected to (a subscriber that binds, as llm-d's central one does).
+last `buffer_steps` batches (10,000), at most `buffer_bytes` (64 MiB) of them. As in vLLM, an
+endpoint with `*` (or ipc://) is bound and any other tcp:// endpoint connected to (a subscriber
+that binds, as llm-d's central one does).
 
 The engine thread only records into the pool's event log (kvserve/kv/events.py); this module's
-own thread waits on that log, encodes and sends, so the engine never waits on the network. The
+own thread waits on that log, encodes and sends, so the engine never waits on the network. A
+subscriber that reads slowly or not at all has at most `hwm` batches queued for it (ZMQ's
+default, not vLLM's 100,000: a batch may be hundreds of KiB); past that ZMQ drops that
+subscriber's batches alone, and it sees the gap in sequence numbers and asks the replay socket. The
 sockets are created (and a bad or busy address refused) when the server starts, before the
 model loads; events flow once it has.
 """
@@ -32,6 +36,8 @@ from kvserve.kv.events import BlockEventLog
 log = logging.getLogger("kvserve.server")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+HWM = 1000  # batches queued per subscriber
+REPLAY_BYTES = 64 << 20  # of the batches kept for replay
 _ENDPOINT = re.compile(r"^(tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})|ipc://.+)$")
 
 
@@ -51,7 +57,8 @@ def binds(endpoint: str) -> bool:
 
 class KVEventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
-                 buffer_steps: int = 10_000, hwm: int = 100_000, form: event_wire.Format = "array") -> None:
+                 buffer_steps: int = 10_000, hwm: int = HWM, form: event_wire.Format = "array",
+                 buffer_bytes: int = REPLAY_BYTES) -> None:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.form = form  # event_wire's array or map form of each event
         self.bound = binds(endpoint)
@@ -69,7 +76,8 @@ class KVEventPublisher:
             raise ValueError(f"cannot open the KV events socket ({endpoint if self._replay is None else replay_endpoint}): "
                              f"{e}; give a free port and an address of this host") from None
         self._topic = topic.encode()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._buffer: deque[tuple[int, bytes]] = deque()  # for replay: (seq, payload), oldest first
+        self._buffer_steps, self._buffer_bytes, self._buffered = buffer_steps, buffer_bytes, 0
         self._lock = threading.Lock()
         self._last_seq = -1  # the last batch's sequence number
         self._stop = threading.Event()
@@ -130,6 +138,9 @@ class KVEventPublisher:
         seq = self._last_seq + 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
+        self._buffered += len(payload)
+        while len(self._buffer) > self._buffer_steps or self._buffered > self._buffer_bytes:
+            self._buffered -= len(self._buffer.popleft()[1])
         with self._lock:
             self._last_seq = seq
 

@@ -68,7 +68,7 @@ class _EngineCollector(Collector):
 def _disk_families(d: DiskStats) -> Iterator[Metric]:
     """The KV disk tier (--kv-disk-path): what it holds, wrote, served and refused."""
     for name, doc, value in (
-            ("kvserve_kv_disk_bytes_used", "Bytes of KV block files in the disk tier.", d.bytes_used),
+            ("kvserve_kv_disk_bytes_used", "Bytes of disk allocated to the disk tier's KV block files.", d.bytes_used),
             ("kvserve_kv_disk_bytes_capacity", "The disk tier's bound in bytes (--kv-disk-gib).", d.capacity_bytes),
             ("kvserve_kv_disk_blocks", "KV block files in the disk tier.", d.blocks)):
         yield GaugeMetricFamily(name, doc, value=value)

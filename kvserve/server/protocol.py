@@ -10,9 +10,9 @@ for are accepted and listed by `ignored_fields()` so the route can log them.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.sampling_params import SamplingParams
@@ -40,6 +40,34 @@ UNION_FIELDS = {
     "output": "a string or a list of {\"type\": \"input_text\", \"text\": ...} parts",
     "system": "a string or a list of {\"type\": \"text\", \"text\": ...} blocks",
 }
+
+
+# OpenAI's limits on `metadata` and kvserve's on `user`: a stored response keeps both and echoes
+# them back, so a client must not be able to park megabytes in them.
+METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+USER_CHARS = 256
+
+
+def _small_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > METADATA_KEYS:
+        raise ValueError(f"at most {METADATA_KEYS} keys, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise ValueError(f"keys are at most {METADATA_KEY_CHARS} characters, got {len(key)} in {shown(key)}")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise ValueError(f"values are at most {METADATA_VALUE_CHARS} characters, got {len(value)} in the value "
+                             f"of {shown(key)}")
+    return metadata
+
+
+def _short_user(user: str) -> str:
+    if len(user) > USER_CHARS:
+        raise ValueError(f"must be at most {USER_CHARS} characters (an id for the end user), got {len(user)}")
+    return user
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_small_metadata)]
+User = Annotated[str, AfterValidator(_short_user)]
 
 
 def legacy_call_id(name: str) -> str:
@@ -88,7 +116,7 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    user: User | None = None  # accepted and ignored
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}, OpenAI's form
     # Extras (not in OpenAI's API).
     top_k: int | None = None
@@ -116,7 +144,7 @@ class _Sampling(_Strict):
     include_reasoning: bool = True  # vLLM's, which vllm-router writes likewise: no reasoning parser, nothing to include
     # OpenAI's, accepted and ignored (logged): kvserve has no use for them.
     store: Any = None
-    metadata: Any = None
+    metadata: Metadata | None = None
     service_tier: Any = None
     reasoning_effort: Any = None
     prompt_cache_key: Any = None
@@ -294,7 +322,7 @@ class EmbeddingRequest(_Strict):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: User | None = None
 
 
 class TokenizeRequest(_Strict):
@@ -311,8 +339,9 @@ class DetokenizeRequest(_Strict):
 
 
 class _Echoed(_Strict):
-    """An item a client may send back as an OpenAI SDK dumped it: fields kvserve has no use for
-    (ids, statuses, annotations, fields of newer API versions) are dropped instead of refused."""
+    """An item a client may send back as an SDK dumped it (OpenAI's output items, Anthropic's
+    content blocks): fields kvserve has no use for (ids, statuses, annotations, fields of newer API
+    versions) are dropped instead of refused, as those APIs take them."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -389,8 +418,8 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: ResponsesTextConfig | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None  # accepted and ignored
+    metadata: Metadata | None = None
+    user: User | None = None  # accepted and ignored
     # Extras (not in OpenAI's API), as on the other routes.
     seed: int | None = None
     top_k: int | None = None

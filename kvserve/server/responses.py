@@ -90,7 +90,7 @@ class ModelResponse(Serving):
                 why = ctx.responses.why_missing(req.previous_response_id)
                 raise APIError(400, f"previous_response_id {req.previous_response_id!r:.80} is not stored on this "
                                f"server: {why}", param="previous_response_id", code="previous_response_not_found")
-            items = [*previous.conversation, *items]
+            items = [*previous.items(), *items]
         self.items = items
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
         reject(not messages, "input", "must not be empty")
@@ -105,7 +105,7 @@ class ModelResponse(Serving):
                                        # a default the client never sent must not be why it is refused
                                        fit_within=ctx.client.max_model_len if defaulted else None)
         self.created_at = int(time.time())
-        self.store = req.store and ctx.responses.capacity > 0
+        self.store = req.store and ctx.responses.keeps
         return started
 
     def events(self, job: Job) -> AsyncIterator[bytes]:
@@ -150,7 +150,7 @@ class ModelResponse(Serving):
         body = self._object(job, out.status, out.items, final)
         if self.req.store:  # (a store of size 0 keeps none, and remembers why)
             conversation = (*self.items, *plain_items(body["output"], "output"))
-            self.ctx.responses.put(StoredResponse(body, conversation))
+            self.ctx.responses.put(body["id"], StoredResponse.of(body, conversation))
         else:
             self.ctx.responses.not_stored(body["id"])
         return body
@@ -183,7 +183,7 @@ def get_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
     stored = ctx.responses.get(response_id)
     if stored is None:
         raise _not_found(ctx, response_id)
-    return stored.body
+    return stored.response()
 
 
 def delete_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class ServerSettings:
     sampling_defaults: SamplingDefaults | None = None
     max_tokens_default: int = MAX_TOKENS_DEFAULT  # chat requests without max_tokens (responses without max_output_tokens)
     responses_store_size: int = 1024  # finished /v1/responses kept for GET and previous_response_id (LRU); 0: none
+    responses_store_bytes: int = 256 << 20  # and the JSON bytes they may hold together (kvserve/server/response_store.py)
     # vLLM's KV events over ZMQ (kvserve/server/kv_publisher.py): PUB endpoint, replay (ROUTER) endpoint, topic
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None

@@ -9,6 +9,9 @@ class that mixes in `ConnectionGuards` (before uvicorn's protocol in the bases) 
     connection is closed;
   - a connection cap: with `max_connections` open, one more is answered 503 with the OpenAI error
     body and closed before anything is read;
+  - a request head (request line and headers) bounded by `max_head_bytes`: past it the request is
+    answered 431 with the OpenAI error body and the connection closed, before the parser buffers
+    more, whether the head comes in one read or trickles in over many;
   - malformed HTTP answered 400 with the OpenAI error body, and the connection closed.
 Each protocol says when a request head is still pending (`_head_pending`), as only it can tell.
 """
@@ -17,24 +20,52 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 from kvserve.web.errors import error_body
 
 
-def raw_error_response(status: int, reason: str, message: str) -> bytes:
+MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, the server's and the router's
+
+
+def raw_error_response(status: int, reason: str, message: str, code: str | None = None) -> bytes:
     """A whole HTTP/1.1 response with the OpenAI error body, for writing before any parsing."""
-    body = json.dumps(error_body(status, message, None, "connection_refused" if status == 503 else None)).encode()
+    body = json.dumps(error_body(status, message, None, code)).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
             f"content-length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
 
+class HeadBytes:
+    """The bytes of the request head being read, counted up to its end (the blank line), across
+    reads: fed only while a head is pending, so a body's bytes are never counted."""
+
+    _END = re.compile(rb"\r?\n\r?\n")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.tail = b""  # the last bytes of the previous read: the blank line may be split between reads
+
+    def feed(self, data: bytes) -> int:
+        """The head's size so far, with `data`; counting starts again after a head's end."""
+        window = self.tail + data
+        end = self._END.search(window)
+        if end is None:
+            self.seen, self.tail = self.seen + len(data), window[-3:]
+            return self.seen
+        size = self.seen + end.end() - len(self.tail)
+        self.seen, self.tail = 0, b""
+        return size
+
+
 class ConnectionGuards:
-    """The header timeout and the connection cap (see the module docstring)."""
+    """The header timeout, the connection cap and the head bound (see the module docstring)."""
 
     header_timeout: float
     max_connections: int
+    max_head_bytes: int = MAX_HEAD_BYTES
+    _head: HeadBytes | None = None
     who: str  # "server" or "router", for the 503's message
     guard_log: logging.Logger
     _header_timer: asyncio.TimerHandle | None = None
@@ -50,7 +81,8 @@ class ConnectionGuards:
                                    self.max_connections)
             transport.write(raw_error_response(
                 503, "Service Unavailable",
-                f"the {self.who} has {self.max_connections} connections open, its limit: retry after a moment"))
+                f"the {self.who} has {self.max_connections} connections open, its limit: retry after a moment",
+                "connection_refused"))
             transport.close()
             return
         self._arm_header_timer()
@@ -58,6 +90,19 @@ class ConnectionGuards:
     def _head_pending(self) -> bool:
         """Whether the connection is waiting for (the rest of) a request head."""
         raise NotImplementedError
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_pending() and not self.transport.is_closing():
+            self._head = self._head or HeadBytes()
+            if (size := self._head.feed(data)) > self.max_head_bytes:
+                self.guard_log.info("a request head of %d bytes or more: answered 431, connection closed", size)
+                self.transport.write(raw_error_response(
+                    431, "Request Header Fields Too Large",
+                    f"the request's line and headers are larger than the {self.who}'s limit of "
+                    f"{self.max_head_bytes} bytes", "headers_too_large"))
+                self.transport.close()
+                return
+        super().data_received(data)  # type: ignore[misc]
 
     def _arm_header_timer(self) -> None:
         self._disarm_header_timer()

@@ -1,23 +1,22 @@
 """uvicorn's HTTP/1.1 protocols with kvserve's connection guards (kvserve/web/guards.py: a header
-timeout, a connection cap answered with the OpenAI error body, malformed HTTP answered 400), for
-the server (h11) and the router (httptools). Each says what only its parser can tell: when a
-request head is complete.
+timeout, a connection cap answered with the OpenAI error body, a request head of at most 64 KiB
+answered 431 past it, malformed HTTP answered 400), for the server (h11) and the router
+(httptools). Each says what only its parser can tell: when a request head is complete.
 
 The router runs httptools (C parser): uvicorn's send() per streamed chunk is then a few bytes of
 Python where h11's is a state machine in Python (about a sixth of the router's CPU per token); its
 client to replicas parses with it too (kvserve/router/upstream.py), so it is a dependency.
-uvicorn's httptools protocol has no bound on a head (its h11 one has), so the router's adds one.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from kvserve.web.guards import ConnectionGuards
+from kvserve.web.guards import MAX_HEAD_BYTES, ConnectionGuards
 
 
-def h11_protocol(header_timeout: float, max_connections: int, guard_log: logging.Logger) -> type:
-    """The server's: an H11Protocol class with these limits, for `uvicorn.Config(http=...)`."""
+def h11_options(header_timeout: float, max_connections: int, guard_log: logging.Logger) -> dict[str, Any]:
+    """The server's: the uvicorn.Config arguments that choose h11 with these limits."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -41,12 +40,13 @@ def h11_protocol(header_timeout: float, max_connections: int, guard_log: logging
 
     GuardedH11Protocol.header_timeout, GuardedH11Protocol.max_connections = header_timeout, max_connections
     GuardedH11Protocol.guard_log = guard_log
-    return GuardedH11Protocol
+    # h11's own bound on what it buffers of an incomplete head (16 KiB unless told) is the same as
+    # the guard's, for a head read while the previous request is still being answered.
+    return {"http": GuardedH11Protocol, "h11_max_incomplete_event_size": MAX_HEAD_BYTES}
 
 
-def httptools_options(max_head_bytes: int, header_timeout: float, max_connections: int) -> dict[str, Any]:
-    """The router's: the uvicorn.Config arguments that choose httptools with these limits, and a
-    request head larger than `max_head_bytes` answered 400 and closed."""
+def httptools_options(header_timeout: float, max_connections: int) -> dict[str, Any]:
+    """The router's: the uvicorn.Config arguments that choose httptools with these limits."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # a dependency, but an install may have lost it
@@ -54,18 +54,11 @@ def httptools_options(max_head_bytes: int, header_timeout: float, max_connection
 
     class BoundedHttpTools(ConnectionGuards, HttpToolsProtocol):
         who = "router"
-        _in_head = True  # a request's head has begun (or may begin) and is not complete
-        _head_bytes = 0
 
         def _head_pending(self) -> bool:
             return not (self.cycle is not None and not self.cycle.response_complete)
 
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._in_head, self._head_bytes = True, 0
-
         def on_headers_complete(self) -> None:
-            self._in_head = False
             self._disarm_header_timer()
             super().on_headers_complete()
 
@@ -75,17 +68,6 @@ def httptools_options(max_head_bytes: int, header_timeout: float, max_connection
             # unless a pipelined request already started.
             if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self._arm_header_timer()
-
-        def data_received(self, data: bytes) -> None:
-            # Counted only while one head goes on across reads: a read that also holds the end of
-            # the previous request (a pipelined body) is not the head's. So: limit + one read.
-            was_in_head = self._in_head
-            super().data_received(data)
-            if was_in_head and self._in_head and not self.transport.is_closing():
-                self._head_bytes += len(data)
-                if self._head_bytes > max_head_bytes:
-                    self.logger.info("a request head over %d bytes: connection closed", max_head_bytes)
-                    self.send_400_response(f"the request head is larger than {max_head_bytes} bytes")
 
     BoundedHttpTools.header_timeout, BoundedHttpTools.max_connections = header_timeout, max_connections
     BoundedHttpTools.guard_log = logging.getLogger("uvicorn.error")
