@@ -136,6 +136,25 @@ def test_a_tool_round_trip_forced_with_tool_choice(client):
     assert final.content[0].type == "tool_use" and final.content[0].input == call.input  # greedy: the same call
 
 
+def test_blocks_passed_back_as_model_dump_are_taken(client):
+    """The SDK's `block.model_dump()` writes fields a request does not use (`toolset_name: null`,
+    `caller`, `citations`): Anthropic's API takes such blocks, and so does kvserve."""
+    first = client.messages.create(model=MODEL_NAME, max_tokens=60, messages=ASK, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    (call,) = first.content
+    dumped = call.model_dump()
+    assert "toolset_name" in dumped and "caller" in dumped  # what anthropic 2.17 writes
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "21 C, sunny"}]}
+    dumped_turn = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in first.content]}, result]
+    typed_turn = [*ASK, {"role": "assistant", "content": first.content}, result]
+    counts = [client.messages.count_tokens(model=MODEL_NAME, messages=m, tools=[WEATHER]).input_tokens
+              for m in (dumped_turn, typed_turn)]
+    assert counts[0] == counts[1]  # the same prompt: the extra fields are dropped, nothing else
+    text = client.messages.create(model=MODEL_NAME, max_tokens=3, messages=ASK, extra_body=GREEDY).content[0]
+    again = [*ASK, {"role": "assistant", "content": [text.model_dump()]}, {"role": "user", "content": "And Rome?"}]
+    assert client.messages.create(model=MODEL_NAME, max_tokens=3, messages=again, extra_body=GREEDY).content
+
+
 def test_tool_choice_none_and_auto_answer_in_text(client):
     for choice in ({"type": "none"}, {"type": "auto"}):
         m = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=ASK, tools=[WEATHER], tool_choice=choice,
@@ -182,6 +201,19 @@ BAD = [
     ("stop-sequences", {"max_tokens": 4, "messages": ASK, "stop_sequences": [""]}, "stop_sequences must be"),
     ("misspelt", {"max_tokens": 4, "messages": ASK, "max_token": 4}, "max_token: is not a known parameter"),
     ("too-long", {"max_tokens": 4, "messages": [{"role": "user", "content": "hello " * 400}]}, "256"),
+    # A block's own errors name the block and its field.
+    ("tool-use-without-id", {"max_tokens": 4, "messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "name": "get_weather", "input": {}}]}, *ASK]}, "messages[1].content[0].id: is required"),
+    ("text-not-a-string", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text: Input should be a valid string"),
+    ("block-without-type", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"text": "hi"}]}]},
+     "messages[0].content[0].type: is required"),
+    ("unknown-block-type", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages[0].content[0].type: Input tag 'video'"),
+    ("tool-result-inner-block", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "x", "content": [{"type": "text"}]}]}]},
+     "messages[0].content[0].content[0].text: is required"),
+    ("content-not-a-list", {"max_tokens": 4, "messages": [{"role": "user", "content": 5}]}, "messages[0].content: must be"),
 ]
 
 

@@ -11,6 +11,9 @@ block params beside it). What maps onto kvserve:
   tools (input_schema), tool_choice    OpenAI-form tools: auto, any = required, tool = named, none
   output_config.format json_schema     structured output
 Image and document blocks, server tools and a prefilled (last) assistant turn are refused by name.
+A block's fields kvserve has no use for (`toolset_name`, `caller`, `citations`, ... as the SDK's
+`block.model_dump()` writes them) are dropped; a block's own errors name it and the field
+(`messages[1].content[0].id: is required`).
 
 `template_messages` works on plain JSON so the router renders exactly what the server renders
 (kvserve/router/request.py); it raises ValueError on a shape it does not know.
@@ -23,21 +26,21 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from kvserve.errors import InvalidParam
-from kvserve.server.protocol import KVServeOptions, _Strict
+from kvserve.server.protocol import KVServeOptions, _Echoed, _Strict
 
 # Fields of Anthropic's API that change nothing kvserve does: accepted, logged.
 IGNORED = ("metadata", "service_tier", "thinking", "cache_control", "container", "inference_geo", "speed",
            "diagnostics", "context_management", "mcp_servers", "user_profile_id", "workspace_id")
 
 
-class TextBlock(_Strict):
+class TextBlock(_Echoed):
     type: Literal["text"]
     text: str
     cache_control: Any = None  # kvserve's prefix cache needs no marks
     citations: Any = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(_Echoed):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -46,7 +49,7 @@ class ToolUseBlock(_Strict):
     caller: Any = None
 
 
-class _Unsupported(_Strict):
+class _Unsupported(_Echoed):
     """A block kvserve cannot read (images, documents): parsed so that its refusal names it."""
 
     type: Literal["image", "document"]
@@ -57,7 +60,7 @@ class _Unsupported(_Strict):
     cache_control: Any = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(_Echoed):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlock | _Unsupported, Field(discriminator="type")]] = ""
@@ -65,7 +68,7 @@ class ToolResultBlock(_Strict):
     cache_control: Any = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(_Echoed):
     type: Literal["thinking", "redacted_thinking"]
     thinking: str = ""
     signature: str = ""
