@@ -191,6 +191,49 @@ def test_other_errors_in_ollamas_error_body(client, server):
     assert e.value.status_code == 401
 
 
+def test_embed_and_embeddings_are_the_embeddings_routes_vectors(client, server):
+    """/api/embed and /api/embeddings through the ollama package: the same vectors as /v1/embeddings."""
+    texts = ["The sky is blue.", "Grass is green."]
+    r = client.embed(model=MODEL_NAME, input=texts)
+    openai = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL_NAME, "input": texts}, headers=AUTH).json()
+    assert r.model == MODEL_NAME and r.embeddings == [d["embedding"] for d in openai["data"]]
+    assert r.prompt_eval_count == openai["usage"]["prompt_tokens"] and r.total_duration > 0 and r.load_duration == 0
+    one = client.embed(model=f"{MODEL_NAME}:latest", input=texts[0])  # alone, not in a batch of two: to rounding
+    assert one.embeddings[0] == pytest.approx(r.embeddings[0], abs=1e-5) and one.model == f"{MODEL_NAME}:latest"
+    assert list(client.embeddings(model=MODEL_NAME, prompt=texts[1]).embedding) == pytest.approx(r.embeddings[1], abs=1e-5)
+    assert client.embed(model=MODEL_NAME, input=[]).embeddings == []  # nothing to embed: the model "loads"
+
+
+def test_embed_truncates_to_the_context_unless_told_not_to(client, server):
+    long = "hello world " * 300  # > CONTEXT tokens
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": long}, headers=AUTH).json()["tokens"]
+    assert len(ids) > CONTEXT
+    for num_ctx in (None, 64):
+        cut = client.embed(model=MODEL_NAME, input=long, options={"num_ctx": num_ctx} if num_ctx else None)
+        n = num_ctx or CONTEXT
+        first = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL_NAME, "input": ids[:n]}, headers=AUTH)
+        assert cut.prompt_eval_count == n and cut.embeddings == [first.json()["data"][0]["embedding"]]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model=MODEL_NAME, input=long, truncate=False)
+    assert e.value.status_code == 400 and "input" in e.value.error and str(CONTEXT) in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embeddings(model=MODEL_NAME, prompt=long)
+    assert e.value.status_code == 400 and "prompt" in e.value.error
+
+
+@pytest.mark.parametrize("route, body, words", [
+    ("embed", {"input": "hi", "dimensions": 7}, "dimensions"),
+    ("embed", {"input": "hi", "options": {"num_ctx": 100_000}}, "num_ctx"),
+    ("embed", {"input": 5}, "input"),
+    ("embed", {"input": "hi", "stream": False}, "stream: is not a known parameter"),
+    ("embed", {"input": ["a"] * 65}, "input"),
+    ("embeddings", {"prompt": ["a"]}, "prompt"),
+])
+def test_bad_embed_requests_are_400_in_ollamas_error_body(server, route, body, words):
+    r = httpx.post(f"{server.url}/api/{route}", json={"model": MODEL_NAME, **body}, headers=AUTH, timeout=60)
+    assert words in _error(r, 400)
+
+
 def test_logprobs(client):
     r = client.generate(model=MODEL_NAME, prompt="Hello", options={**GREEDY, "num_predict": 3}, logprobs=True,
                         top_logprobs=2)

@@ -18,6 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+from starlette.responses import Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -42,24 +43,40 @@ class Embedding(Serving):
     def streams(self) -> bool:
         return False
 
-    async def start(self) -> tuple[Admission, Job]:
-        ctx, req = self.ctx, self.req
-        size = ctx.client.model_config.hidden_size
-        reject(req.dimensions is not None and req.dimensions != size, "dimensions",
-               f"is not supported: the embedding is the model's hidden state, {size} numbers (a shorter one would need "
-               f"a model trained to be cut); leave dimensions out or send {size}")
-        inputs = _inputs(req.input)
+    def inputs(self) -> list[str | list[int]]:
+        """The request's inputs (OpenAI's: a string, token ids, or a list of either); 400 for what is wrong."""
+        check_dimensions(self.ctx, self.req.dimensions)
+        return _inputs(self.req.input)
+
+    async def start(self) -> tuple[Admission, Job] | Response:
+        ctx = self.ctx
+        inputs = self.inputs()
         params = SamplingParams(max_tokens=0)
         admission = ctx.state.admit(len(inputs), 1, param="input")  # before any tokenizing: 400 or 429 at once
         try:
-            ids = await ctx.client.tokenize(inputs, params, self.request.receive)
+            ids = await ctx.client.tokenize(await self.cut(inputs), params, self.request.receive)
         except BaseException:  # (Serving answers an InvalidParam, in this API's names)
             admission.release()
             raise
         return admission, Job(ids, params, self.arrival, request_id=request_id.name(self.request, "embd"), pooling=True)
 
+    async def cut(self, inputs: list[str | list[int]]) -> list[str | list[int]]:
+        """The inputs as the engine gets them: OpenAI's API refuses one longer than the context."""
+        return inputs
+
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
-        return _response(self.ctx, finals, self.req.encoding_format)
+        data = [{"object": "embedding", "index": i, "embedding": _encode(v, self.req.encoding_format)}
+                for i, v in enumerate(vectors(finals))]
+        tokens = sum(len(o.prompt_token_ids) for o in finals)
+        return {"object": "list", "data": data, "model": self.ctx.settings.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def check_dimensions(ctx: ServerContext, dimensions: int | None) -> None:
+    size = ctx.client.model_config.hidden_size
+    reject(dimensions is not None and dimensions != size, "dimensions",
+           f"is not supported: the embedding is the model's hidden state, {size} numbers (a shorter one would need "
+           f"a model trained to be cut); leave dimensions out or send {size}")
 
 
 def _inputs(given: str | list) -> list[str | list[int]]:
@@ -77,14 +94,13 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return vector
 
 
-def _response(ctx: ServerContext, finals: list[RequestOutput], fmt: str) -> dict:
-    data = []
-    for i, out in enumerate(finals):
-        vector = out.embedding
+def vectors(finals: list[RequestOutput]) -> list[list[float]]:
+    """Each input's embedding; a 500 for one that is not finite."""
+    out = []
+    for i, final in enumerate(finals):
+        vector = final.embedding
         if vector is None or not all(map(math.isfinite, vector)):
             raise APIError(500, f"input[{i}]: the model produced no finite hidden state (broken weights, or an "
                            "overflow in a low-precision dtype: serve it with --dtype float32)")
-        data.append({"object": "embedding", "index": i, "embedding": _encode(vector, fmt)})
-    tokens = sum(len(o.prompt_token_ids) for o in finals)
-    return {"object": "list", "data": data, "model": ctx.settings.model_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        out.append(vector)
+    return out

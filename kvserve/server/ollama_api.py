@@ -35,7 +35,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
-from kvserve.server import ollama_models
+from kvserve.server import ollama_embed, ollama_models
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, chat_messages, generate_messages
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
@@ -61,10 +61,7 @@ def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
     options = req.options
     sampling = options.sampling() if options is not None else {}
     limit = ctx.client.max_model_len
-    if options is not None and options.num_ctx is not None and options.num_ctx > limit:
-        raise APIError(400, f"options.num_ctx {options.num_ctx} is more than this server's context of {limit} tokens; "
-                       "kvserve does not widen it: send at most that, or leave it out", param="options.num_ctx")
-    context = min(options.num_ctx, limit) if options is not None and options.num_ctx is not None else limit
+    context = options.context(limit) if options is not None else limit
     predict = options.num_predict if options is not None else None  # -1, -2: all the context leaves
     fmt = req.format
     constraint = (None if fmt in (None, "") else Constraint("json_object", "", "format") if fmt == "json"
@@ -272,3 +269,4 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return await Generate.handle(request, ctx)
 
     ollama_models.add_routes(app, ctx)
+    ollama_embed.add_routes(app, ctx)

@@ -61,6 +61,15 @@ class Options(_Strict):
     repeat_last_n: Any = None
     penalize_newline: Any = None
 
+    def context(self, limit: int) -> int:
+        """The context a request's tokens must fit in: num_ctx narrows the server's (`limit`), never widens it."""
+        if self.num_ctx is None:
+            return limit
+        if not 1 <= self.num_ctx <= limit:
+            raise InvalidParam("options.num_ctx", f"options.num_ctx {self.num_ctx} is not in [1, {limit}], this "
+                               "server's context: kvserve does not widen it; send at most that, or leave it out")
+        return self.num_ctx
+
     def sampling(self) -> dict[str, Any]:
         """SamplingParams fields (max_tokens apart: see num_predict); InvalidParam for a sampler kvserve lacks."""
         for name, off in _OFF.items():
@@ -71,8 +80,6 @@ class Options(_Strict):
         if self.num_predict is not None and self.num_predict not in (-1, -2) and self.num_predict < 1:
             raise InvalidParam("options.num_predict", "options.num_predict must be -1 or -2 (until the context is "
                                "full) or a number of tokens >= 1")
-        if self.num_ctx is not None and self.num_ctx < 1:
-            raise InvalidParam("options.num_ctx", "options.num_ctx must be at least 1")
         names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
                  "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
                  "frequency_penalty": "frequency_penalty"}
@@ -111,25 +118,30 @@ class Tool(_Strict):
     function: FunctionDef
 
 
-class _Generation(_Strict):
-    """What /api/chat and /api/generate share."""
+class _Named(_Strict):
+    """A request naming the model, as Ollama names it."""
 
     model: str
-    format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options | None = None
-    stream: bool = True  # Ollama streams unless told not to
     keep_alive: Any = None  # the model stays loaded as long as kvserve runs
-    think: bool | Literal["low", "medium", "high"] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     _name: str = PrivateAttr("")  # the model as the client named it (echoed back)
 
     @model_validator(mode="after")
-    def _tagless(self) -> _Generation:
+    def _tagless(self) -> _Named:
         """Ollama's names carry a tag; `tags` lists the served model as NAME:latest."""
         self._name = self.model
         self.model = self.model.removesuffix(":latest")
         return self
+
+
+class _Generation(_Named):
+    """What /api/chat and /api/generate share."""
+
+    format: Literal["", "json"] | dict[str, Any] | None = None
+    stream: bool = True  # Ollama streams unless told not to
+    think: bool | Literal["low", "medium", "high"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     def checked(self) -> None:
         if self.think not in (None, False):
@@ -170,6 +182,20 @@ class GenerateRequest(_Generation):
         if self.template:
             raise InvalidParam("template", "template is not supported: kvserve renders prompts with the model's own "
                                "chat template (or none, with raw: true)")
+
+
+class EmbedRequest(_Named):
+    """/api/embed. Of `options`, only num_ctx matters (the context inputs are cut to)."""
+
+    input: str | list[str] = ""
+    truncate: bool | None = None  # None: Ollama's default, true
+    dimensions: int | None = None
+
+
+class EmbeddingsRequest(_Named):
+    """/api/embeddings, Ollama's older form: one prompt."""
+
+    prompt: str = ""
 
 
 class ShowRequest(_Strict):
