@@ -17,10 +17,10 @@ ADMIN_KEY = "admin-key"
 class AppThread:
     """An ASGI app (a stand-in replica) served by uvicorn on a free loopback port, on a thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, port: int | None = None) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -29,6 +29,13 @@ def completion(prompt: str, max_tokens: int, **kw) -> dict:
     return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **kw}
 
 
+def routed(router: RouterThread, prompt: str) -> tuple[int, str]:
+    """A short completion through the router: its status and the replica that answered (else the error body)."""
+    with router.client() as c:
+        r = c.post("/v1/completions", json=completion(prompt, 2))
+    return r.status_code, r.headers.get("x-kvserve-replica", r.text)
+
+
 def test_killing_a_replica_under_load_fails_no_request_and_restarting_brings_it_back(replicas):
     router = RouterThread([s.url for s in replicas], "least_load", health_interval=0.25, unhealthy_after=2)
     a, b = replicas
@@ -110,13 +117,7 @@ def test_a_burst_after_a_replica_is_killed_fails_no_request(replicas):
             assert Counter(r.headers["x-kvserve-replica"] for r in warm) == {a.url: 2, b.url: 2}
             b.proc.send_signal(signal.SIGKILL)
             b.proc.wait()
-
-            def one(i: int) -> tuple[int, str]:
-                with router.client() as c:
-                    r = c.post("/v1/completions", json=completion(f"burst {i}", 2))
-                return r.status_code, r.headers.get("x-kvserve-replica", r.text)
-
-            results = list(pool.map(one, range(20)))
+            results = list(pool.map(lambda i: routed(router, f"burst {i}"), range(20)))
         assert results == [(200, a.url)] * 20
         info = router.admin()[b.url]
         assert info["state"] == "unhealthy" and info["in_flight"] == 0
@@ -130,6 +131,32 @@ def test_a_burst_after_a_replica_is_killed_fails_no_request(replicas):
         router.stop()
         if b.proc.poll() is not None:
             restart(b)
+
+
+def test_requests_sent_while_one_replica_restarts_and_the_other_is_killed_wait_and_none_fails(replicas):
+    """The soak's moment: b restarting and a SIGKILLed the same second. For a while no replica is
+    up; the requests sent then are refused by both, wait, and are answered by b once it is back."""
+    router = RouterThread([s.url for s in replicas], "round_robin", health_interval=1.0, replica_wait=60)
+    a, b = replicas
+    try:
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait()
+        back = threading.Thread(target=restart, args=(b,))
+        back.start()
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda i: routed(router, f"while down {i}"), range(4)))
+        back.join(60)
+        assert results == [(200, b.url)] * 4
+        info = router.admin()
+        assert info[b.url]["state"] == "healthy" and info[a.url]["state"] == "unhealthy"
+        assert router.state.waiting == 0
+    finally:
+        router.stop()
+        for s in (a, b):
+            if s.proc.poll() is not None:
+                restart(s)
 
 
 def test_a_stream_cut_by_a_replicas_death_ends_with_an_error_event(replicas):

@@ -413,7 +413,7 @@ def test_a_replica_dying_between_a_whole_answers_head_and_body_is_retried_elsewh
 
 
 def test_no_healthy_replica_is_a_503_with_an_openai_body():
-    router = RouterThread([f"http://127.0.0.1:{free_port()}"], "least_load")
+    router = RouterThread([f"http://127.0.0.1:{free_port()}"], "least_load", replica_wait=0)
     try:
         with router.client() as c:
             r = c.post("/v1/completions", json={"prompt": "x"})
@@ -427,6 +427,7 @@ def test_no_healthy_replica_is_a_503_with_an_openai_body():
 def test_router_settings_defaults_are_sane():
     s = RouterSettings()
     assert s.unhealthy_after >= 1 and s.healthy_after >= 1 and 0 < s.retry_budget_ratio < 1
+    assert 0 < s.replica_wait < s.drain_timeout and 0 < s.max_waiting < s.max_concurrent_requests
 
 
 def test_requests_pass_through_exactly_and_an_oversized_head_is_refused(upstreams):

@@ -34,6 +34,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help=f"failed checks in a row that take a replica out (default: {_R.unhealthy_after})")
     p.add_argument("--healthy-after", type=int, default=_R.healthy_after,
                    help=f"passed checks in a row that bring it back (default: {_R.healthy_after})")
+    p.add_argument("--replica-wait", type=float, default=_R.replica_wait,
+                   help=f"seconds a request that finds no healthy replica waits for one to come up; 0: 503 at once "
+                        f"(default: {_R.replica_wait:g})")
     p.add_argument("--max-retries", type=int, default=_R.max_retries,
                    help=f"other replicas tried when one fails before the first byte (default: {_R.max_retries})")
     p.add_argument("--max-concurrent-requests", type=int, default=_R.max_concurrent_requests,
@@ -66,7 +69,7 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
     for name in ("unhealthy_after", "healthy_after", "max_concurrent_requests", "max_connections"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("max_retries", "balance_abs_tokens", "min_match_tokens"):
+    for name in ("max_retries", "balance_abs_tokens", "min_match_tokens", "replica_wait"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     policy = PolicySettings(name=args.policy, cache_source=args.cache_source, balance_abs_tokens=args.balance_abs_tokens,
@@ -79,7 +82,7 @@ def settings_from_args(args: argparse.Namespace, replicas: list[str]) -> RouterS
         admin_key=args.admin_key or None, replica_api_key=args.replica_api_key or None,
         allowed_hosts=parse_allowed_hosts(args.allowed_hosts),
         health_interval=args.health_interval, unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
-        max_retries=args.max_retries, max_concurrent_requests=args.max_concurrent_requests,
+        replica_wait=args.replica_wait, max_retries=args.max_retries, max_concurrent_requests=args.max_concurrent_requests,
         read_timeout=args.read_timeout, drain_timeout=args.drain_timeout, header_timeout=args.header_timeout,
         max_connections=args.max_connections,
     )

@@ -26,7 +26,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kvserve.router.admin import add_admin_routes
 from kvserve.router.page import add_page_routes
 from kvserve.router.proxy import handle
-from kvserve.router.replicas import HEALTHY
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
 from kvserve.web.body import FramingCheck
@@ -81,7 +80,7 @@ def build_router_app(settings: RouterSettings) -> RouterApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
-        up = sum(r.state == HEALTHY for r in state.replicas)
+        up = len(state.replicas.up())
         log.info("kvserve route: %s at %s, policy %s, %d of %d replica(s) healthy", settings.policy.name,
                  settings.url, settings.policy.name, up, len(state.replicas))
         yield
@@ -95,7 +94,7 @@ def build_router_app(settings: RouterSettings) -> RouterApp:
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = sum(r.state == HEALTHY and not r.removed for r in state.replicas)
+        healthy = len(state.replicas.up())
         if state.draining:
             return JSONResponse({"status": "draining", "healthy_replicas": healthy}, status_code=503)
         return JSONResponse({"status": "ready" if healthy else "no_replica", "healthy_replicas": healthy},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -60,6 +60,8 @@ class RouterMetrics:
                                     buckets=_LATENCY, registry=r)
         self.rejected = Counter("kvserve_router_rejected", "Requests answered by the router itself, by status.",
                                 ["status"], registry=r)
+        self.waiting = Gauge("kvserve_router_waiting_requests", "Requests waiting for a replica to come up.",
+                             registry=r)
         r.register(_ReplicaCollector(replicas))
         self.rejected_503 = self.rejected.labels("503")
         self._children: dict[tuple, object] = {}

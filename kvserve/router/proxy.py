@@ -8,7 +8,8 @@ of one. The router's own errors take that dialect too. A replica
 that dies between a whole answer's head and its body is tried like one that died before its head
 (nothing reached the client). One that dies mid-answer ends the client's stream at once (the
 connection closes; a stream none of which reached the client yet is a 503 instead) or after
-`read_timeout` of silence. The answer's
+`read_timeout` of silence. A request that finds no healthy replica it may go to, before any
+replica answered it, waits up to `replica_wait` for one to come up (kvserve/router/state.py). The answer's
 head goes to the client with its first body bytes. A client that leaves closes the upstream request, so the replica
 aborts the work.
 
@@ -149,20 +150,35 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
     query = scope.get("query_string", b"")
     target = (scope.get("raw_path") or scope["path"].encode()) + (b"?" + query if query else b"")
     method = scope["method"].encode()
-    tried: set[Replica] = set()
+    tried: dict[Replica, int] = {}  # each replica tried, with its `ups` then (kvserve/router/replicas.py)
     last: tuple[int, list[tuple[bytes, bytes]], bytes] | None = None  # a 429/503 to pass on
     retries = 0  # after real failures: at most max_retries, each paid from the retry budget
-    backoff = False  # the next try waits: the last one failed for real
-    while candidates := state.replicas.eligible(tried):
-        if backoff:
-            backoff = False
-            delay = min(s.backoff_max, s.backoff_base * 2 ** (retries - 1)) * random.uniform(0.5, 1.0)
-            await asyncio.sleep(delay)
-            candidates = state.replicas.eligible(tried) or candidates
+    retry: tuple[str, str, bool] | None = None  # the try to repeat elsewhere: its replica, why, and whether it is paid
+    deadline = time.monotonic() + s.replica_wait  # for waiting for a replica, all waits together
+    gave_up: str | None = None  # why waiting for a replica ended without one
+    while True:
+        candidates = state.replicas.eligible(tried)
+        if not candidates and last is None and s.replica_wait > 0 and not state.replicas.up(tried):
+            # Nothing answered yet and no replica is up: wait for one rather than fail.
+            if (gave_up := await state.wait_for_replica(tried, deadline)) is None:
+                candidates = state.replicas.eligible(tried)
+        if not candidates:
+            break
+        if retry is not None:
+            url, reason, paid = retry
+            retry = None
+            if paid:  # a replica may have seen it: max_retries, the budget and a backoff apply
+                if not state.budget.try_spend():
+                    log.warning("retry budget spent: not retrying %s", scope["path"])
+                    break
+                retries += 1
+                await asyncio.sleep(min(s.backoff_max, s.backoff_base * 2 ** (retries - 1)) * random.uniform(0.5, 1.0))
+                candidates = state.replicas.eligible(tried) or candidates
+            state.metrics.child(state.metrics.retries, url, reason).inc()
         attempt = Attempt(state, _home(state, req, candidates) or state.policy.choose(candidates, req), req,
                           prompt_tokens, max_tokens)
         replica = attempt.replica
-        tried.add(replica)
+        tried[replica] = replica.ups
         try:
             upstream = await state.upstream.request(replica.url, method, target, headers, body)
             if upstream.status not in _RETRY_STATUS and not _streams(upstream):
@@ -185,9 +201,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                 state.mark_down(replica, "a request's connection was refused")
             # Another replica gets it at once, free: neither max_retries nor the retry budget,
             # which are for requests a replica may have seen. `tried` bounds these tries.
-            if state.replicas.eligible(tried):
-                state.metrics.child(state.metrics.retries, replica.url, "refused" if isinstance(
-                    e, ConnectRefused) else "connect").inc()
+            retry = (replica.url, "refused" if isinstance(e, ConnectRefused) else "connect", False)
             continue
         except UpstreamError as e:  # it closed before the answer's head (a replica that died)
             attempt.failed("connect", f"{type(e).__name__}: {e}")
@@ -199,7 +213,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
             if req.response_id is not None and upstream.status in (400, 404) and state.replicas.eligible(tried):
                 answer = (upstream.status, upstream.headers, await _whole(upstream))
                 if _not_stored_here(answer[2]):  # another replica may hold it: asked next, free (as a refusal is)
-                    replica.request_succeeded()
+                    state.answered(replica)
                     attempt.end()
                     last = answer
                     continue
@@ -209,7 +223,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                 if upstream.status >= 500:
                     attempt.failed("status", f"answered {upstream.status}")
                 else:
-                    replica.request_succeeded()
+                    state.answered(replica)
                     _learn_home(state, req, scope["method"], upstream, replica)
                 state.metrics.first_byte.observe(time.perf_counter() - arrival)
                 return RelayResponse(upstream, attempt, state, dialect(scope["path"]))
@@ -227,23 +241,20 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
                 replica.request_failed(s, "answered 503")
             attempt.end()
             reason = str(upstream.status)
-        if retries >= s.max_retries or not state.replicas.eligible(tried):
+        if retries >= s.max_retries:
             break
-        if not state.budget.try_spend():
-            log.warning("retry budget spent: not retrying %s", scope["path"])
-            break
-        retries, backoff = retries + 1, True
-        state.metrics.child(state.metrics.retries, replica.url, reason).inc()
+        retry = (replica.url, reason, True)
     state.end()
     if last is not None:  # every replica tried said 429 or 503 (or holds no such response): the last one's own answer
         return _passed_on(*last)
     state.metrics.rejected_503.inc()
-    if not tried and any(r.state == "healthy" and not r.removed for r in state.replicas):
+    if not tried and state.replicas.up():
         wait = min((r.wait_until for r in state.replicas), default=0.0) - time.monotonic()
         return APIError(429, "every replica asked to wait (429): retry later", code="too_many_requests",
                         headers={"Retry-After": str(max(1, math.ceil(wait)))}).response(scope["path"])
-    return APIError(503, "no replica could take the request: " + ("none is healthy" if not tried else
-                    "every one tried failed"), code="no_replica", headers={"Retry-After": "1"}).response(scope["path"])
+    why = ("none is healthy" if not tried else "every one tried failed") + (f", and {gave_up}" if gave_up else "")
+    return APIError(503, "no replica could take the request: " + why, code="no_replica",
+                    headers={"Retry-After": "1"}).response(scope["path"])
 
 
 def _passed_on(status: int, raw: list[tuple[bytes, bytes]], content: bytes) -> Response:
@@ -255,7 +266,7 @@ def _passed_on(status: int, raw: list[tuple[bytes, bytes]], content: bytes) -> R
 
 def _answer(status: int, raw: list[tuple[bytes, bytes]], content: bytes, attempt: Attempt, state: RouterState) -> Response:
     """A replica's small whole answer, read already, passed on as the request's answer."""
-    attempt.replica.request_succeeded()
+    state.answered(attempt.replica)
     attempt.end()
     state.end()
     return _passed_on(status, raw, content)

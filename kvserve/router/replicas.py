@@ -1,7 +1,9 @@
 """The replicas a router sends to: state (health, circuit breaker, Retry-After), load, counters.
 
 A replica is eligible for new work when its health checks pass, its circuit breaker is not open
-and no 429 told the router to wait. A refused connection (a health check's or a request's) takes
+and no 429 told the router to wait. One passed check (or, for a replica out for not answering, one
+successful proxied answer) brings it back at once: requests may be waiting for it
+(kvserve/router/state.py). A refused connection (a health check's or a request's) takes
 it out at once, since nothing listens on its port, and so does breaking the /kv/events rules
 (kvserve/router/kv_page.py). Load is what the router itself put there: requests in
 flight and outstanding tokens (prompt tokens plus the tokens still to be generated), since a
@@ -10,11 +12,17 @@ replica's own queue figures would reach the router late.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvserve.router.settings import RouterSettings
 
 STARTING, HEALTHY, UNHEALTHY = "starting", "healthy", "unhealthy"
+# The replicas one request tried, each with its `ups` at the time: a replica that came up again
+# since is a restarted process, which the request may be sent to.
+Tried = Mapping["Replica", int]
+NOT_TRIED: Tried = MappingProxyType({})
 
 
 @dataclass
@@ -54,6 +62,8 @@ class Replica:
     url: str
     state: str = STARTING
     passes: int = 0  # health checks passed in a row
+    ups: int = 0  # times it came up (turned healthy)
+    unready: bool = False  # its last /health answered, but not 200 (loading, draining): only a check brings it back
     fails: int = 0  # health checks failed in a row
     failures: int = 0  # requests failed in a row (circuit breaker)
     open_until: float = 0.0  # breaker open (no traffic) until then
@@ -107,14 +117,19 @@ class Replica:
         self.open_until = 0.0
         self.trial = False
 
+    def come_up(self) -> None:
+        """In, routable now (breaker closed)."""
+        self.state = HEALTHY
+        self.ups += 1
+        self.request_succeeded()
+
     # -- health --------------------------------------------------------------------------
     def health_result(self, ok: bool, settings: RouterSettings, why: str | None = None) -> str | None:
         """Count one check; returns the new state when it changed."""
         if ok:
             self.passes, self.fails = self.passes + 1, 0
             if self.state != HEALTHY and self.passes >= (1 if self.state == STARTING else settings.healthy_after):
-                self.state = HEALTHY
-                self.request_succeeded()
+                self.come_up()
                 return HEALTHY
         else:
             self.passes, self.fails = 0, self.fails + 1
@@ -179,6 +194,10 @@ class ReplicaSet:
     def __len__(self) -> int:
         return len(self._by_url)
 
-    def eligible(self, exclude: set[Replica] = frozenset()) -> list[Replica]:
+    def up(self, tried: Tried = NOT_TRIED) -> list[Replica]:
+        """Healthy replicas, less those the request tried since they last came up."""
+        return [r for r in self._by_url.values() if r.state == HEALTHY and tried.get(r) != r.ups]
+
+    def eligible(self, tried: Tried = NOT_TRIED) -> list[Replica]:
         now = time.monotonic()
-        return [r for r in self._by_url.values() if r not in exclude and r.eligible(now)]
+        return [r for r in self.up(tried) if r.eligible(now)]

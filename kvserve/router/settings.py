@@ -59,11 +59,18 @@ class RouterSettings:
     admin_key: str | None = None  # Bearer key of /admin/*; without one only loopback clients may use it
     allowed_hosts: tuple[str, ...] = ()  # Host header names answered (kvserve/server/hosts.py); empty: any
     replica_api_key: str | None = None  # sent to replicas on the router's own calls (/kv/events)
-    # Health: a replica failing `unhealthy_after` checks in a row is out; `healthy_after` passes bring it back.
+    # Health: a replica failing `unhealthy_after` checks in a row is out; `healthy_after` passes bring
+    # it back. One pass is proof enough: a replica that answers is routable, and requests may be
+    # waiting for it.
     health_interval: float = 1.0
     health_timeout: float = 2.0
     unhealthy_after: int = 2
-    healthy_after: int = 2
+    healthy_after: int = 1
+    # A request that finds no healthy replica waits up to replica_wait seconds for one to come up
+    # (a replica restarting while another is killed is back within seconds; a client would rather
+    # wait than fail), at most max_waiting of them at once; past either, 503 no_replica.
+    replica_wait: float = 10.0
+    max_waiting: int = 256
     # Retries before the first byte reached the client (connect error, 429, 503): on another
     # replica, after a jittered exponential backoff, at most max_retries per request, and in all
     # at most retry_budget_ratio of requests (plus a small burst) so that retries cannot snowball.

@@ -1,11 +1,14 @@
 """RouterState: the replicas, the policy, the upstream client and the background loops, in one object.
 
-Health checks run for every replica each `health_interval`; a cache_aware router with a precise
-source also follows each replica's /kv/events (kvserve/router/kv_index.py).
+Health checks run for every replica each `health_interval` (every WAITING_CHECK_INTERVAL while
+requests wait for a replica); a cache_aware router with a precise source also follows each
+replica's /kv/events (kvserve/router/kv_index.py). A request that finds no healthy replica waits
+here (bounded in time and in number) and is woken the moment one comes up.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -16,12 +19,15 @@ from kvserve.router.response_homes import ResponseHomes
 from kvserve.router.kv_index import KVIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
-from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet
+from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet, Tried
 from kvserve.router.settings import RouterSettings
 from kvserve.router.upstream import Upstream, is_refusal, make_client
 
 log = logging.getLogger("kvserve.router")
 KEEP_DECISIONS = 50  # routing decisions the page at / shows (bounded memory)
+# Seconds between health checks while requests wait for a replica: one that comes back is found
+# within this, not a whole health_interval later.
+WAITING_CHECK_INTERVAL = 0.1
 
 
 class RetryBudget:
@@ -61,6 +67,9 @@ class RouterState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._health: asyncio.Task | None = None
+        self.waiting = 0  # requests waiting for a replica to come up
+        self._came_up = asyncio.Event()  # set (and replaced) when a replica comes up: wakes the waiting
+        self._hurry = asyncio.Event()  # a request started waiting: check health now
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -147,6 +156,39 @@ class RouterState:
             log.warning("replica out: %s (%s)", replica.url, why)
             self.policy.forget(replica)
 
+    def answered(self, replica: Replica) -> None:
+        """A proxied request got its answer: the breaker closes, and a replica out for not
+        answering its checks is back at once (one that said it is not ready waits for a check)."""
+        replica.request_succeeded()
+        if replica.state != HEALTHY and not replica.unready and not replica.removed:
+            replica.come_up()
+            self._in(replica)
+
+    def _in(self, replica: Replica) -> None:
+        log.info("replica in: %s", replica.url)
+        self._came_up.set()
+        self._came_up = asyncio.Event()
+
+    async def wait_for_replica(self, tried: Tried, deadline: float) -> str | None:
+        """Wait until a replica the request may go to is healthy; None then, else why not: the
+        deadline passed, or max_waiting requests wait already."""
+        if self.waiting >= self.settings.max_waiting:
+            return f"{self.waiting} requests wait for one already"
+        self.waiting += 1
+        self.metrics.waiting.inc()
+        self._hurry.set()
+        try:
+            while not self.replicas.up(tried):
+                came_up, left = self._came_up, deadline - time.monotonic()
+                if left <= 0:
+                    return f"none came up within {self.settings.replica_wait:g} s"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(came_up.wait(), left)
+            return None
+        finally:
+            self.waiting -= 1
+            self.metrics.waiting.dec()
+
     async def check(self, replica: Replica) -> None:
         reachable, refused = True, False
         try:
@@ -154,13 +196,14 @@ class RouterState:
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
         except httpx.HTTPError as e:
             ok, why, reachable, refused = False, f"/health: {type(e).__name__}: {e}", False, is_refusal(e)
+        replica.unready = reachable and not ok
         if refused:
             self.mark_down(replica, why)
             changed = None
         else:
             changed = replica.health_result(ok, self.settings, None if ok else why)
         if changed == HEALTHY:
-            log.info("replica in: %s", replica.url)
+            self._in(replica)
         elif changed == UNHEALTHY:
             log.warning("replica out: %s (%s)", replica.url, why)
             self.policy.forget(replica)  # if it comes back it may have restarted empty
@@ -174,10 +217,17 @@ class RouterState:
         await asyncio.gather(*(self.check(r) for r in self.replicas))
 
     async def _health_loop(self) -> None:
+        interval = self.settings.health_interval
+        fast = min(interval, WAITING_CHECK_INTERVAL)
+        t0 = time.monotonic()  # start() has just checked
         while True:
+            await asyncio.sleep(max(0.0, fast - (time.monotonic() - t0)))  # never more often than this
+            if not self.waiting:  # nobody waits: the next check in `interval`, or as soon as someone does
+                self._hurry.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), max(0.0, interval - (time.monotonic() - t0)))
             t0 = time.monotonic()
             try:
                 await self.check_all()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 log.exception("health checks failed")
-            await asyncio.sleep(max(0.0, self.settings.health_interval - (time.monotonic() - t0)))
