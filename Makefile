@@ -57,7 +57,7 @@ test: setup  ## the whole suite, slow tests included, then the kernels on every 
 
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
-KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py
+KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py tests/test_quality.py
 # Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
 # plain C path's time. Its kernels are built first (BUILD_KERNELS), so no two workers compile them.
 ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)

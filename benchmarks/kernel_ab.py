@@ -43,8 +43,9 @@ SHAPES_1B = [("2048→3072 Q4_0", 3072, 2048, Q.Q4_0), ("2048→16384 Q4_0", 163
 # weights, and the tied Q8_0 LM head: ~96 MB a pass, read from memory as a step reads it (`--shapes step`).
 STEP_LAYER = [(960, 576, Q.Q4_1), (576, 576, Q.Q4_1), (3072, 576, Q.Q4_1), (576, 1536, Q.Q4_1)]
 STEP = STEP_LAYER * 30 + [(49152, 576, Q.Q8_0)]
+# (the last, the activations' int8 levels: a build from before it took one ignores it, so compare at --levels 1)
 _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-         ctypes.c_int]
+         ctypes.c_int, ctypes.c_int]
 
 
 def source_at(rev: str, tmp: Path) -> Path:
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="4,16,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--levels", type=int, choices=(1, 2), default=1,
+                    help="int8 levels per activation row (default: 1, which builds from before levels existed run too)")
     ap.add_argument("--other-bits", action="store_true",
                     help="the builds sum in another order: report the outputs' largest difference, not require equal bits")
     ap.add_argument("--shapes", choices=("default", "1b", "k", "step"), default="default",
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                         t0 = time.perf_counter()
                         for _ in range(calls):
                             libs[n].kvserve_quant_matmul(blocks[n][1], blocks[n][0].data_ptr(), rows, cols, x.data_ptr(), B,
-                                                         ys[n].data_ptr(), args.threads)
+                                                         ys[n].data_ptr(), args.threads, args.levels)
                         best[n] = min(best[n], (time.perf_counter() - t0) / calls)
                 ya, yb = ys.values()
                 note = ""
@@ -152,7 +155,7 @@ def time_step(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
                 for _ in range(5):
                     for (rows, cols, blocks), y in zip(mats, ys[n]):
                         libs[n].kvserve_quant_matmul(blocks[n][1], blocks[n][0].data_ptr(), rows, cols, xs[cols].data_ptr(),
-                                                     B, y.data_ptr(), args.threads)
+                                                     B, y.data_ptr(), args.threads, args.levels)
                 best[n] = min(best[n], (time.perf_counter() - t0) / 5)
         diff = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(*ys.values()))
         if not args.other_bits and diff:

@@ -25,6 +25,11 @@ with a packed bfloat16 copy of the weights where the CPU computes bfloat16 (oneD
 prefill, 2 more bytes a weight), elsewhere with sgemm past ~128-256 rows. The default (None) is True where the kernel's integer dot is
 AVX-512 VNNI or AVX2, which is as fast as sgemm there or faster, and False on the plain C build
 (model/quant.py's batch_invariant_by_default).
+`activations="int8x2"` has the integer kernels quantize each activation row twice, int8 and then what
+int8 left, so quantized weights give the exact float path's answers (KL ~2e-6, docs/quality.md) for
+twice the integer dots; "int8" is one level, as llama.cpp's, ~1.7-2x faster in large batches and
+prompts, and a slightly different model; "auto" (the default) is int8x2 under a billion parameters
+(the default model), int8 above (model/quant.py's ACTIVATIONS).
 `CacheConfig(disk_path=...)` adds a disk tier under the prefix cache (kv/disk_tier.py): blocks the
 pool evicts are saved there and read back by later prompts, after a restart too.
 `speculative=SpeculativeConfig()` drafts tokens by prompt lookup and verifies them in the batch
@@ -57,7 +62,7 @@ from kvserve.kv.manager import KVCacheManager, peak_blocks
 from kvserve.kv.sizing import allocate_kv_pool, allocate_kv_scales, auto_kv_dtype, size_kv_pool
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import DEFAULT_MODEL, keeps_quantized, load_checkpoint
-from kvserve.model.quant import QuantizedWeight, batch_invariant_by_default
+from kvserve.model.quant import ACTIVATIONS, QuantizedWeight, activation_levels, batch_invariant_by_default
 from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
@@ -160,6 +165,7 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         batch_invariant: bool | None = None,
+        activations: str = "auto",
         speculative: SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
     ) -> None:
@@ -172,6 +178,8 @@ class LLM:
         self.quantization = quantization
         ckpt = load_checkpoint(model, self.dtype, quantization)
         self.config: ModelConfig = ckpt.config
+        levels = activation_levels(activations, self.config)
+        self.activations = {v: k for k, v in ACTIVATIONS.items()}[levels]  # the choice "auto" made
         self.model_path = ckpt.path
         self.model_name = model
         self.tokenizer = Tokenizer.load(ckpt.path)
@@ -195,10 +203,12 @@ class LLM:
             from kvserve.parallel import model as tensor_parallel
 
             self.model, self.kv_sizing = tensor_parallel.start(ckpt, tensor_parallel_size, self.dtype, quantization,
-                                                               self.kv_dtype, cache, self.batch_invariant)
+                                                               self.kv_dtype, cache, self.batch_invariant, levels)
         # True: a greedy request's tokens do not depend on what else is in its batch (quantized
         # layers keep the integer kernel at every batch size).
         self.model.set_batch_invariant(self.batch_invariant)
+        if tensor_parallel_size == 1:  # (the ranks took theirs at load)
+            self.model.set_activation_levels(levels)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         window_blocks = peak_blocks(self.config.sliding_window, cache.block_size, scheduler.max_num_batched_tokens)
         if window_blocks is None or window_blocks > self.kv_sizing.num_blocks:
@@ -210,7 +220,7 @@ class LLM:
         if cache.disk_path is not None and cache.enable_prefix_caching:
             s = self.kv_sizing
             disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
-                ckpt.path, self.dtype, quantization, self.batch_invariant, self.kv_dtype, cache.block_size, s.num_layers,
+                ckpt.path, self.dtype, quantization, self.batch_invariant, self.activations, self.kv_dtype, cache.block_size, s.num_layers,
                 s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size,
                 kv_scales=kv_scales)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,

@@ -1,6 +1,6 @@
 """The int8 KV cache (model/kv_int8.py): the kernels against its torch reference, the native step
-against the per-op path, the pool's size, the default model's quality against a float16 cache,
-and a server that runs on it.
+against the per-op path, the pool's size and a server that runs on it. (The default model's quality over
+an int8 cache, against the exact path: tests/test_quality.py.)
 
 `make test-isa` reruns this file with KVSERVE_ISA=avx2 and portable: the kernels' int8 store and
 read at every ISA level.
@@ -18,7 +18,6 @@ from kvserve.model import kv_int8
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, store_kv
 from kvserve.model.ops import LayerOps
 from server_harness import MODEL_NAME, start_server
-from test_quant import HERE, PROMPTS, _greedy, _greedy_along, _perplexity
 
 H, HKV, D, BS = 9, 3, 64, 16  # the default model's heads
 
@@ -146,25 +145,6 @@ def _default_llm(kv_dtype: str):
 @pytest.fixture(scope="module")
 def i8():
     return _default_llm("int8")
-
-
-@pytest.mark.slow
-def test_default_model_on_int8_keeps_perplexity_within_1_percent_and_greedy_agreement(i8) -> None:
-    """test_quant.py's measures, against the same model over a float16 cache."""
-    f16 = _default_llm("float16")
-    assert i8.kv_dtype == torch.int8 and i8.runner.native is not None and i8.runner.kv_scales[0].shape == (2, 3, 64, 16)
-    text = f16.tokenizer.encode((HERE / "data" / "gettysburg.txt").read_text())
-    ppl_i8, ppl_f16 = _perplexity(i8, text), _perplexity(f16, text)
-    steps = agree = 0
-    for p in PROMPTS[:4]:  # half of test_quant.py's: the float16 cache's greedy tokens, fed to the int8 one
-        ids = f16.encode_chat([{"role": "user", "content": p}])
-        want = _greedy(f16, ids)
-        steps += len(want)
-        agree += sum(g == w for g, w in zip(_greedy_along(i8, ids, want), want))
-    print(f"perplexity on the Gettysburg Address ({len(text)} tokens): int8 {ppl_i8:.4f}, float16 {ppl_f16:.4f}; "
-          f"greedy agreement {agree}/{steps} steps fed the float16 cache's tokens")
-    assert abs(ppl_i8 / ppl_f16 - 1) < 0.01
-    assert agree >= 0.9 * steps
 
 
 def test_native_step_equals_the_per_op_path_over_an_int8_pool(i8) -> None:

@@ -73,9 +73,18 @@ def test_the_default_model_takes_the_native_step(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 5])
-def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM, n: int) -> None:
+@pytest.mark.parametrize("levels", [2, 1])
+def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM, n: int, levels: int) -> None:
     # One row takes its own order (each KV head's rotation with its attention); more rows, a barrier between.
-    _decode_both(llm.runner, _prompts(n), steps=6)
+    # Activations at two int8 levels (the default) and at one.
+    saved = llm.runner.native
+    try:
+        llm.model.set_activation_levels(levels)
+        llm.runner.native = NativeDecode(llm.model, llm.runner.kv_caches, BS, llm.runner.kv_scales)
+        _decode_both(llm.runner, _prompts(n), steps=6)
+    finally:
+        llm.model.set_activation_levels(2)
+        llm.runner.native = saved
 
 
 def test_work_buffers_grow_for_longer_contexts_and_larger_batches(llm: LLM) -> None:

@@ -54,12 +54,14 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """x.W^T in float64 with W from gguf.quants.dequantize, and the error bound stated above."""
+def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor, levels: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """x.W^T in float64 with W from gguf.quants.dequantize, and the error bound stated above. With two
+    activation levels the second quantizes what the first left (at most its half step), so its own half
+    step is at most 1/254 of the first's: the bound takes 1/127 of it."""
     w = gguf.quants.dequantize(blocks, qtype).astype(np.float64)  # [rows, cols]
     xd = x.double().numpy()
     T, cols = xd.shape
-    half_step = np.abs(xd).reshape(T, cols // 32, 32).max(-1) / 127 / 2  # [T, blocks]
+    half_step = np.abs(xd).reshape(T, cols // 32, 32).max(-1) / 127 / 2 / (127 if levels == 2 else 1)  # [T, blocks]
     w_abs = np.abs(w).reshape(w.shape[0], cols // 32, 32).sum(-1)  # [rows, blocks]
     bound = half_step @ w_abs.T + 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-6
     return xd @ w.T, bound
@@ -96,27 +98,35 @@ def check_kernels() -> str:
                 # Plain C runs an x8 group's blocks through the stored path's float work in its order:
                 # the same bits from either layout (without SIMD flags x86-64 has no FMA to fuse them apart).
                 x = torch.randn(9, cols, generator=g)
-                assert torch.equal(quant_matmul.matmul(layouts[1][0], layouts[1][1], rows, cols, x),
-                                   quant_matmul.matmul(stored, int(qtype), rows, cols, x)), qtype.name
+                for levels in quant_matmul.LEVELS:
+                    assert torch.equal(quant_matmul.matmul(layouts[1][0], layouts[1][1], rows, cols, x, levels),
+                                       quant_matmul.matmul(stored, int(qtype), rows, cols, x, levels)), qtype.name
+            elif len(layouts) == 2:
+                # The SIMD builds sum an x8 group's blocks in another order than the stored rows' (same integer
+                # sums, float additions reordered): the two layouts differ in the last bits only.
+                x = torch.randn(9, cols, generator=g)
+                a, b = (quant_matmul.matmul(f, k, rows, cols, x) for f, k in layouts)
+                assert (a - b).abs().max() <= 1e-6 * a.abs().max().clamp(min=1e-3), qtype.name
             for flat, kind in layouts:
                 name = f"{qtype.name}{' x8' if kind >= quant_matmul.X8 else ''}"
                 assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols), exact), name
                 ids = torch.randperm(rows, generator=g)[: max(1, rows // 2)]  # single rows, as an embedding reads them
                 assert torch.equal(quant_matmul.dequantize_rows(flat, kind, rows, cols, ids), exact[ids]), name
-                for T in (1, 2, 3, 5, 6, 17, 64, 300):
-                    x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
-                    x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
-                    y = quant_matmul.matmul(flat, kind, rows, cols, x).double().numpy()
-                    ref, bound = reference(blocks, qtype, x)
-                    worst = (np.abs(y - ref) / bound).max()
-                    assert worst <= 1.0, f"{name} {rows}x{cols} T={T}: error {worst:.2f} x the bound"
-                # A row's result does not depend on the batch it came in: the same bits alone, in a
-                # tile's remainder and inside full tiles.
-                x = torch.randn(11, cols, generator=g)
-                together = quant_matmul.matmul(flat, kind, rows, cols, x)
-                for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
-                    part = quant_matmul.matmul(flat, kind, rows, cols, x[lo:hi])
-                    assert torch.equal(part, together[lo:hi]), f"{name} {rows}x{cols} rows {lo}:{hi}"
+                for levels, batches in ((1, (1, 2, 3, 5, 6, 17, 64, 300)), (2, (1, 2, 5, 17, 64))):
+                    for T in batches:
+                        x = torch.randn(T, cols, generator=g) * torch.rand(T, 1, generator=g) * 4
+                        x[0, : min(cols, 40)] = 0.0  # an all-zero activation block
+                        y = quant_matmul.matmul(flat, kind, rows, cols, x, levels).double().numpy()
+                        ref, bound = reference(blocks, qtype, x, levels)
+                        worst = (np.abs(y - ref) / bound).max()
+                        assert worst <= 1.0, f"{name} {rows}x{cols} T={T} levels {levels}: error {worst:.2f} x the bound"
+                    # A row's result does not depend on the batch it came in: the same bits alone, in a
+                    # tile's remainder and inside full tiles.
+                    x = torch.randn(11, cols, generator=g)
+                    together = quant_matmul.matmul(flat, kind, rows, cols, x, levels)
+                    for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
+                        part = quant_matmul.matmul(flat, kind, rows, cols, x[lo:hi], levels)
+                        assert torch.equal(part, together[lo:hi]), f"{name} {rows}x{cols} rows {lo}:{hi} levels {levels}"
     # What the loader repacks: every x8 type on the SIMD builds; on plain C all but Q8_0 (its stored rows
     # are one contiguous dot there).
     assert [quant_matmul.x8_available(t) for t in quant_matmul.X8_TYPES] == [
@@ -250,6 +260,17 @@ def test_embedding_dequantizes_only_the_rows_looked_up() -> None:
     assert torch.equal(quant.embedding(ids, w, torch.float32), full[ids])
     with pytest.raises(ValueError, match=r"row ids must be in \[0, 100\)"):
         quant.embedding(torch.tensor([100]), w, torch.float32)
+
+
+def test_without_the_kernels_dequantizing_is_said_once(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(quant_matmul, "available", lambda: False)
+    quant._warn_dequantizing.cache_clear()
+    w = QuantizedWeight(torch.from_numpy(random_blocks(Q.Q8_0, 4, 32)), Q.Q8_0, (4, 32))
+    with caplog.at_level("WARNING", logger="kvserve.model"):
+        for _ in range(3):
+            make_linear([w], None, torch.float32)
+    assert [r.getMessage() for r in caplog.records] == [
+        "quantized weights are dequantized to torch.float32: the native kernels are unavailable"]
 
 
 def test_unknown_quantization_is_a_clear_error() -> None:

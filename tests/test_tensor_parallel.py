@@ -122,6 +122,8 @@ class _SplitSum:
     def __init__(self, lin: QuantizedLinear, cuts: list[int]) -> None:
         # cut from the stored blocks and laid out for the kernel again, as each rank's shard is
         self.parts = [(a, b, QuantizedLinear(_cols(lin.weight.unpacked(), a, b).packed())) for a, b in zip(cuts, cuts[1:])]
+        for _, _, q in self.parts:
+            q.set_activation_levels(lin.levels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ys = [q(x[:, a:b].contiguous()) for a, b, q in self.parts]

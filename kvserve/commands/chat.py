@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.llm import LLM
         from kvserve.model.loader import DEFAULT_MODEL
 
-        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, quantization=args.quantize)
+        llm = LLM(args.model or DEFAULT_MODEL, dtype=args.dtype, quantization=args.quantize, activations=args.activations)
     messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat: type a message, /exit to leave.", file=sys.stderr)
     while (user := _read_user()) is not None:

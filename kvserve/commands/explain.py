@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     cache = CacheConfig()
     if args.kv_disk_path is not None:
         cache = CacheConfig(disk_path=args.kv_disk_path, disk_bytes=int(args.kv_disk_gib * (1 << 30)))
-    llm = LLM(args.model, args.dtype, cache=cache)
+    llm = LLM(args.model, args.dtype, quantization=args.quantize, activations=args.activations, cache=cache)
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}])

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.input is not None:
         plist, records = _read_jsonl(args.input, defaults)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, activations=args.activations)
     if args.prompt is not None:
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         params = SamplingParams(**defaults)

@@ -14,6 +14,12 @@ def add_quantize_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="auto", choices=("auto", "none", "q8_0", "q4_0"),
                    help="weights: auto keeps a GGUF's quantized blocks (default), none decodes them to --dtype, "
                         "q8_0/q4_0 quantize a float checkpoint on load")
+    p.add_argument("--activations", default="auto", choices=("auto", "int8x2", "int8"),  # model/quant.py's
+                   help="quantized weights: how the integer kernels quantize activations. int8x2: int8, then what int8 "
+                        "left: the exact float path's answers (KL ~2e-6); int8: one level as llama.cpp's, ~1.7-2x "
+                        "faster in large batches and prompts, answers that can leave the exact path's where two tokens "
+                        "are near a tie; auto (default): int8x2 under a billion parameters, int8 above "
+                        "(docs/quality.md)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

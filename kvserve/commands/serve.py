@@ -354,7 +354,7 @@ def load_llm(args: argparse.Namespace) -> LLM:
                                  draft_quantization=args.draft_quantize,
                                  draft_kv_cache_bytes=draft_kv)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantize, cache=cache, scheduler=sched, max_model_len=args.max_model_len, seed=args.seed,
-              batch_invariant=args.batch_invariant, speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
+              batch_invariant=args.batch_invariant, activations=args.activations, speculative=spec, tensor_parallel_size=args.tensor_parallel_size)
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template_source)
         log.info("chat template: %s", args.chat_template)

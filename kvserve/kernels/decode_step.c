@@ -96,6 +96,7 @@ typedef struct {
     const float *final_norm;
     kv_linear lm_head; /* nparts 0: the caller runs the LM head */
     const kv_layer *layers;
+    int act_levels; /* int8 levels each activation row is quantized at (quant_matmul.c's quantize_input): 1 or 2 */
 } kv_model;
 
 /* Buffers for a batch of up to max_batch rows, allocated once by the caller. */
@@ -104,21 +105,22 @@ typedef struct {
     long max_context; /* scores room per thread: G * max_context floats */
     int max_threads;
     float *x, *h, *qkv, *q, *k, *att, *o, *gu, *act, *delta, *cs, *sn, *scores;
-    char *acts; /* quantized activations: act_rows(max_batch) * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
+    char *acts; /* quantized activations: act_rows(levels * max_batch) * (max cols / 32) * ACT_BYTES bytes, 32-byte aligned */
     float *best_val;   /* [max_threads, max_batch]: each thread's best logit of its columns (argmax) */
     int64_t *best_idx; /* [max_threads, max_batch]: its column, -1 for none */
+    float *part;       /* [max_threads, 2 max_batch, 16]: each thread's two-level products (rows_out) */
 } kv_work;
 
-/* The quantized activations' arrays for T rows of `cols` values, laid over the work buffer. */
-static acts acts_for(char *buf, long T, const kv_linear *L) {
+/* The quantized activations' arrays for T input rows of `cols` values at `levels` each, laid over the work buffer. */
+static acts acts_for(char *buf, long T, int levels, const kv_linear *L) {
     int x8 = 0;
     for (int p = 0; p < L->nparts; p++) x8 |= L->type[p] >= X8;
-    return acts_over(buf, T, L->cols / 32, x8);
+    return acts_over(buf, levels * T, L->cols / 32, x8);
 }
 
 /* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the
  * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
-static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y, int phase) {
+static void matmul_in_region(const kv_linear *L, const acts *A, long T, int levels, float *y, float *part, int phase) {
     (void)phase;
     long chunks = 0;
     for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
@@ -135,7 +137,7 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y
         const int qt = L->type[p];
         const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
         const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
-        row_range(qt, L->w[p], rb, A, T, r0, r1, y + off, L->total_rows);
+        rows_out(qt, L->w[p], rb, A, T, levels, r0, r1, y + off + r0, L->total_rows, part);
     }
     PHASE(phase);
     if (L->bias) {
@@ -148,12 +150,13 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, float *y
 
 /* Quantize x's rows, barrier, then the matmul. (Where one operation makes a row just before, its loop
  * quantizes the row itself, sparing a barrier: see kvserve_decode_step.) */
-static void linear_in_region(const kv_linear *L, const float *x, long T, float *y, char *buf, int phase) {
-    const acts A = acts_for(buf, T, L);
+static void linear_in_region(const kv_linear *L, const float *x, long T, int levels, float *y, char *buf, float *part,
+                             int phase) {
+    const acts A = acts_for(buf, T, levels, L);
     FOR_STATIC
-    for (long t = 0; t < T; t++) quantize_row(x + t * L->cols, &A, t);
+    for (long t = 0; t < T; t++) quantize_input(x + t * L->cols, &A, t, levels);
     PHASE(phase - 1); /* the quantize phase before each linear's */
-    matmul_in_region(L, &A, T, y, phase);
+    matmul_in_region(L, &A, T, levels, y, part, phase);
 }
 
 /* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
@@ -255,7 +258,8 @@ int kvserve_argmax(const float *logits, int B, long ld, long cols, int64_t *argm
 
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
 int kvserve_decode_check(const kv_model *m) {
-    if (m->window < 0 || m->hidden % 32 || m->ffn % 32 || m->D % 2 || attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
+    if (m->window < 0 || m->hidden % 32 || m->ffn % 32 || m->D % 2 || (m->act_levels != 1 && m->act_levels != 2) ||
+        attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
         return -1;
     if (m->embed_type != 0 && (block_bytes(m->embed_type) == 0 || m->hidden % block_values(m->embed_type))) return -1;
     const long qkv_rows = (long)(m->H + 2 * m->Hkv) * m->D;
@@ -314,6 +318,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #pragma omp parallel num_threads(nthreads)
     {
         float *scores = ws->scores + (size_t)omp_get_thread_num() * G * ws->max_context;
+        float *part = ws->part + (size_t)omp_get_thread_num() * 2 * ws->max_batch * 16;
+        const int lv = m->act_levels;
 #ifdef KV_PHASES
         phase_mark[omp_get_thread_num()] = omp_get_wtime();
 #pragma omp single nowait
@@ -328,14 +334,14 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
         for (int l = 0; l < m->n_layers; l++) {
             const kv_layer *L = &m->layers[l];
             /* h = norm(x + the previous layer's MLP output), each row quantized for qkv by its own thread */
-            const acts Aqkv = acts_for(ws->acts, B, &L->qkv);
+            const acts Aqkv = acts_for(ws->acts, B, lv, &L->qkv);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
                 add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
-                quantize_row(ws->h + (size_t)t * N, &Aqkv, t);
+                quantize_input(ws->h + (size_t)t * N, &Aqkv, t, lv);
             }
             PHASE(PH_NORM);
-            matmul_in_region(&L->qkv, &Aqkv, B, ws->qkv, PH_QKV);
+            matmul_in_region(&L->qkv, &Aqkv, B, lv, ws->qkv, part, PH_QKV);
             /* q, k rotated; k and v into their slots; then attention. One row (one sequence's decode step) reads
              * no other row's new keys, so each KV head's rotations go with its attention: one barrier fewer, and
              * the rotations spread over the threads. Rows of one prompt chunk read each other's: a barrier. */
@@ -359,30 +365,30 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 }
             }
             PHASE(PH_ATTN);
-            linear_in_region(&L->o, ws->att, B, ws->o, ws->acts, PH_O);
-            const acts Agu = acts_for(ws->acts, B, &L->gate_up);
+            linear_in_region(&L->o, ws->att, B, lv, ws->o, ws->acts, part, PH_O);
+            const acts Agu = acts_for(ws->acts, B, lv, &L->gate_up);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
                 add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
-                quantize_row(ws->h + (size_t)t * N, &Agu, t);
+                quantize_input(ws->h + (size_t)t * N, &Agu, t, lv);
             }
             PHASE(PH_NORM2);
-            matmul_in_region(&L->gate_up, &Agu, B, ws->gu, PH_GATE_UP);
+            matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, part, PH_GATE_UP);
             /* act = silu(gate) * up */
-            const acts Adown = acts_for(ws->acts, B, &L->down);
+            const acts Adown = acts_for(ws->acts, B, lv, &L->down);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
                 silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
-                quantize_row(ws->act + (size_t)t * F, &Adown, t);
+                quantize_input(ws->act + (size_t)t * F, &Adown, t, lv);
             }
             PHASE(PH_SILU);
-            matmul_in_region(&L->down, &Adown, B, ws->delta, PH_DOWN);
+            matmul_in_region(&L->down, &Adown, B, lv, ws->delta, part, PH_DOWN);
         }
         FOR_STATIC
         for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
         PHASE(PH_FINAL);
         if (m->lm_head.nparts && logits) {
-            linear_in_region(&m->lm_head, hidden, B, logits, ws->acts, PH_HEAD);
+            linear_in_region(&m->lm_head, hidden, B, lv, logits, ws->acts, part, PH_HEAD);
             if (argmax) {
                 argmax_in_region(logits, m->vocab, argmax_cols, B, ws->best_val, ws->best_idx, ws->max_batch, argmax, argmax_val);
                 PHASE(PH_ARGMAX);

@@ -35,7 +35,7 @@ class Model(ctypes.Structure):
         ("n_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("ffn", _i),
         ("kv_fmt", _i), ("block_size", _i), ("num_blocks", _l), ("eps", _f), ("scale", _f),
         ("window", _i), ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
-        ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)),
+        ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("act_levels", _i),
     ]
 
 
@@ -43,7 +43,7 @@ class Work(ctypes.Structure):
     _fields_ = [
         ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
         *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
-        ("acts", _p), ("best_val", _p), ("best_idx", _p),
+        ("acts", _p), ("best_val", _p), ("best_idx", _p), ("part", _p),
     ]
 
 

@@ -12,7 +12,9 @@
  * int8 activations, summed in int32 (AVX2 maddubs + madd, AVX-512 VNNI dpbusd where compiled for
  * it, plain C otherwise); offsets (Q4_0's -8, Q6_K's -32) and minimums (Q4_1, Q4_K, Q5_K) are
  * applied through the sums. One activation format for all types (not ggml's Q8_K for K-quants)
- * keeps the activation error the same for every type.
+ * keeps the activation error the same for every type. At two levels (quantize_input) a row is
+ * quantized again for what the first int8 left, as a second activation row, and its two products
+ * added (rows_out): ~15 bits of each activation for twice the integer dots (docs/quality.md).
  *
  * The SIMD paths work in register tiles (see tile()): a weight block is decoded once for 4
  * activation rows and an activation block loaded once for 2-4 weight rows; the per-block float
@@ -33,6 +35,7 @@
  * ISA flags kernels/__init__.py passes (KVSERVE_ISA=portable builds the plain C path).
  */
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -183,42 +186,45 @@ static inline int8_t *tail_word(const acts *A, long t, long blk, int s) {
     return A->qt + 64 * ((t >> 1) * A->nb + blk) + 16 * s + 8 * (t & 1);
 }
 
-static void quantize_row(const float *x, const acts *A, long t) {
-    for (long b = 0, o = t * A->nb; b < A->nb; b++, o++, x += 32) {
+/* One block of 32 values x as activation block o: q, d, s and h. */
+static inline void quantize_block(const float *x, const acts *A, long o) {
 #ifdef KV_AVX2
-        const __m256 sign = _mm256_set1_ps(-0.f);
-        __m256 v[4], m = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        __m256i q[4]; /* round to nearest even, as lrintf below */
-        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
-        const __m256i lo = _mm256_add_epi32(q[0], q[1]), hi = _mm256_add_epi32(q[2], q[3]);
-        /* packs interleave the 128-bit lanes; the permute puts the 32 values back in order */
-        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(A->q + 32 * o), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m256i hs = _mm256_hadd_epi32(lo, hi); /* lanes: lo lo hi hi | lo lo hi hi */
-        hs = _mm256_hadd_epi32(hs, hs);
-        const __m128i h2 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
-        const int s0 = _mm_cvtsi128_si32(h2), s1 = _mm_extract_epi32(h2, 1);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float d = _mm_cvtss_f32(m4) / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    __m256i q[4]; /* round to nearest even, as lrintf below */
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    const __m256i lo = _mm256_add_epi32(q[0], q[1]), hi = _mm256_add_epi32(q[2], q[3]);
+    /* packs interleave the 128-bit lanes; the permute puts the 32 values back in order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)(A->q + 32 * o), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m256i hs = _mm256_hadd_epi32(lo, hi); /* lanes: lo lo hi hi | lo lo hi hi */
+    hs = _mm256_hadd_epi32(hs, hs);
+    const __m128i h2 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+    const int s0 = _mm_cvtsi128_si32(h2), s1 = _mm_extract_epi32(h2, 1);
 #else
-        float amax = 0.f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 32; i++) {
-            const int q = (int)lrintf(x[i] * id);
-            A->q[32 * o + i] = (int8_t)q;
-            if (i < 16) s0 += q; else s1 += q;
-        }
-#endif
-        A->d[o] = d;
-        A->s[o] = d * (float)(s0 + s1);
-        A->h[2 * o] = (int16_t)s0;
-        A->h[2 * o + 1] = (int16_t)s1;
+    float amax = 0.f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int s0 = 0, s1 = 0;
+    for (int i = 0; i < 32; i++) {
+        const int q = (int)lrintf(x[i] * id);
+        A->q[32 * o + i] = (int8_t)q;
+        if (i < 16) s0 += q; else s1 += q;
     }
+#endif
+    A->d[o] = d;
+    A->s[o] = d * (float)(s0 + s1);
+    A->h[2 * o] = (int16_t)s0;
+    A->h[2 * o + 1] = (int16_t)s1;
+}
+
+/* Row t's blocks, once quantized, into the x8 layouts' transposed words (qt, dp, sp). */
+static void transpose_row(const acts *A, long t) {
 #ifdef KV_AVX2
     /* 8 blocks x 8 words → vector s holding word s of each block: an 8 x 8 transpose of int32 */
     const int twice = t + 1 == A->T && (t & 1) == 0; /* an odd T's last row: also its pair's second row */
@@ -255,6 +261,35 @@ static void quantize_row(const float *x, const acts *A, long t) {
         for (int s = 0; s < 8; s++)
             for (int j = 0; j < 8; j++) memcpy(qt_at(A, t, g + s) + 4 * j, A->q + 32 * (t * A->nb + g + j) + 4 * s, 4);
 #endif
+}
+
+/* Input row x (A->nb blocks) as activation row t. */
+static void quantize_row(const float *x, const acts *A, long t) {
+    for (long b = 0; b < A->nb; b++) quantize_block(x + 32 * b, A, t * A->nb + b);
+    transpose_row(A, t);
+}
+
+/* Input row x at two levels, activation rows 2t and 2t + 1: each block quantized, then what that left
+ * (x - d q, at most d / 2 a value) quantized again. Their two products sum to ~15 bits of the input
+ * against int8's ~7: the exact float path's answers to within ~1e-5, at twice the integer dots (the
+ * weights are decoded once for both, as for any two rows). */
+static void quantize_row2(const float *x, const acts *A, long t) {
+    float rest[32];
+    for (long b = 0, o = 2 * t * A->nb; b < A->nb; b++, o++, x += 32) {
+        quantize_block(x, A, o);
+        for (int i = 0; i < 32; i++) rest[i] = x[i] - A->d[o] * (float)A->q[32 * o + i];
+        quantize_block(rest, A, o + A->nb);
+    }
+    transpose_row(A, 2 * t);
+    transpose_row(A, 2 * t + 1);
+}
+
+/* Input row x as `levels` (1 or 2) activation rows: levels * t, and levels * t + 1 for the second. */
+static inline void quantize_input(const float *x, const acts *A, long t, int levels) {
+    if (levels == 2)
+        quantize_row2(x, A, t);
+    else
+        quantize_row(x, A, t);
 }
 
 /* ---- tiles: RW weight rows × RT activation rows ------------------------------------------- */
@@ -1304,6 +1339,7 @@ static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r
  * two rows per 512-bit vector (PAIR_TILES; 4 x 2 pairs and 2 x 4 were no faster, 2 x 6 spills; Q8_0's
  * pairs against its old 2 x 4 tiles over rows one after another: 0.9-1.15x the time at 2-32 rows, for
  * half the time at one token, where its slabs stream as one). */
+/* (y: output column r0 of activation row 0; row k's at y + k rows.) */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
@@ -1312,7 +1348,7 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     if (T == 1)
         for (; r + 4 <= r1; r += 4) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
-            tile_4x1(t, &R, A, 0, y + r, rows);
+            tile_4x1(t, &R, A, 0, y + (r - r0), rows);
         }
 #ifdef PAIR_TILES /* (Q5 rows, decoded at 256 bits, then doubled, gained nothing steady from pairs: 0.86-1.25x) */
     typedef void (*pair_fn)(int, const wrows *, const acts *, long, float *, long);
@@ -1324,7 +1360,7 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
 #endif
         for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
-            for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + r, rows);
+            for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + (r - r0), rows);
         }
 #endif
 #ifdef WIDE_TILES /* x8 Q4 / Q5 / K rows (measured; Q8_0 gained nothing; x8 Q4_K in pairs took 1.09-1.39x the time at 3-4 rows) */
@@ -1332,14 +1368,29 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     if (t >= X8 && base_type(t) != T_Q8_0 && base_type(t) != T_Q6_K) /* (x8 Q6_K: its two dots per sum spill at 4 x 4) */
         for (; r + 4 <= r1; r += 4) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
-            for (long t0 = 0; t0 < T; t0 += 4) by4[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + r, rows);
+            for (long t0 = 0; t0 < T; t0 += 4) by4[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
         }
 #endif
     for (; r < r1; r += 2) {
         const tile_fn *f = r + 2 <= r1 ? by2 : by1;
         const wrows R = rows_at(t, w, rb, nb, r, r1);
-        for (long t0 = 0; t0 < T; t0 += 4) f[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + r, rows);
+        for (long t0 = 0; t0 < T; t0 += 4) f[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
     }
+}
+
+
+/* Outputs r0..r1 (at most 16) of T input rows whose activations are `levels` rows each in A (quantize_input),
+ * into y (column r0 of row 0, rows ldy apart): with two levels each row's two products, made into `part`
+ * (2 T x 16 floats), then added in one fixed order, so a row's result still does not depend on its batch. */
+static void rows_out(int t, const uint8_t *w, size_t rb, const acts *A, long T, int levels, long r0, long r1, float *y,
+                     long ldy, float *part) {
+    if (levels != 2) {
+        row_range(t, w, rb, A, T, r0, r1, y, ldy);
+        return;
+    }
+    row_range(t, w, rb, A, 2 * T, r0, r1, part, 16);
+    for (long k = 0; k < T; k++)
+        for (long i = 0; i < r1 - r0; i++) y[k * ldy + i] = part[32 * k + i] + part[32 * k + 16 + i];
 }
 
 /* Which integer dot this build runs: 0 plain C, 1 AVX2 maddubs + madd, 2 AVX-512 VNNI dpbusd.
@@ -1354,32 +1405,35 @@ int kvserve_quant_dot(void) {
 #endif
 }
 
-/* y[T, rows] = x[T, cols] · W^T, W given as rows × (cols / block_values) blocks of type `qtype`.
+/* y[T, rows] = x[T, cols] · W^T, W given as rows × (cols / block_values) blocks of type `qtype`, each
+ * activation row quantized at `levels` (1 or 2, quantize_input) int8 levels.
  * One OpenMP region per call (a decode step makes ~120 calls): the activations are quantized
  * (spread over the threads when there are several rows), then each thread takes a contiguous
  * range of 16-row chunks. Calls too small to repay waking a second thread run on one.
- * Returns 0, -1 for an unknown type or a cols that is not a whole number of blocks, -2 when out
- * of memory. */
+ * Returns 0, -1 for an unknown type, a cols that is not a whole number of blocks or a levels
+ * other than 1 or 2, -2 when out of memory. */
 int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, const float *x, long T, float *y,
-                         int nthreads) {
+                         int nthreads, int levels) {
     const int bb = block_bytes(qtype);
-    if (bb == 0 || cols % block_values(qtype) != 0) return -1;
+    if (bb == 0 || cols % block_values(qtype) != 0 || (levels != 1 && levels != 2)) return -1;
     if (T <= 0 || rows <= 0) return 0;
-    const long nb = cols / 32;
+    const long nb = cols / 32, R = levels * T; /* activation rows */
     const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
-    /* one allocation: q (32-byte aligned), d, s, h, qt */
-    const size_t n = (size_t)(act_rows(T) * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
-    char *buf = aligned_alloc(32, bytes);
+    /* one allocation: q (32-byte aligned), d, s, h, qt; then each thread's two-level products (rows_out) */
+    const size_t n = (size_t)(act_rows(R) * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
+    const size_t part = levels == 2 ? (size_t)R * 16 : 0;
+    char *buf = aligned_alloc(32, bytes + (size_t)nthreads * part * sizeof(float));
     if (buf == NULL) return -2;
-    const acts A = acts_over(buf, T, nb, qtype >= X8);
+    const acts A = acts_over(buf, R, nb, qtype >= X8);
     const long chunks = (rows + 15) / 16;
-#pragma omp parallel num_threads(nthreads) if (rows * nb * T >= 8192)
+#pragma omp parallel num_threads(nthreads) if (rows * nb * R >= 8192)
     {
+        float *mine = (float *)(buf + bytes) + (size_t)omp_get_thread_num() * part;
 #pragma omp for schedule(static)
-        for (long t = 0; t < T; t++) quantize_row(x + t * cols, &A, t);
+        for (long t = 0; t < T; t++) quantize_input(x + t * cols, &A, t, levels);
 #pragma omp for schedule(static)
         for (long c = 0; c < chunks; c++)
-            row_range(qtype, w, rb, &A, T, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y, rows);
+            rows_out(qtype, w, rb, &A, T, levels, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y + 16 * c, rows, mine);
     }
     free(buf);
     return 0;

@@ -10,14 +10,15 @@ from kvserve import kernels
 
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _SIGNATURES = {
-    "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i],
+    "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i, _i],
     "kvserve_dequant_rows": [_i, _p, _l, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
     "kvserve_quant_dot": [],
     "kvserve_x8": [_i],
     "kvserve_pack_x8": [_i, _p, _p, _l, _l, _i],
 }
-DOTS = ("portable", "avx2", "avx512_vnni")  # kvserve_quant_dot()'s answers, by number
+DOTS = ("portable", "avx2", "avx512_vnni")
+LEVELS = (1, 2)  # int8 levels an activation row is quantized at (quant_matmul.c's quantize_input)  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
 BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 # The x8 layout (quant_matmul.c): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows repacked 8 blocks at a time, Q4_K, Q5_K and Q6_K rows
@@ -48,16 +49,20 @@ def _check(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> None:
         raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {rows} x {cols} values of GGML type {qtype}")
 
 
-def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tensor) -> torch.Tensor:
-    """x [T, cols] float32 · W^T → [T, rows] float32, W as `rows` rows of `qtype` blocks."""
-    return prepare(blocks, qtype, rows, cols)(x)
+def matmul(blocks: torch.Tensor, qtype: int, rows: int, cols: int, x: torch.Tensor, levels: int = 1) -> torch.Tensor:
+    """x [T, cols] float32 · W^T → [T, rows] float32, W as `rows` rows of `qtype` blocks, x quantized at
+    `levels` int8 levels per 32 values (1: int8; 2: int8 and its remainder, ~15 bits)."""
+    return prepare(blocks, qtype, rows, cols, levels)(x)
 
 
-def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int,
+            levels: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
     """The matmul of one weight, its blocks checked and the kernel bound once: a decode step calls
     each weight's kernel once per layer, and checks and lookups on every call cost as much as a
     small layer's arithmetic. blocks must stay alive and unchanged while the result is used."""
     _check(blocks, qtype, rows, cols)
+    if levels not in LEVELS:
+        raise ValueError(f"activation levels must be one of {LEVELS}, got {levels!r}")
     fn, wptr = _lib().kvserve_quant_matmul, blocks.data_ptr()
 
     def run(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +71,7 @@ def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int) -> Callable[
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-        if fn(qtype, wptr, rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()) == -2:
+        if fn(qtype, wptr, rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads(), levels) == -2:
             raise MemoryError(f"quant_matmul: no memory for {x.shape[0]} x {cols} quantized activations")
         return y
 

@@ -175,12 +175,12 @@ class DiskTier:
 
 
 def tier_fields(model_path: str | Path, model_dtype: torch.dtype, quantization: str, batch_invariant: bool,
-                kv_dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                tokenizer_fingerprint: str) -> dict[str, object]:
+                activations: str, kv_dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int,
+                head_dim: int, tokenizer_fingerprint: str) -> dict[str, object]:
     """What a stored block's bytes depend on: a different value is a different namespace."""
     return {
         "format": 1, "checkpoint": checkpoint_identity(model_path), "model_file": os.path.basename(str(model_path)),
         "dtype": str(model_dtype), "quantization": quantization, "batch_invariant": batch_invariant,
-        "kv_dtype": str(kv_dtype), "block_size": block_size, "num_layers": num_layers,
+        "activations": activations, "kv_dtype": str(kv_dtype), "block_size": block_size, "num_layers": num_layers,
         "num_kv_heads": num_kv_heads, "head_dim": head_dim, "tokenizer": tokenizer_fingerprint,
     }

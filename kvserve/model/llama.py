@@ -77,6 +77,7 @@ class LlamaModel:
         self.attention = attention or default_backend()
         self.scale = config.head_dim**-0.5
         self.window = config.sliding_window or 0  # keys each query sees (0: the whole context)
+        self.act_levels = 1  # int8 levels per activation row in quantized layers (set_activation_levels)
         self.inv_freq = rope_inv_freq(config)
 
         def take(name: str) -> Weight:
@@ -139,12 +140,23 @@ class LlamaModel:
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
         return n
 
+    def _linears(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        return [self.lm_head, *(getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down"))]
+
     def set_batch_invariant(self, on: bool) -> None:
         """Quantized layers multiply with the integer kernel at every batch size (see
         QuantizedLinear.set_batch_invariant); float layers are unaffected."""
-        for lin in [self.lm_head, *(getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down"))]:
+        for lin in self._linears():
             if isinstance(lin, (QuantizedLinear, ConcatLinear)):
                 lin.set_batch_invariant(on)
+
+    def set_activation_levels(self, levels: int) -> None:
+        """The int8 levels quantized layers quantize activations at (QuantizedLinear.set_activation_levels;
+        a layer wrapped by tensor parallelism passes it on); float layers are unaffected."""
+        for lin in self._linears():
+            if hasattr(lin, "set_activation_levels"):
+                lin.set_activation_levels(levels)
+        self.act_levels = levels
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] each, in the model dtype."""

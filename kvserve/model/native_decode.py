@@ -108,7 +108,7 @@ class NativeDecode:
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                                         c.num_key_value_heads, c.head_dim, c.intermediate_size)
         m.kv_fmt, m.block_size, m.num_blocks = KV_DTYPES[pool.dtype], block_size, pool.shape[2]
-        m.eps, m.scale, m.window = c.rms_norm_eps, model.scale, model.window
+        m.eps, m.scale, m.window, m.act_levels = c.rms_norm_eps, model.scale, model.window, model.act_levels
         m.inv_freq = _f32(model.inv_freq.float(), self._keep)
         embed = model.embed
         if isinstance(embed, QuantizedWeight):
@@ -169,10 +169,14 @@ class NativeDecode:
         b["scores"] = torch.zeros(threads, H // Hkv * context)
         w.scores = b["scores"].data_ptr()
         # Quantized activations: 84 bytes per 32 values of the widest input (quant_matmul.c's ACT_BYTES) for
-        # batch + 1 rows (an odd batch's last row is stored twice, act_rows), 32-byte aligned.
-        acts = torch.zeros((batch + 1) * max(N, H * D, F) // 32 * 84 + 64, dtype=torch.uint8)
+        # levels x batch + 1 rows (an odd count's last row is stored twice, act_rows), 32-byte aligned; with two
+        # levels, each thread's products of both for a 16-row chunk (rows_out).
+        levels = self.model.act_levels
+        acts = torch.zeros((levels * batch + 1) * max(N, H * D, F) // 32 * 84 + 64, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
+        b["part"] = torch.zeros(threads, 2 * batch * 16)
+        w.part = b["part"].data_ptr()
         # Each row's argmax over the logits (a greedy step's sampling, done while they are in cache):
         # the threads' partial bests, then the rows' ids and values.
         b["best_val"], b["best_idx"] = torch.zeros(threads, batch), torch.zeros(threads, batch, dtype=torch.int64)

@@ -32,13 +32,14 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
 from kvserve import hugepages
-from kvserve.config import env_switch
+from kvserve.config import ModelConfig, env_switch
 from kvserve.kernels import quant_matmul
 from kvserve.model.dequant import dequantize
 from kvserve.model.linear import Linear, bf16_packing_available
@@ -89,6 +90,38 @@ def batch_invariant_by_default() -> bool:
     kernel against AVX2 sgemm, docs/benchmarks.md), so batch invariance costs nothing there; the
     plain C build's dot is far slower than sgemm and keeps sgemm past the crossover."""
     return quant_matmul.integer_dot() in ("avx512_vnni", "avx2")
+
+
+# How the integer kernels quantize activations, by name → int8 levels per value (quant_matmul.c's
+# quantize_input; docs/quality.md has the figures). "int8x2": int8 per 32 values, then what that left
+# quantized again; the two products add up to the exact float path's to within ~2e-6 KL divergence, for
+# twice the integer dots: ~1.1x a one-sequence step, ~1.3x at 4 sequences, ~1.7-2x in large batches and
+# prompts. "int8": one level, as llama.cpp's q8_1, a slightly different model: on the default model's
+# Q4_1 file KL ~7e-3 from the exact path, top-1 agreement ~95%, and greedy answers that leave it where
+# two tokens are near a tie ("What is the capital of France?"). "auto" takes int8x2 for models under
+# AUTO_X2_BELOW parameters, where one level was measured to cost answers and the work is small, and
+# int8 for larger ones, whose speed it keeps (their one-level error is not measured here: no real
+# checkpoint of that size ships offline).
+ACTIVATIONS = {"int8x2": 2, "int8": 1}
+ACTIVATION_CHOICES = ("auto", *ACTIVATIONS)
+AUTO_X2_BELOW = 1_000_000_000
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The matrices' weights: embedding, LM head (unless tied), each layer's q/k/v/o and MLP."""
+    c = config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + c.num_hidden_layers * layer
+
+
+def activation_levels(activations: str, config: ModelConfig) -> int:
+    """int8 levels per activation row for an `activations` choice on this model."""
+    if activations == "auto":
+        activations = "int8x2" if parameter_count(config) < AUTO_X2_BELOW else "int8"
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got {activations!r}")
+    return ACTIVATIONS[activations]
 
 
 def check_quantization(quantization: str) -> str:
@@ -208,6 +241,7 @@ class QuantizedLinear:
         # call takes the dequantize + BLAS path.
         kernels = quant_matmul.available()
         self.blas_from = blas_from_rows(weight.qtype) if kernels else 0
+        self.levels = 1  # int8 levels per activation row (set_activation_levels)
         self._matmul = quant_matmul.prepare(self._flat, self._qtype, *weight.shape) if kernels else None
         self._bf16: Linear | None = None  # the packed bfloat16 copy, without batch invariance only
 
@@ -234,6 +268,13 @@ class QuantizedLinear:
             lin = Linear(self.weight.dequantize().to(torch.bfloat16))
             self._bf16 = lin if lin.packed is not None else None
         self.blas_from = BF16_FROM_ROWS if self._bf16 is not None else blas_from_rows(self.weight.qtype)
+
+    def set_activation_levels(self, levels: int) -> None:
+        """The integer kernel quantizes each activation row at `levels` int8 levels per 32 values
+        (quant_matmul.LEVELS): 1, int8 as llama.cpp's q8_1; 2, int8 and what it left quantized again."""
+        if self._matmul is not None:
+            self._matmul = quant_matmul.prepare(self._flat, self._qtype, *self.weight.shape, levels)
+        self.levels = levels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
@@ -265,6 +306,11 @@ class ConcatLinear:
             if isinstance(p, QuantizedLinear):
                 p.set_batch_invariant(on)
 
+    def set_activation_levels(self, levels: int) -> None:
+        for p in self.parts:
+            if isinstance(p, QuantizedLinear):
+                p.set_activation_levels(levels)
+
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
@@ -276,6 +322,12 @@ class ConcatLinear:
 Weight = torch.Tensor | QuantizedWeight
 
 
+@lru_cache(maxsize=None)
+def _warn_dequantizing(dtype: torch.dtype) -> None:
+    """Once a process (a model makes ~200 linears)."""
+    log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
+
+
 def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.dtype,
                 arena: hugepages.Arena | None = None) -> Linear | QuantizedLinear | ConcatLinear:
     """One linear layer from the row-wise concatenation of `weights` (float tensors in the model
@@ -283,7 +335,7 @@ def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.d
     kernels' x8 layout where they have one (its blocks cut from `arena` where one is given)."""
     kernels = quant_matmul.available()
     if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
-        log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
+        _warn_dequantizing(dtype)
     weights = [w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) and not kernels else w for w in weights]
     if all(isinstance(w, torch.Tensor) for w in weights):
         return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)

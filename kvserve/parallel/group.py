@@ -48,6 +48,7 @@ class LoadSpec:
     block_size: int
     batch_invariant: bool
     threads: int
+    act_levels: int  # int8 levels per activation row in quantized layers (LlamaModel.set_activation_levels)
 
 
 @dataclass

@@ -45,6 +45,10 @@ class AllReduced:
         if hasattr(self.lin, "set_batch_invariant"):
             self.lin.set_batch_invariant(on)
 
+    def set_activation_levels(self, levels: int) -> None:
+        if hasattr(self.lin, "set_activation_levels"):
+            self.lin.set_activation_levels(levels)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.lin(x).contiguous())
 
@@ -117,7 +121,7 @@ class TensorParallelModel:
 
 
 def start(ckpt: Checkpoint, size: int, dtype: torch.dtype, quantization: str, kv_dtype: torch.dtype,
-          cache: CacheConfig, batch_invariant: bool) -> tuple[TensorParallelModel, KVSizing]:
+          cache: CacheConfig, batch_invariant: bool, act_levels: int) -> tuple[TensorParallelModel, KVSizing]:
     """Rank 0: split the checkpoint over `size` ranks (spawning ranks 1.. on loopback unless torchrun
     started them), tell each what to load, build rank 0's shard; the KV pool sized for rank 0's heads
     (the largest share), which every rank allocates with the same number of blocks."""
@@ -133,9 +137,10 @@ def start(ckpt: Checkpoint, size: int, dtype: torch.dtype, quantization: str, kv
     try:
         group.send_spec(LoadSpec(str(ckpt.path), str(dtype).removeprefix("torch."), quantization,
                                  str(kv_dtype).removeprefix("torch."), sizing.num_blocks, sizing.block_size,
-                                 batch_invariant, torch.get_num_threads()))
+                                 batch_invariant, torch.get_num_threads(), act_levels))
         local = build_shard(ckpt, p, 0, dtype, group)
         set_batch_invariant(local, batch_invariant)
+        local.set_activation_levels(act_levels)
         if not group.all_ok(True):
             raise RuntimeError("a tensor-parallel worker failed to load its shard (its error is in the log above)")
     except BaseException:

@@ -51,6 +51,7 @@ def run(group: TPGroup) -> int:
         p = plan(ckpt.config, ckpt.tensors, group.size)
         model = build_shard(ckpt, p, group.rank, dtype, group)
         set_batch_invariant(model, spec.batch_invariant)
+        model.set_activation_levels(spec.act_levels)
         local = p.local_config(ckpt.config, group.rank)
         kv_caches = allocate_kv_pool(KVSizing(spec.num_blocks, spec.block_size, local.num_hidden_layers,
                                               local.num_key_value_heads, local.head_dim, getattr(torch, spec.kv_dtype)))
