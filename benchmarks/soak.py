@@ -2,18 +2,21 @@
 and what is left afterwards. The reliability issue's targets, measured in one run:
 
 - two `kvserve serve` replicas and a `kvserve route` in front, real processes on loopback;
-- clients (benchmarks/soak_load.py) send chat and completions, streamed and not, structured
-  output and tools, small `max_tokens`; a share of the streams is dropped by its client;
+- clients (benchmarks/soak_load.py) send chat, completions and stored Responses, streamed and
+  not, structured output and tools, small `max_tokens`; a share of the streams is dropped by its
+  client; a hostile client sends a slow schema and over-limit metadata, which must be refused;
+- each replica keeps a KV disk tier in a temporary directory, so a restart restarts it too;
 - replica 0 is SIGKILLed and restarted every `--kill-every` s; replica 1 is drained once with
   SIGTERM (at `--drain-at` of the run; it must exit 0) and restarted; the two never overlap, so
   one replica is always up;
 - the resident memory (VmRSS from /proc) of every process is sampled every `--sample-every` s;
-- afterwards: KV blocks in use on each replica (`GET /v1/engine/state`, must be 0) and the
-  grammar cache (`/metrics`).
+- afterwards: KV blocks in use on each replica (`GET /v1/engine/state`, must be 0), the
+  grammar cache and the disk tier (`/metrics`).
 
 Writes `soak.json` (everything), `soak.md` (a summary) and `soak-rss.png` (if matplotlib is
 installed) in `--out`. Exit status 1 if a target is missed: a request lost before it reached a
-replica, an unexpected failure, a leaked block, a drain that did not exit 0, or resident memory of
+replica, an unexpected failure (a hostile request refused late or accepted included), a kind of
+hostile request never refused, a leaked block, a drain that did not exit 0, or resident memory of
 the router or of replica 1 (which lives through most of the run) outside ±`--rss-band` of its
 median over the last two thirds of the run.
 """
@@ -28,12 +31,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks.soak_load import classify, run_load
+from benchmarks.soak_load import REFUSALS, classify, run_load
 
 
 class Proc:
@@ -145,6 +149,18 @@ def flatness(samples: list[dict], name: str, since: float, band: float) -> dict:
             "flat": all(abs(v - med) <= band * med for v in vals)}
 
 
+# What /metrics says after the load (the disk tier's counters are its last incarnation's).
+AFTER_LOAD_METRICS = {"grammar_cache_entries": "kvserve_grammar_cache_entries",
+                      "grammar_cache_bytes": "kvserve_grammar_cache_bytes",
+                      "grammar_cache_hits": "kvserve_grammar_cache_hits_total",
+                      "grammar_cache_misses": "kvserve_grammar_cache_misses_total",
+                      "grammar_compile_timeouts": "kvserve_grammar_compile_timeouts_total",
+                      "disk_blocks": "kvserve_kv_disk_blocks", "disk_bytes_used": "kvserve_kv_disk_bytes_used",
+                      "disk_blocks_written": "kvserve_kv_disk_blocks_written_total",
+                      "disk_hit_blocks": "kvserve_kv_disk_hit_blocks_total",
+                      "disk_load_errors": "kvserve_kv_disk_load_errors_total"}
+
+
 async def after_load(replicas: list[Proc]) -> dict:
     """Blocks in use and the grammar cache on every replica, once nothing is in flight."""
     out = {}
@@ -160,19 +176,24 @@ async def after_load(replicas: list[Proc]) -> dict:
                                        if line.startswith(name + " ")), None)
             out[r.name] = {"blocks_used": state["pool"]["used"], "blocks_total": state["pool"]["num_blocks"],
                            "running": state["num_running"], "waiting": state["num_waiting"],
-                           "grammar_cache_entries": value("kvserve_grammar_cache_entries"),
-                           "grammar_cache_bytes": value("kvserve_grammar_cache_bytes"),
-                           "grammar_cache_hits": value("kvserve_grammar_cache_hits_total"),
-                           "grammar_cache_misses": value("kvserve_grammar_cache_misses_total")}
+                           **{key: value(name) for key, name in AFTER_LOAD_METRICS.items()}}
     return out
 
 
 async def soak(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvserve-soak-disk-") as disk:  # the replicas' disk tiers
+        return await _soak(args, Path(disk))
+
+
+async def _soak(args, disk: Path) -> dict:
     ports = [args.port, args.port + 1, args.port + 2] if args.port else free_ports(3)
     replicas = [Proc(f"replica{i}", ["serve", "--model", args.model, "--served-model-name", "soak", "--port",
                                      str(ports[1 + i]), "--kv-cache-gib", str(args.kv_cache_gib), "--no-access-log",
-                                     "--drain-timeout", str(args.drain_timeout)], ports[1 + i], args.out, args.threads)
+                                     "--drain-timeout", str(args.drain_timeout),
+                                     "--kv-disk-path", str(disk / f"replica{i}"), "--kv-disk-gib", str(args.kv_disk_gib),
+                                     "--grammar-compile-timeout", str(args.grammar_compile_timeout)],
+                     ports[1 + i], args.out, args.threads)
                 for i in range(2)]
     router = Proc("router", ["route", "--port", str(ports[0]), "--no-access-log", "--health-interval", "0.5",
                              *[a for r in replicas for a in ("--replica", r.url)]], ports[0], args.out, 1)
@@ -192,7 +213,8 @@ async def soak(args) -> dict:
         sampler = asyncio.ensure_future(sample_rss(procs, t0, args.sample_every, t0 + args.duration + 60, samples))
         chaos_task = asyncio.ensure_future(chaos(args, replicas, t0, events))
         outcomes = await run_load(router.url, "soak", args.duration, args.clients, args.max_tokens,
-                                  args.disconnect_share, t0, args.seed)
+                                  args.disconnect_share, t0, args.seed, args.hostile_every,
+                                  args.grammar_compile_timeout + 5)
         load_seconds = time.monotonic() - t0
         await asyncio.wait_for(chaos_task, 180)  # a restart under way finishes
         sampler.cancel()
@@ -218,6 +240,8 @@ async def soak(args) -> dict:
         misses.append("requests lost before reaching a replica")
     if counts["failed_unexpected"]:
         misses.append("unexpected failures")
+    if any(not counts["results_by_kind"].get(kind, {}).get("refused") for kind in REFUSALS):
+        misses.append("a kind of hostile request never refused")
     if any(v["blocks_used"] for v in leftovers.values()):
         misses.append("KV blocks in use after the load")
     if any(e["exit"] != 0 for e in drains):
@@ -232,11 +256,17 @@ async def soak(args) -> dict:
             "outcomes": [o.as_dict() for o in outcomes]}
 
 
+PROCESSES = ("router", "replica0", "replica1")
+
+
 def markdown(r: dict) -> str:
     a = r["args"]
     lines = [f"# kvserve soak: {r['load_seconds']} s, {a['clients']} clients, max_tokens {a['max_tokens']}", "",
              f"- requests: {r['requests']} ({r['requests_per_second']}/s): {r['ok']} ok, {r['disconnected']} "
-             f"disconnected by their client on purpose, {r['failed']} failed",
+             f"disconnected by their client on purpose, {r['refused']} hostile requests refused as expected, "
+             f"{r['failed']} failed",
+             f"- refusals by kind and cause: {json.dumps(r['refusals_by_cause'])}",
+             "- results by kind: " + "; ".join(f"{kind} {json.dumps(v)}" for kind, v in r["results_by_kind"].items()),
              f"- failures by cause: {json.dumps(r['failures_by_cause'])}",
              f"- allowed (in flight on a SIGKILLed replica): {r['failed_allowed_killed_in_flight']}; "
              f"**lost before reaching a replica: {r['lost_never_reached_replica']}**; "
@@ -246,13 +276,20 @@ def markdown(r: dict) -> str:
                                       f"{e['drain_seconds']} s)" if e["event"] == "sigterm" else "")
                                       for e in r["events"]),
              f"- router retries/errors: {json.dumps(r['router_retries_and_errors'])}", "",
-             "| replica | KV blocks in use after | of | grammar cache entries | bytes | hits | misses |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "After the load (grammar and disk figures: each replica's last incarnation):", "",
+             "| replica | KV blocks in use | of | " + " | ".join(k.replace("_", " ") for k in AFTER_LOAD_METRICS) + " |",
+             "|---|---:|---:|" + "---:|" * len(AFTER_LOAD_METRICS)]
     for name, v in r["after_load"].items():
-        lines.append(f"| {name} | **{v['blocks_used']}** | {v['blocks_total']} | {v['grammar_cache_entries']:.0f} | "
-                     f"{v['grammar_cache_bytes']:.0f} | {v['grammar_cache_hits']:.0f} | {v['grammar_cache_misses']:.0f} |")
-    lines += ["", f"Resident memory (MiB) from {r['rss_since_s']} s on (the last two thirds), of each process's last "
-              f"incarnation, from {a['rss_warmup']} s after its restart:", "",
+        lines.append(f"| {name} | **{v['blocks_used']}** | {v['blocks_total']} | "
+                     + " | ".join("" if v[k] is None else f"{v[k]:.0f}" for k in AFTER_LOAD_METRICS) + " |")
+    samples = r["rss_samples"]
+    lines += ["", "Resident memory over time (MiB; empty: the process was down):", "",
+              "| s | " + " | ".join(PROCESSES) + " |", "|---:|" + "---:|" * len(PROCESSES)]
+    for s in samples[::max(1, len(samples) // 12)] + samples[-1:]:
+        lines.append(f"| {s['t']:.0f} | " + " | ".join("" if s[n] is None else f"{s[n]:.0f}" for n in PROCESSES) + " |")
+    lines += ["", f"Flat: every sample of the process's last incarnation from {r['rss_since_s']} s on (the last two "
+              f"thirds) and {a['rss_warmup']} s after its restart within ±{float(a['rss_band']):.0%} of their median "
+              "(judged for the router and replica1; replica0, restarted every few minutes, is reported):", "",
               "| process | from s | samples | first | last | min | max | median | flat (±" + f"{float(a['rss_band']):.0%}) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, v in r["rss"].items():
@@ -274,7 +311,7 @@ def plot(r: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(9, 4))
-    for name in ("router", "replica0", "replica1"):
+    for name in PROCESSES:
         ax.plot([s["t"] for s in r["rss_samples"]], [s[name] for s in r["rss_samples"]], label=name)
     for e in r["events"]:
         if e["event"] in ("sigkill", "sigterm"):
@@ -294,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent clients (default: 4)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--disconnect-share", type=float, default=0.2, help="share of streams their client drops")
+    p.add_argument("--hostile-every", type=float, default=30,
+                   help="seconds between the hostile client's rounds (a slow schema, then over-limit metadata)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10,
+                   help="the replicas' --grammar-compile-timeout; a slow schema's refusal must come within it + 5 s")
+    p.add_argument("--kv-disk-gib", type=float, default=0.25, help="each replica's KV disk tier bound")
     p.add_argument("--kill-every", type=float, default=180, help="seconds between SIGKILLs of replica 0")
     p.add_argument("--drain-at", type=float, default=0.2, help="when replica 1 is drained, as a share of the run")
     p.add_argument("--drain-timeout", type=float, default=30)

@@ -17,9 +17,14 @@ from tiny_models import make_tiny_hf_model
 REPO = Path(__file__).resolve().parent.parent
 MODEL_NAME = "tiny"
 API_KEY = "test-key"
-# A JSON schema inside the grammar size limits (51 KB, 4,001 nodes) that xgrammar compiles for
-# minutes with the default tokenizer: 4,000 optional properties.
-SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {} for i in range(4000)}}
+
+
+def slow_schema(tag: str = "p") -> dict:
+    """A JSON schema inside the grammar size limits (51 KB, 4,001 nodes) that xgrammar compiles for
+    minutes with the default tokenizer: 4,000 optional properties (named tag0, tag1, ...: requests
+    for one schema share its compile, so distinct tags make distinct compiles)."""
+    return {"type": "object", "properties": {f"{tag}{i}": {} for i in range(4000)}}
+
 
 
 def tiny_model_dir(tmp_path_factory) -> Path:

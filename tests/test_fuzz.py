@@ -32,7 +32,8 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
           "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/messages": anthropic_protocol.MessagesRequest, "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
           "/api/chat": ollama_protocol.ChatRequest, "/api/generate": ollama_protocol.GenerateRequest,
-          "/api/show": ollama_protocol.ShowRequest}
+          "/api/show": ollama_protocol.ShowRequest, "/api/embed": ollama_protocol.EmbedRequest,
+          "/api/embeddings": ollama_protocol.EmbeddingsRequest}
 # Where a request model's schema says less than the server checks, valid bodies are narrowed to the
 # accepted values, so that most of them reach the engine (invalid bodies still go anywhere).
 RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},

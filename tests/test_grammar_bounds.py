@@ -164,6 +164,34 @@ def test_a_client_that_leaves_takes_its_queued_compile_with_it(compiler):
     pool.shutdown()
 
 
+def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves_the_other_thread_free(compiler):
+    compiler.limits = GrammarLimits(max_chars=1 << 30, max_rules=1 << 30)
+    compiler.compile(Constraint("json_object"))
+    pool = GrammarPool(threads=2, max_pending=8, timeout=30)
+    slow_value = chain(1400, "r")
+
+    async def scenario():
+        slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", slow_value, "guided_grammar")))
+                for _ in range(4)]  # a client retrying the same slow schema
+        await asyncio.sleep(0.05)
+        assert pool.pending == 1  # one compile for the four requests
+        t0 = time.monotonic()
+        other = Constraint("grammar", 'root ::= "other"', "guided_grammar")
+        await pool.compile(compiler, other)  # on the second thread, not behind the slow one
+        other_after = time.monotonic() - t0
+        slow[0].cancel()  # one waiter leaving does not stop the others' compile
+        await asyncio.gather(*slow[1:])
+        return other_after, other, slow
+
+    t0 = time.monotonic()
+    other_after, other, slow = asyncio.run(scenario())
+    slow_after = time.monotonic() - t0
+    assert other.compiled and other_after < 0.5 < slow_after, (other_after, slow_after)
+    assert pool.pending == 0 and pool._compiling == {}
+    assert compiler.cached(Constraint("grammar", slow_value)) and len(compiler.cache) == 3
+    pool.shutdown()
+
+
 # -- a real server -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server_harness import MODEL_NAME, SLOW_SCHEMA, start_server, wait_for
+from server_harness import MODEL_NAME, slow_schema, start_server, wait_for
 
 COMPILE_TIMEOUT = 2.0
 PLAIN_WITHIN = 2.5  # seconds: a two-token answer on an idle server takes ~0.1 s; before, none came in minutes
@@ -86,13 +86,14 @@ def test_a_slow_schema_gets_a_400_in_the_compile_timeout_and_a_plain_request_bes
     path, body, param = ROUTES[family]
     answers: list[tuple[int, float, str]] = []
 
-    def slow() -> None:
+    def slow(tag: str) -> None:
         t0 = time.monotonic()
         with server.client() as c:
-            r = c.post(path, json=body(SLOW_SCHEMA))
+            r = c.post(path, json=body(slow_schema(tag)))
         answers.append((r.status_code, time.monotonic() - t0, r.text))
 
-    threads = [threading.Thread(target=slow) for _ in range(6)]
+    tag = "abcde"[list(ROUTES).index(family)]
+    threads = [threading.Thread(target=slow, args=(f"{tag}{k}",)) for k in range(6)]  # six distinct schemas
     for t in threads:
         t.start()
     # The compiles are on the grammar pool (before, this gauge stayed 0 and the compiles held the

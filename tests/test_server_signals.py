@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvserve.server.lifecycle import EXIT_GRACE
-from server_harness import MODEL_NAME, REPO, SLOW_SCHEMA, ServerProcess, free_port, tiny_model_dir, wait_for
+from server_harness import MODEL_NAME, REPO, ServerProcess, free_port, slow_schema, tiny_model_dir, wait_for
 
 BAD_SIGNS = ("Traceback", "terminate called", "Aborted", "core dumped", "CancelledError")
 
@@ -114,14 +114,14 @@ def test_the_first_signal_exits_within_the_drain_while_grammars_compile(tmp_path
                            "--grammar-compile-timeout", str(compile_timeout), "--drain-timeout", str(drain_timeout))
     server.wait_ready()
     statuses: list[int] = []
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SLOW_SCHEMA}}}
 
-    def slow() -> None:
+    def slow(tag: str) -> None:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": slow_schema(tag)}}}
         with server.client() as c:
             statuses.append(c.post("/v1/chat/completions", json=body).status_code)
 
-    clients = [threading.Thread(target=slow) for _ in range(3)]
+    clients = [threading.Thread(target=slow, args=(tag,)) for tag in "abc"]
     try:
         for t in clients:
             t.start()

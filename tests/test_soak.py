@@ -1,5 +1,6 @@
 """The soak's short form (`make soak` runs it for 30 minutes): ~50 s of mixed load through a real
-router to two real replicas of the default model, one SIGKILLed twice, one drained with SIGTERM."""
+router to two real replicas of the default model (each with a KV disk tier), one SIGKILLed twice,
+one drained with SIGTERM, and a hostile client sending slow schemas and over-limit metadata."""
 from __future__ import annotations
 
 import json
@@ -7,14 +8,15 @@ import json
 import pytest
 
 from benchmarks.soak import main
-from benchmarks.soak_load import SCHEMAS
+from benchmarks.soak_load import REFUSALS, SCHEMAS
 
 pytestmark = pytest.mark.slow
 
 
 def test_soak_short(tmp_path):
     rc = main(["--duration", "50", "--kill-every", "20", "--drain-at", "0.1", "--sample-every", "1",
-               "--rss-warmup", "10", "--port", "0", "--out", str(tmp_path)])
+               "--rss-warmup", "10", "--hostile-every", "8", "--grammar-compile-timeout", "5",
+               "--port", "0", "--out", str(tmp_path)])
     r = json.loads((tmp_path / "soak.json").read_text())
     assert (tmp_path / "soak.md").is_file()
     # Every request reached a replica, and no failure other than those a SIGKILL allows: a request
@@ -28,14 +30,24 @@ def test_soak_short(tmp_path):
     assert [e["exit"] for e in r["events"] if e["event"] == "sigterm"] == [0]
     # The load was the mix asked for and most of it was served, by both replicas.
     kinds = {(o["kind"], o["stream"]) for o in r["outcomes"] if o["result"] == "ok"}
-    assert {k for k, _ in kinds} == {"chat", "completion", "structured", "tools"} and {s for _, s in kinds} == {True, False}
+    assert {k for k, _ in kinds} >= {"chat", "completion", "structured", "tools", "responses"}
+    assert {s for _, s in kinds} == {True, False}
+    # The hostile client's requests were refused, each within the compile timeout + 5 s (a later or
+    # an accepted one would be a failure above): the slow schema with a 400 (its compile timed out)
+    # or a 429 (the grammar pool was full), over-limit metadata with a 400 naming `metadata`.
+    refused = {o["kind"] for o in r["outcomes"] if o["result"] == "refused"}
+    assert refused == set(REFUSALS), r["refusals_by_cause"]
+    causes = {"400:response_format.json_schema.schema", "429:grammar_pool_full", "400:metadata"}
+    assert {c.split(" ")[1] for c in r["refusals_by_cause"]} <= causes, r["refusals_by_cause"]
     assert r["disconnected"] > 0 and r["ok"] >= 40
     assert len(r["served_by_replica"]) == 2
     # Nothing left behind: no KV block in use, and the grammar cache holds at most the soak's
-    # distinct grammars (3 schemas, 1 tool forced two ways).
+    # distinct grammars (3 schemas, 1 tool forced two ways, the slow schema once its compile ended).
+    # Each replica ran its disk tier (a SIGKILL mid-write leaves no file that fails its checks).
     for name, after in r["after_load"].items():
         assert after["blocks_used"] == after["running"] == after["waiting"] == 0, name
-        assert after["grammar_cache_entries"] <= len(SCHEMAS) + 2, name
+        assert after["grammar_cache_entries"] <= len(SCHEMAS) + 3, name
+        assert after["disk_blocks"] is not None and after["disk_load_errors"] == 0, (name, after)
     # (a replica restarted in the soak's last seconds may have compiled none yet: the grammars were
     # used somewhere, not necessarily by every last incarnation)
     assert sum(after["grammar_cache_entries"] for after in r["after_load"].values()) >= 1

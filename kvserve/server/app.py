@@ -190,7 +190,8 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
                         ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
                         ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
                         ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
-                        ("/api/show", ollama_protocol.ShowRequest),
+                        ("/api/show", ollama_protocol.ShowRequest), ("/api/embed", ollama_protocol.EmbedRequest),
+                        ("/api/embeddings", ollama_protocol.EmbeddingsRequest),
                         ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
         api_docs.document_body(app, path, model)
 

@@ -10,6 +10,9 @@ share, a few slow compiles would starve every other request while /health still 
     compile off the queue if it has not started. One that has started runs to its end (xgrammar cannot be interrupted),
     bounded by the size limits; it still counts against `max_pending` until then, and its
     result is kept in the cache for the next request that asks;
+  - a request whose constraint is already compiling waits for that compile instead of starting
+    another, so one slow schema sent again and again holds one thread, and other requests'
+    grammars still compile on the rest;
   - a wait is work a drain may cut off (`tracked`: ServerState.work): past the drain timeout
     the request gets a 503, and a compile still running never holds the process
     (kvserve/server/lifecycle.py exits without joining its thread).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from starlette.types import Receive
@@ -42,6 +45,7 @@ class GrammarPool:
         self.timeouts = 0
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self._compiling: dict[tuple[str, str], _Job] = {}  # by constraint, on the event loop
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -53,17 +57,23 @@ class GrammarPool:
         """Compile c for this request (it is pinned on c), or raise: InvalidParam (400) for a
         constraint over the limits, too slow or invalid; APIError 429 when the pool is full, 400
         when the client left (`receive`: the request's ASGI receive, its body already read), 503
-        when a drain cut the wait off (`tracked`: the server's work that a drain may cancel)."""
+        when a drain cut the wait off (`tracked`: the server's work that a drain may cancel).
+        Requests for a constraint already compiling wait for that compile: a schema sent again
+        and again (a client retrying) takes one thread, not all of them."""
         if compiler.cached(c):
             return
-        with self._lock:
-            if self.pending >= self.max_pending:
-                raise APIError(429, f"{self.pending} structured-output grammars are compiling, this server's limit: "
-                               "retry after a moment", code="grammar_pool_full", headers={"Retry-After": "1"})
-            self.pending += 1
-        future = self._pool().submit(compiler.build, c)
-        future.add_done_callback(self._done)
-        waiting = asyncio.wrap_future(future)
+        job = self._compiling.get(c.key)
+        if job is None:
+            with self._lock:
+                if self.pending >= self.max_pending:
+                    raise APIError(429, f"{self.pending} structured-output grammars are compiling, this server's "
+                                   "limit: retry after a moment", code="grammar_pool_full", headers={"Retry-After": "1"})
+                self.pending += 1
+            job = self._compiling[c.key] = _Job(self._pool().submit(compiler.build, c))
+            job.future.add_done_callback(self._done)
+            job.result.add_done_callback(lambda _, key=c.key, j=job: self._forget(key, j))
+        job.waiters += 1
+        waiting = asyncio.shield(job.result)  # a waiter that leaves cancels its own wait only
         left = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
         if tracked is not None:
             tracked.add(waiting)
@@ -73,9 +83,8 @@ class GrammarPool:
             if waiting in done:
                 if waiting.cancelled():  # a drain past its timeout cut it off
                     raise cut_off()
-                waiting.result()  # the compile's own error, if any
+                c.compiled[:] = [waiting.result()]  # or the compile's own error
                 return
-            waiting.cancel()  # a compile not yet started never starts
             if left is not None and left in done:
                 log.info("a client left while its grammar (%s) compiled", c.param)
                 raise APIError(400, "the client disconnected while its grammar compiled", code="client_disconnected")
@@ -83,10 +92,11 @@ class GrammarPool:
             log.info("a grammar compile (%s) passed %g s: the request gets a 400", c.param, self.timeout)
             raise InvalidParam(c.param, f"{c.param} took longer than {self.timeout:g} s to compile, this server's "
                                "limit (--grammar-compile-timeout): make it simpler")
-        except asyncio.CancelledError:  # the request's task ended
-            waiting.cancel()
-            raise
         finally:
+            waiting.cancel()
+            job.waiters -= 1
+            if not job.waiters and job.future.cancel():  # not started, and no request waits for it: never starts
+                self._forget(c.key, job)
             if tracked is not None:
                 tracked.discard(waiting)
             if left is not None:
@@ -96,10 +106,25 @@ class GrammarPool:
         with self._lock:
             self.pending -= 1
 
+    def _forget(self, key: tuple[str, str], job: _Job) -> None:
+        if self._compiling.get(key) is job:
+            del self._compiling[key]
+        if job.result.done() and not job.result.cancelled():
+            job.result.exception()  # retrieved: a compile's error with no waiter left is not logged as lost
+
     def shutdown(self) -> None:
         """Drop the queued compiles; a running one is left to the process's exit (lifecycle.py)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Job:
+    """One compile and the requests waiting for it."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future  # on the pool's thread
+        self.result = asyncio.wrap_future(future)  # the same, on the event loop
+        self.waiters = 0
 
 
 async def _until_disconnect(receive: Receive) -> None:
