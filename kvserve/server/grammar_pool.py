@@ -69,8 +69,9 @@ class GrammarPool:
                     raise APIError(429, f"{self.pending} structured-output grammars are compiling, this server's "
                                    "limit: retry after a moment", code="grammar_pool_full", headers={"Retry-After": "1"})
                 self.pending += 1
-            job = self._compiling[c.key] = _Job(self._pool().submit(compiler.build, c))
-            job.future.add_done_callback(self._done)
+            future = self._pool().submit(compiler.build, c)
+            future.add_done_callback(self._done)  # before the loop hears of the end: a waiter sees pending counted down
+            job = self._compiling[c.key] = _Job(future)
             job.result.add_done_callback(lambda _, key=c.key, j=job: self._forget(key, j))
         job.waiters += 1
         waiting = asyncio.shield(job.result)  # a waiter that leaves cancels its own wait only
