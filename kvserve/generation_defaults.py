@@ -3,7 +3,8 @@
 OpenAI's own defaults (temperature 1, no token limit for chat) suit large models; a 135 M model
 sampled at temperature 1 answers junk most of the time. So, as vLLM does, a checkpoint's own
 recommendation wins when it carries one: a Hugging Face `generation_config.json`
-(temperature, top_p, top_k, min_p, repetition_penalty) or GGUF's `general.sampling.*` keys.
+(temperature, top_p, top_k, min_p, repetition_penalty), GGUF's `general.sampling.*` keys, or the
+params of a model Ollama pulled (kvserve/stores.py).
 Without one, SERVER_DEFAULTS below apply — measured on the default model (README's "capital of
 France" question; see docs/server.md). `--generation-config none` ignores the checkpoint,
 `--default-sampling JSON` overrides field by field; the result is logged at start-up.
@@ -15,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvserve import stores
 
 # Fields a request may leave out and a default may fill.
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -64,9 +67,13 @@ class SamplingDefaults:
 SERVER_DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="server defaults")
 
 
-def from_checkpoint(model_path: Path) -> SamplingDefaults | None:
-    """The checkpoint's recommended sampling, or None when it carries none."""
-    if model_path.is_dir():
+def from_checkpoint(model_path: Path, model: str | None = None) -> SamplingDefaults | None:
+    """The checkpoint's recommended sampling, or None when it carries none. `model`: the name it
+    was loaded by (an Ollama model's sampling is in its params layer, beside the GGUF)."""
+    if model is not None and model.startswith(stores.OLLAMA_PREFIX):
+        found = stores.ollama_sampling(model)
+        source = "Ollama's params"
+    elif model_path.is_dir():
         path = model_path / "generation_config.json"
         if not path.is_file():
             return None
@@ -92,12 +99,13 @@ def from_checkpoint(model_path: Path) -> SamplingDefaults | None:
     return SamplingDefaults(**{k: v for k, v in found.items()}, source=source)
 
 
-def resolve(model_path: Path, generation_config: str = "auto", override: str | None = None) -> SamplingDefaults:
+def resolve(model_path: Path, generation_config: str = "auto", override: str | None = None,
+            model: str | None = None) -> SamplingDefaults:
     """`generation_config`: "auto" (the checkpoint's, else the server's) or "none" (server's only).
-    `override`: a JSON object of fields, applied last."""
+    `override`: a JSON object of fields, applied last. `model`: the name it was loaded by."""
     if generation_config not in ("auto", "none"):
         raise ValueError(f"--generation-config must be auto or none, got {generation_config!r}")
-    defaults = (from_checkpoint(model_path) if generation_config == "auto" else None) or SERVER_DEFAULTS
+    defaults = (from_checkpoint(model_path, model) if generation_config == "auto" else None) or SERVER_DEFAULTS
     if override:
         try:
             values = json.loads(override)

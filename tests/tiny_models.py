@@ -55,8 +55,8 @@ def make_tiny_hf_model(
     with_tokenizer: bool = True,
     **config_overrides: Any,
 ) -> tuple[Any, Path]:
-    """Build, randomise and save a tiny LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM
-    (float32, eval mode). Mistral takes its sliding_window through config_overrides.
+    """Build, randomise and save a tiny LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+    Qwen3ForCausalLM (float32, eval mode). Mistral takes its sliding_window through config_overrides.
 
     vocab_size defaults to the real tokenizer's 49152 (512 when with_tokenizer=False).
     rope_scaling is a transformers rope dict without theta, e.g. {"rope_type": "llama3", ...}.
@@ -65,7 +65,7 @@ def make_tiny_hf_model(
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     directory = Path(directory)
     if vocab_size is None:
@@ -97,8 +97,10 @@ def make_tiny_hf_model(
         model = MistralForCausalLM(MistralConfig(**common, **config_overrides))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **config_overrides))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, attention_bias=attention_bias, **config_overrides))
     else:
-        raise ValueError(f"arch must be 'llama', 'mistral' or 'qwen2', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2' or 'qwen3', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -148,7 +150,7 @@ def write_tiny_gguf(
     with_vocab: bool = False,
     vocab_renames: dict[int, str] | None = None,
 ) -> Path:
-    """Write a tiny HF llama/qwen2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
+    """Write a tiny HF llama/qwen2/qwen3 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
@@ -165,7 +167,7 @@ def write_tiny_gguf(
         state = hf_model_or_state
     else:
         state = hf_model_or_state.state_dict()
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}[config.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[config.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

@@ -8,6 +8,7 @@ arguments, with `func` set to its `run(args)`), so this module only assembles th
   generate  generate.py  one prompt, or a JSONL batch
   explain   explain.py   one prompt, each stage shown with measured numbers
   kv-size   kv_size.py   KV cache bytes per token, without loading weights
+  models    models.py    the models found here: aliases, the Hugging Face cache, Ollama's store
   export    export.py    a .gguf model as a Hugging Face directory
   bench     bench.py     `kvserve bench serve`, the load generator
 """
@@ -22,13 +23,13 @@ from kvserve.errors import KVServeError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvserve.commands import bench, chat, explain, export, generate, kv_size
+    from kvserve.commands import bench, chat, explain, export, generate, kv_size, models
 
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: an LLM inference server you can read")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (chat, generate, kv_size, explain, export, bench):
+    for command in (chat, generate, kv_size, models, explain, export, bench):
         command.add_parser(sub)
     try:
         from kvserve.commands import route, serve, up

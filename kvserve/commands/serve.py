@@ -233,7 +233,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         with open(args.chat_template, encoding="utf-8") as f:
             args.chat_template_source = f.read()
         ChatTemplate(args.chat_template_source)  # one that does not compile fails now
-    defaults = resolve(path, args.generation_config, args.default_sampling)
+    defaults = resolve(path, args.generation_config, args.default_sampling, args.model)
     log.info("%s; chat max_tokens default %d", defaults.describe(), args.max_tokens_default or MAX_TOKENS_DEFAULT)
     settings = ServerSettings(
         model_name=args.served_model_name or args.model,

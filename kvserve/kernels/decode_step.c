@@ -80,6 +80,7 @@ typedef struct {
     kv_linear qkv, o, gate_up, down;
     void *kv; /* this layer's pool [2, Hkv, num_blocks * block_size, D] */
     void *kv_scale; /* an int8 pool's row scales [2, Hkv, num_blocks * block_size] float16, else NULL */
+    const float *q_norm, *k_norm; /* [D]: each query and key head's RMSNorm before RoPE (Qwen3), else NULL */
 } kv_layer;
 
 typedef struct {
@@ -160,9 +161,15 @@ static void linear_in_region(const kv_linear *L, const float *x, long T, int lev
 }
 
 /* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
- * format a literal in each copy. */
+ * format a literal in each copy; the heads normed first where the model norms them. */
 static void rope_store(const kv_model *m, const kv_layer *L, const kv_work *ws, const int64_t *slots, int t, int h,
                        long num_slots) {
+    if (L->q_norm) {
+        const int G = m->H / m->Hkv;
+        float *row = ws->qkv + (size_t)t * (m->H + 2 * m->Hkv) * m->D;
+        for (int g = h * G; g < (h + 1) * G; g++) rms_norm_head(row + (size_t)g * m->D, L->q_norm, m->D, m->eps);
+        rms_norm_head(row + (size_t)(m->H + h) * m->D, L->k_norm, m->D, m->eps);
+    }
 #define GROUP(F) rope_store_group(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, L->kv_scale, slots, t, h, m->H, m->Hkv, \
                                   m->D, num_slots, 0, F)
     if (m->kv_fmt == FMT_F16)

@@ -27,7 +27,7 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("kv", _p), ("kv_scale", _p)]
+                ("down", Linear), ("kv", _p), ("kv_scale", _p), ("q_norm", _p), ("k_norm", _p)]
 
 
 class Model(ctypes.Structure):

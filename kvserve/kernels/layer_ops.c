@@ -63,6 +63,16 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(void *x, cons
     for (int i = 0; i < N; i++) put(h, row + i, get(w, i, bf16) * round_to(get(x, row + i, bf16) * inv, bf16), bf16);
 }
 
+/* x[D] = w * rms_norm(x) in place, float32: one query or key head's norm (Qwen3), as add_rms_norm_row's. */
+static inline __attribute__((always_inline)) void rms_norm_head(float *x, const float *w, int D, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < D; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+#pragma omp simd
+    for (int i = 0; i < D; i++) x[i] = w[i] * (x[i] * inv);
+}
+
 int kvserve_add_rms_norm(void *x, const void *delta, const void *w, void *h, int T, int N, float eps, int bf16,
                          int nthreads) {
     const long work = (long)T * N;

@@ -114,7 +114,8 @@ def _from_model(model: str | Path) -> Architecture:
 
 
 def read_architecture(model: str | Path) -> Architecture:
-    """A preset name, a model directory (or its config.json), or a .gguf file → Architecture."""
+    """A preset name, a model directory (or its config.json), a .gguf file, a Hugging Face repository or an
+    Ollama model → Architecture."""
     if isinstance(model, str) and model.lower() in PRESETS:
         return PRESETS[model.lower()]
     path = Path(model).expanduser()
@@ -122,9 +123,14 @@ def read_architecture(model: str | Path) -> Architecture:
         path = path.parent
     if path.is_dir() or path.is_file():
         return _from_model(path)
+    from kvserve import stores
+
+    if isinstance(model, str) and (model.startswith(stores.OLLAMA_PREFIX) or stores.is_hf_repo(model)):
+        return _from_model(model)  # the loader finds it (kvserve/stores.py) or says why not
     raise ValueError(
         f"{str(model)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json, model "
-        "directory or .gguf file: name one of those"
+        "directory or .gguf file, a Hugging Face repository (owner/name) or an Ollama model (ollama:name:tag): "
+        "name one of those"
     )
 
 

@@ -19,7 +19,8 @@ from kvserve.config import ModelConfig
 from kvserve.model.loader import load_checkpoint, resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:

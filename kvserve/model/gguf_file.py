@@ -4,7 +4,7 @@ Files are read with gguf's GGUFReader (memory-mapped, so tensor bytes are paged 
 they are decoded). Two quirks of llama.cpp's converter are undone here:
 - `llama` files store q_proj/k_proj rows interleaved per head (pairs (0, d/2), (1, d/2+1), …
   become neighbours) for llama.cpp's interleaved RoPE; kvserve uses rotate-half RoPE, so the
-  rows are put back in Hugging Face order. `qwen2` files are stored unpermuted.
+  rows are put back in Hugging Face order. `qwen2` and `qwen3` files are stored unpermuted.
 - Llama 3.1-style RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors,
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
 """
@@ -24,7 +24,7 @@ from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -37,6 +37,8 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -150,6 +152,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=_rope_scaling(reader, path, arch, head_dim, theta),
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -166,7 +169,7 @@ def hf_name(path: Path, gguf_name: str) -> str:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     raise ModelFormatError(
-        f"{path}: unexpected tensor {gguf_name!r}; not a plain llama/qwen2 model"
+        f"{path}: unexpected tensor {gguf_name!r}; not a plain {'/'.join(SUPPORTED_ARCHS)} model"
     )
 
 

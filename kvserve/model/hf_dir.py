@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
 
 
@@ -84,6 +84,7 @@ def read_config(directory: Path) -> ModelConfig:
             rope_scaling=scaling,
             sliding_window=_sliding_window(cfg, path),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
@@ -96,14 +97,14 @@ def read_config(directory: Path) -> ModelConfig:
 def _sliding_window(cfg: dict, path: Path) -> int | None:
     """The window where the config turns it on (Qwen2 lists one with use_sliding_window false).
 
-    Qwen2 slides only in layers listed as "sliding_attention" in layer_types, which transformers
+    Qwen2 and Qwen3 slide only in layers listed as "sliding_attention" in layer_types, which transformers
     derives from max_window_layers (layers from that index on slide): none sliding means no window;
     a mix of windowed and full layers is refused (kvserve frees a block only when every layer's
     window has passed it, and applies one window to all layers)."""
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
         return None
-    if cfg.get("model_type") == "qwen2":
+    if cfg.get("model_type") in ("qwen2", "qwen3"):
         n = cfg["num_hidden_layers"]
         types = cfg.get("layer_types") or [
             "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)

@@ -1,10 +1,11 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2.
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3.
 
 Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
 embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
-bias) and a SwiGLU MLP; the LM head is tied to the embedding or separate. References: "LLaMA"
-(Touvron et al. 2023), "GQA" (Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants
-Improve Transformer" (Shazeer 2020).
+bias, Qwen3's RMSNorm of each query and key head before the rotation) and a SwiGLU MLP; the LM
+head is tied to the embedding or separate. References: "LLaMA" (Touvron et al. 2023), "GQA"
+(Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants Improve Transformer" (Shazeer
+2020), Qwen3 Technical Report (2025).
 
 The forward works on one packed step: a flat [T] list of tokens from many sequences, with K/V
 kept in the paged pool (see attention.py). Weights arrive under Hugging Face names and are fused
@@ -25,7 +26,7 @@ from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
-from kvserve.model.ops import LayerOps
+from kvserve.model.ops import LayerOps, head_norms
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -59,6 +60,8 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # hidden -> 2 * ffn: gate rows then up rows
     down: Callable[[torch.Tensor], torch.Tensor]  # ffn -> hidden
+    q_norm: torch.Tensor | None = None  # [D]: Qwen3's norm of each query head, before RoPE
+    k_norm: torch.Tensor | None = None  # [D]: and of each key head
 
 
 class LlamaModel:
@@ -114,6 +117,8 @@ class LlamaModel:
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=linear([p + "mlp.down_proj.weight"]),
+                    q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
+                    k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
                 )
             )
         self.norm = take("model.norm.weight")
@@ -136,7 +141,8 @@ class LlamaModel:
         n = nbytes(self.embed) + nbytes(self.norm)
         n += self.lm_head.nbytes - (nbytes(self.embed) if self.tied else 0)
         for lw in self.layers:
-            n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm))
+            n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm)
+                     if t is not None)
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
         return n
 
@@ -182,7 +188,10 @@ class LlamaModel:
         delta = None  # the previous layer's MLP output, added to x with the next norm
         for lw, kv_cache, kv_scale in zip(self.layers, kv_caches, kv_scales or [None] * len(kv_caches)):
             x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
-            q, k, v = ops.rope_and_store(lw.qkv(h), cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
+            qkv = lw.qkv(h)
+            if lw.q_norm is not None:
+                head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
+            q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
             o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, self.window, kv_scale)  # [T, H, D]
             x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, eps, h_buf)
             delta = lw.down(ops.silu_mul(lw.gate_up(h)))

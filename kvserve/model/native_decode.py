@@ -134,6 +134,8 @@ class NativeDecode:
                                                      _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep))
             out.kv = kv.data_ptr()
             out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
+            if lw.q_norm is not None:
+                out.q_norm, out.k_norm = _f32(lw.q_norm, self._keep), _f32(lw.k_norm, self._keep)
         m.layers = layers
         self._layers, self._model = layers, m
         self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)

@@ -21,6 +21,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def head_norms(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, H: int, Hkv: int, eps: float) -> None:
+    """Qwen3's RMSNorm of each query head and each key head, in place in qkv [T, (H + 2 Hkv) * D]."""
+    heads = qkv.view(qkv.shape[0], H + 2 * Hkv, -1)
+    heads[:, :H] = rms_norm(heads[:, :H], q_norm, eps)
+    heads[:, H:H + Hkv] = rms_norm(heads[:, H:H + Hkv], k_norm, eps)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

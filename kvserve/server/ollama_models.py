@@ -49,7 +49,7 @@ def _card(ctx: ServerContext) -> dict[str, Any]:
     c = ctx.client
     path = Path(c.model_path)
     modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, timezone.utc)
-    details = {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+    details = {"parent_model": "", "format": "gguf" if path.is_file() else "safetensors",
                "family": c.model_config.architecture, "families": [c.model_config.architecture],
                "parameter_size": _human(_parameter_count(c.model_config)), "quantization_level": c.quantization}
     name = _tagged(ctx.settings.model_name)

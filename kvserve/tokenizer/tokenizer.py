@@ -80,9 +80,10 @@ class Tokenizer:
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, **kwargs: Any) -> Tokenizer:
-        """A .gguf file, or a directory holding tokenizer.json (or a single .gguf)."""
+        """A GGUF file (by its contents: an Ollama blob has no suffix), or a directory holding
+        tokenizer.json (or a single .gguf)."""
         path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file():
             return cls.from_gguf(path, **kwargs)
         if path.is_dir():
             if (path / "tokenizer.json").is_file():
@@ -93,8 +94,6 @@ class Tokenizer:
             raise ModelFormatError(
                 f"{path} holds no tokenizer.json and not exactly one .gguf; point at the model file."
             )
-        if path.exists():
-            raise ModelFormatError(f"{path} is neither a .gguf file nor a model directory.")
         raise ModelNotFoundError(
             f"no tokenizer at {path}: pass a .gguf file or a Hugging Face model directory."
         )

@@ -1,0 +1,99 @@
+"""Qwen3 (a norm over each query and key head before RoPE; head_dim apart from hidden / heads)
+against transformers on a tiny random-weight model made here: exact greedy tokens in float32 from
+its Hugging Face directory (sharded safetensors) and from a GGUF named as llama.cpp names it; the
+quantized GGUF through the native decode step, bit for bit the per-op path, and its greedy tokens
+as the quantized tests define agreement."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig
+from kvserve.kernels import decode_step
+from kvserve.model.loader import read_model_config
+from tiny_models import make_tiny_hf_model, write_tiny_gguf
+
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """GQA 4:2, head_dim 32 (not 64 / 4), untied head, random norms (q_norm, k_norm too)."""
+    directory = tmp_path_factory.mktemp("qwen3") / "hf"
+    model, directory = make_tiny_hf_model(directory, arch="qwen3", tie=False, head_dim=32, seed=3)
+    model.save_pretrained(directory, max_shard_size="2MB")  # sharded: an index and several files
+    assert (directory / "model.safetensors.index.json").is_file()
+    return model, directory
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+def _reference(hf, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def test_the_config_says_qwen3_from_both_sources(qwen3, tmp_path) -> None:
+    hf, directory = qwen3
+    gguf_path = write_tiny_gguf(tmp_path / "q.gguf", hf)
+    for source in (directory, gguf_path):
+        c = read_model_config(source)
+        assert (c.architecture, c.qk_norm, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                c.attention_bias, c.tie_word_embeddings) == ("qwen3", True, 32, 4, 2, False, False), source
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_float32_greedy_tokens_equal_transformers(qwen3, tmp_path, source) -> None:
+    hf, directory = qwen3
+    path = directory if source == "hf" else write_tiny_gguf(tmp_path / "q.gguf", hf, Q.F32, with_vocab=True)
+    llm = LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
+    prompts = _prompts(3)
+    assert _greedy(llm, prompts) == [_reference(hf, p) for p in prompts]
+
+
+@pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
+def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers(qwen3, tmp_path) -> None:
+    hf, _ = qwen3
+    llm = LLM(str(write_tiny_gguf(tmp_path / "q8.gguf", hf, Q.Q8_0, with_vocab=True)), cache=CacheConfig(num_blocks=128,
+                                                                                       enable_prefix_caching=False))
+    assert llm.runner.native is not None and llm.runner.native._layers[0].q_norm is not None
+    prompts = _prompts(4)
+    llm.model.set_batch_invariant(True)  # the batch of four and the one-row steps below multiply alike
+    try:
+        native = _greedy(llm, prompts)
+        llm.runner.native, step = None, llm.runner.native  # the per-op path: torch's head norms, the same kernels
+        try:
+            per_op = _greedy(llm, prompts)
+        finally:
+            llm.runner.native = step
+    finally:
+        llm.model.set_batch_invariant(llm.batch_invariant)
+    assert native == per_op
+    # int8 activations are a slightly different model: greedy tokens fed transformers' own agree at
+    # nearly every step (tests/test_quant.py's measure of agreement).
+    steps = agree = 0
+    for p in prompts:
+        want = _reference(hf, p)
+        cache, token = llm.prefill(p)
+        got = [token]
+        with cache:
+            for t in want[:-1]:
+                cache, token = llm.decode(cache, t)
+                got.append(token)
+        steps += len(want)
+        agree += sum(g == w for g, w in zip(got, want))
+    assert agree >= 0.9 * steps, f"{agree}/{steps}"
