@@ -4,7 +4,8 @@ The request becomes a conversation and tools (kvserve/server/anthropic_protocol.
 chat completion does (`ServerContext.start_job`: the same admission, limits, abort-on-disconnect and metrics);
 the output is read for tool calls by the same parser and answered in Anthropic's shapes:
 
-  content      text and tool_use blocks ({"type": "tool_use", "id", "name", "input": {...}})
+  content      a thinking block (a thinking model's reasoning, when `thinking` asks for it), text
+               and tool_use blocks ({"type": "tool_use", "id", "name", "input": {...}})
   stop_reason  end_turn; max_tokens; stop_sequence (with `stop_sequence` set); tool_use;
                model_context_window_exceeded when the context, not max_tokens, ended the answer
                (max_tokens is a ceiling here: it is cut to what the context leaves, not refused)
@@ -12,8 +13,8 @@ the output is read for tool calls by the same parser and answered in Anthropic's
                (those that were), output_tokens
 
 A stream is Anthropic's server-sent events, each named by an `event:` line: message_start,
-content_block_start, ping (after the first block opens), content_block_delta (text_delta or
-input_json_delta), content_block_stop, message_delta (stop_reason, usage), message_stop; a failure
+content_block_start, ping (after the first block opens), content_block_delta (thinking_delta,
+text_delta or input_json_delta), content_block_stop, message_delta (stop_reason, usage), message_stop; a failure
 mid-stream is an `error` event. Errors are {"type": "error", "error": {"type", "message"}}
 (kvserve/server/errors.py).
 """
@@ -75,7 +76,9 @@ def _tool_mode(req: CountTokensRequest) -> str | None:
 
 
 def _prompt(req: CountTokensRequest) -> ChatPrompt:
-    return ChatPrompt(req.template_messages(), True, req.openai_tools() or None)
+    # Without `thinking` asked for, a thinking template's switch is off, as Anthropic's models do not think then.
+    return ChatPrompt(req.template_messages(), True, req.openai_tools() or None,
+                      None if req.thinking_on else {"enable_thinking": False})
 
 
 async def count_tokens(request: Request, ctx: ServerContext) -> dict:
@@ -149,8 +152,10 @@ def _head(ctx: ServerContext, job: Job) -> dict[str, Any]:
 
 def _message(ctx: ServerContext, job: Job, req: MessagesRequest, final: RequestOutput) -> dict[str, Any]:
     c = final.outputs[0]
-    message, finish_reason = chat_message(c.text, c.finish_reason, _tool_mode(req))
-    content = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    message, finish_reason = chat_message(c.text, c.finish_reason, _tool_mode(req), ctx.client.reasoning(job))
+    thinking = message.get("reasoning_content") if req.thinking_on else None
+    content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking is not None else []
+    content += [{"type": "text", "text": message["content"]}] if message["content"] else []
     content += [_tool_use(call) for call in message.get("tool_calls", [])]
     stop_reason, stop_sequence = _stop(c, finish_reason, req.max_tokens)
     return {**_head(ctx, job), "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
@@ -163,16 +168,23 @@ def event(data: dict[str, Any]) -> bytes:
 
 
 class BlockEvents:
-    """Chat deltas (content, or tool_calls as openai_compat.ChoiceDeltas gives them) in, Anthropic's
-    content block events out: a text block while text comes, a tool_use block per call."""
+    """Chat deltas (reasoning_content, content, or tool_calls as openai_compat.ChoiceDeltas gives
+    them) in, Anthropic's content block events out: a thinking block while reasoning comes (when the
+    client asked for thinking), a text block while text comes, a tool_use block per call."""
 
-    def __init__(self) -> None:
+    def __init__(self, thinking: bool = False) -> None:
+        self.thinking = thinking
         self.index = -1  # of the open block, or of the last one
-        self.open: str | None = None  # "text" | "tool_use"
+        self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.call: int | None = None  # the OpenAI index of the open tool call
 
     def feed(self, delta: dict[str, Any]) -> list[bytes]:
         out = []
+        if (thought := delta.get("reasoning_content")) and self.thinking:
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(event({"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": "thinking_delta", "thinking": thought}}))
         if text := delta.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})
@@ -205,7 +217,7 @@ class BlockEvents:
 
 
 async def _stream(ctx: ServerContext, job: Job, req: MessagesRequest) -> AsyncIterator[bytes]:
-    deltas, blocks = ChoiceDeltas(_tool_mode(req)), BlockEvents()
+    deltas, blocks = ChoiceDeltas(_tool_mode(req), ctx.client.reasoning(job)), BlockEvents(req.thinking_on)
     prompt = len(job.prompts[0])
     yield event({"type": "message_start", "message": {
         **_head(ctx, job), "content": [], "stop_reason": None, "stop_sequence": None,

@@ -8,6 +8,9 @@ block params beside it). What maps onto kvserve:
   assistant tool_use blocks            the assistant's tool calls (input as JSON arguments)
   user tool_result blocks              tool messages, in order, before the user's text
   thinking / redacted_thinking blocks  dropped (Anthropic drops earlier turns' thinking too)
+  thinking {type: enabled|adaptive}    a thinking model thinks and its reasoning comes back as a
+                                       thinking block; otherwise its template's enable_thinking is
+                                       false and reasoning it writes anyway is dropped
   tools (input_schema), tool_choice    OpenAI-form tools: auto, any = required, tool = named, none
   output_config.format json_schema     structured output
 Image and document blocks, server tools and a prefilled (last) assistant turn are refused by name.
@@ -29,7 +32,7 @@ from kvserve.errors import InvalidParam
 from kvserve.server.protocol import KVServeOptions, _Echoed, _Strict
 
 # Fields of Anthropic's API that change nothing kvserve does: accepted, logged.
-IGNORED = ("metadata", "service_tier", "thinking", "cache_control", "container", "inference_geo", "speed",
+IGNORED = ("metadata", "service_tier", "cache_control", "container", "inference_geo", "speed",
            "diagnostics", "context_management", "mcp_servers", "user_profile_id", "workspace_id")
 
 
@@ -131,10 +134,15 @@ class CountTokensRequest(_Strict):
     thinking: Any = None
     cache_control: Any = None
     speed: Any = None
-    IGNORED: ClassVar[tuple[str, ...]] = ("thinking", "cache_control", "speed")
+    IGNORED: ClassVar[tuple[str, ...]] = ("cache_control", "speed")
 
     def ignored_fields(self) -> list[str]:
         return [k for k in self.IGNORED if getattr(self, k, None) is not None]
+
+    @property
+    def thinking_on(self) -> bool:
+        """Whether the client asked for thinking (budget_tokens is not enforced: max_tokens bounds it all)."""
+        return isinstance(self.thinking, dict) and self.thinking.get("type") in ("enabled", "adaptive")
 
     def checked(self) -> CountTokensRequest:
         """400 (InvalidParam) for what kvserve cannot do, naming where it is."""

@@ -62,7 +62,8 @@ def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
 def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput) -> dict:
     choices = []
     for c in final.outputs:
-        message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req))
+        message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req),
+                                                            ctx.client.reasoning(job))
         if req.functions is not None:
             message, finish_reason = openai_compat.legacy_message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
@@ -90,7 +91,8 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
 
     final = None
     done: set[int] = set()
-    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req)) for _ in range(job.params.n)]
+    inside = ctx.client.reasoning(job)
+    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req), inside) for _ in range(job.params.n)]
     try:
         for i in range(job.params.n):
             yield chunk(i, {"role": "assistant", "content": ""})

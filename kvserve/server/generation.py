@@ -23,6 +23,7 @@ from kvserve.fim import encode_fim
 from kvserve.kv.events import BlockEventLog
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured import reasoning
 from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
@@ -135,6 +136,19 @@ class EngineClient:
         except PromptTooLong:
             raise InvalidParam("prompt", f"the conversation is more than {limit} tokens, the context's length: "
                                "shorten the messages") from None
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the model writes a <think> block before its answer (its chat template says so)."""
+        return reasoning.thinks(self.tokenizer.chat_template.source)
+
+    def reasoning(self, job: Job) -> bool | None:
+        """None where the output holds no reasoning (a model that does not think, or output a grammar
+        shapes from its first token); else whether the prompt leaves the output inside <think>
+        (kvserve/structured/reasoning.py: R1's template opens the block in the prompt)."""
+        if job.params.constraint is not None or not self.thinks:
+            return None
+        return reasoning.prompt_opens_reasoning(self.tokenizer.decode(job.prompts[0][-8:]))
 
     async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         return await asyncio.to_thread(self.encode_chat_now, prompt)

@@ -57,7 +57,7 @@ def _now() -> str:
 
 def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
     """The request's sampling, and the context its prompt and answer must fit in (num_ctx or the model's)."""
-    req.checked()
+    req.checked(ctx.client.thinks)
     options = req.options
     sampling = options.sampling() if options is not None else {}
     limit = ctx.client.max_model_len
@@ -148,7 +148,7 @@ class Chat(OllamaGeneration):
         req = self.req
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        return self.ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None))
+        return self.ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None, req.template_variables))
 
 
 class Generate(OllamaGeneration):
@@ -164,7 +164,7 @@ class Generate(OllamaGeneration):
     def prompt_ids(self) -> list[int]:
         req, client = self.req, self.ctx.client
         ids = client.encode_now(req.prompt) if req.raw else client.encode_chat_now(
-            ChatPrompt(generate_messages(req.prompt, req.system)))
+            ChatPrompt(generate_messages(req.prompt, req.system), variables=req.template_variables))
         return list(req.context or []) + ids
 
 
@@ -199,16 +199,26 @@ class WholeCalls:
         return _calls([self.by_index[i] for i in sorted(self.by_index)])
 
 
+def _inside(ctx: ServerContext, job: Job, req: _Generation) -> bool | None:
+    """As EngineClient.reasoning; None too for raw /api/generate (the client wrote the prompt)."""
+    return None if getattr(req, "raw", False) else ctx.client.reasoning(job)
+
+
 def _whole(ctx: ServerContext, job: Job, req: _Generation, final: RequestOutput, key: str, mode: str | None) -> dict:
     c = final.outputs[0]
     body: dict[str, Any] = {"model": req._name, "created_at": _now()}
+    message, _ = chat_message(c.text, c.finish_reason, mode if key == "message" else None, _inside(ctx, job, req))
+    thinking = message.get("reasoning_content") if req.think is not False else None
     if key == "message":
-        message, _ = chat_message(c.text, c.finish_reason, mode)
         body["message"] = {"role": "assistant", "content": message["content"] or ""}
+        if thinking is not None:
+            body["message"]["thinking"] = thinking
         if message.get("tool_calls"):
             body["message"]["tool_calls"] = _calls(message["tool_calls"])
     else:
-        body["response"] = c.text
+        body["response"] = message["content"]
+        if thinking is not None:
+            body["thinking"] = thinking
     if c.logprobs is not None:
         body["logprobs"] = chat_logprobs(c.logprobs, ctx.texts)["content"]
     return {**body, "done": True, "done_reason": c.finish_reason, **_tail(final, job, key)}
@@ -220,19 +230,23 @@ def _tail(final: RequestOutput, job: Job, key: str) -> dict[str, Any]:
 
 
 async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode: str | None) -> AsyncIterator[bytes]:
-    deltas = ChoiceDeltas(mode)
+    deltas = ChoiceDeltas(mode if key == "message" else None, _inside(ctx, job, req))
 
-    def line(piece: dict[str, Any] | str, done: bool = False, **extra: Any) -> bytes:
-        value = {"role": "assistant", **piece} if key == "message" else piece
-        body = {"model": req._name, "created_at": _now(), key: value, "done": done, **extra}
+    def line(piece: dict[str, Any], done: bool = False, **extra: Any) -> bytes:
+        thinking = {"thinking": piece["thinking"]} if "thinking" in piece else {}
+        value = {"role": "assistant", "content": piece["content"], **piece} if key == "message" else piece["content"]
+        body = {"model": req._name, "created_at": _now(), key: value, **(thinking if key == "response" else {}),
+                "done": done, **extra}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
     calls = WholeCalls()
 
-    def pieces(delta: dict[str, Any]) -> dict[str, Any] | str:
-        if key == "response":
-            return delta.get("content", "")
-        calls.feed(delta.get("tool_calls") or [])
+    def pieces(delta: dict[str, Any]) -> dict[str, Any] | None:
+        """Ollama's piece of one chat delta: content, or thinking (None for reasoning think false drops)."""
+        if "reasoning_content" in delta:
+            return None if req.think is False else {"content": "", "thinking": delta["reasoning_content"]}
+        if key == "message":
+            calls.feed(delta.get("tool_calls") or [])
         return {"content": delta.get("content", "")}
 
     def gathered() -> dict[str, Any]:
@@ -247,11 +261,13 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
                 if lp and not out_deltas:
                     out_deltas = [{"content": ""}]
                 for j, delta in enumerate(out_deltas):
-                    yield line(pieces(delta), **({"logprobs": lp} if lp and j == 0 else {}))
+                    if (piece := pieces(delta)) is not None:
+                        yield line(piece, **({"logprobs": lp} if lp and j == 0 else {}))
                 if c.finished:
                     rest, _ = deltas.finish(c.finish_reason)
                     for delta in rest:
-                        yield line(pieces(delta))
+                        if (piece := pieces(delta)) is not None:
+                            yield line(piece)
                     if calls.by_index:
                         yield line(gathered())
                     yield line(pieces({}), True, done_reason=c.finish_reason, **_tail(out, job, key))

@@ -110,7 +110,7 @@ class Message(_Strict):
     images: list[Any] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None
-    thinking: str | None = None  # a thinking model's earlier answer: not rendered (kvserve has none)
+    thinking: str | None = None  # a thinking model's earlier reasoning: given to the template as reasoning_content
 
 
 class Tool(_Strict):
@@ -139,16 +139,22 @@ class _Generation(_Named):
 
     format: Literal["", "json"] | dict[str, Any] | None = None
     stream: bool = True  # Ollama streams unless told not to
-    think: bool | Literal["low", "medium", "high"] | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None  # a thinking model's reasoning, apart (None: on)
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def checked(self) -> None:
-        if self.think not in (None, False):
-            raise InvalidParam("think", f"think: the model {self._name!r} does not think (kvserve has no reasoning "
-                               "parser); leave it out or send false")
+    def checked(self, thinks: bool) -> None:
+        """thinks: whether the model thinks (a <think> block before its answer: structured/reasoning.py)."""
+        if self.think not in (None, False) and not thinks:
+            raise InvalidParam("think", f"think: the model {self._name!r} does not think; leave it out or send false")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParam("top_logprobs", "top_logprobs needs logprobs set to true")
+
+
+    @property
+    def template_variables(self) -> dict[str, Any] | None:
+        """think false: a thinking template's own switch (Qwen3's enable_thinking) turned off."""
+        return {"enable_thinking": False} if self.think is False else None
 
 
 class ChatRequest(_Generation):
@@ -157,8 +163,8 @@ class ChatRequest(_Generation):
     truncate: Any = None
     shift: Any = None
 
-    def checked(self) -> None:
-        super().checked()
+    def checked(self, thinks: bool) -> None:
+        super().checked(thinks)
         for i, m in enumerate(self.messages):
             if m.images:
                 raise InvalidParam(f"messages[{i}].images", f"messages[{i}].images: kvserve serves a text-only model")
@@ -173,8 +179,8 @@ class GenerateRequest(_Generation):
     raw: bool = False
     images: list[Any] | None = None
 
-    def checked(self) -> None:
-        super().checked()
+    def checked(self, thinks: bool) -> None:
+        super().checked(thinks)
         if self.images:
             raise InvalidParam("images", "images: kvserve serves a text-only model")
         if self.suffix:
@@ -223,6 +229,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                  for f in calls]
         if m["role"] == "tool" and m.get("tool_name"):
             msg["tool_call_id"] = legacy_call_id(m["tool_name"])
+        if m["role"] == "assistant" and m.get("thinking"):
+            msg["reasoning_content"] = m["thinking"]
         out.append(msg)
     return out
 

@@ -31,6 +31,7 @@ from kvserve.errors import InvalidParam, shown
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, NamedFunction, NamedToolChoice, Tool
 from kvserve.structured.spec import Constraint, from_response_format, from_vllm
+from kvserve.structured import reasoning
 from kvserve.structured.tool_calls import ToolCallStream
 from kvserve.structured.tools import forced_call_constraint
 from kvserve.tokenizer.chat_template import ChatPrompt
@@ -83,37 +84,56 @@ def tool_mode(req: Any) -> str | None:
     return "auto" if req.tool_choice in (None, "auto") else "forced"
 
 
-def chat_message(text: str, finish_reason: str | None, mode: str | None) -> tuple[dict, str | None]:
+def chat_message(text: str, finish_reason: str | None, mode: str | None,
+                 inside: bool | None = None) -> tuple[dict, str | None]:
     """The assistant message of a finished choice and its finish_reason ("tool_calls" when the
-    text held calls)."""
+    text held calls). inside: None for a model that does not think; else whether its output starts
+    inside <think> (EngineClient.reasoning): the reasoning goes to `reasoning_content`, as vLLM's."""
+    head: dict = {"role": "assistant"}
+    if inside is not None:
+        reasoning_content, text = reasoning.split(text, inside)
+        head["reasoning_content"] = reasoning_content
     if mode is None:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {**head, "content": text}, finish_reason
     stream = ToolCallStream(forced=mode == "forced")
     deltas = stream.feed(text) + stream.finish()
     content = "".join(d.get("content", "") for d in deltas) or None
     if not stream.calls:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {**head, "content": text}, finish_reason
     calls = [c.to_openai() for c in stream.calls]
-    return {"role": "assistant", "content": content, "tool_calls": calls}, \
-        ("tool_calls" if finish_reason == "stop" else finish_reason)
+    return {**head, "content": content, "tool_calls": calls}, ("tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 class ChoiceDeltas:
-    """Per streamed choice: text deltas in, chat deltas out (content, or tool_calls)."""
+    """Per streamed choice: text deltas in, chat deltas out (reasoning_content, content, or tool_calls).
+    The pieces of a stream concatenate to chat_message's fields for the same text."""
 
-    def __init__(self, mode: str | None) -> None:
+    def __init__(self, mode: str | None, inside: bool | None = None) -> None:
         self.mode = mode
         self.stream = ToolCallStream(forced=mode == "forced") if mode else None
+        self.split = reasoning.ReasoningSplit(inside) if inside is not None else None
 
     def feed(self, text: str) -> list[dict]:
+        if self.split is None:
+            return self._answer(text)
+        return self._parts(self.split.feed(text))
+
+    def _parts(self, parts: list[tuple[str, str]]) -> list[dict]:
+        out: list[dict] = []
+        for kind, piece in parts:
+            out += [{"reasoning_content": piece}] if kind == reasoning.REASONING else self._answer(piece)
+        return out
+
+    def _answer(self, text: str) -> list[dict]:
         if self.stream is None:
             return [{"content": text}] if text else []
         return self.stream.feed(text)
 
     def finish(self, finish_reason: str | None) -> tuple[list[dict], str | None]:
+        deltas = self._parts(self.split.finish()) if self.split is not None else []
         if self.stream is None:
-            return [], finish_reason
-        deltas = self.stream.finish()
+            return deltas, finish_reason
+        deltas += self.stream.finish()
         if self.stream.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return deltas, finish_reason

@@ -230,6 +230,8 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant
     tool_call_id: str | None = None  # tool
     function_call: FunctionCall | None = None  # assistant, legacy: rendered as one tool call
+    # A thinking model's reasoning of an earlier turn (vLLM's name): the template decides whether to render it.
+    reasoning_content: str | None = None
     # Echoed back from an OpenAI response (model_dump()): accepted, not rendered.
     refusal: str | None = None
     annotations: list[Any] | None = None
@@ -259,6 +261,8 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": role, "content": text}
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content is not None and self.role == "assistant":
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         elif self.function_call is not None and self.role == "assistant":
@@ -292,6 +296,10 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# The template variables a request sets through its own fields (and the tokenizer through the model's).
+TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -307,11 +315,22 @@ class ChatCompletionRequest(_Sampling):
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's and SGLang's; only false is supported
+    # vLLM's: more variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_names_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & TEMPLATE_NAMES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields say those")
+        return kwargs
 
     def chat_prompt(self) -> ChatPrompt:
         """The prompt of a checked request (its legacy `functions` already turned into tools)."""
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools and self.tool_choice != "none" else None
-        return ChatPrompt([m.for_template() for m in self.messages], self.add_generation_prompt, tools)
+        return ChatPrompt([m.for_template() for m in self.messages], self.add_generation_prompt, tools,
+                          self.chat_template_kwargs)
 
 
 class EmbeddingRequest(_Strict):

@@ -6,11 +6,12 @@ system message) and after the conversation of `previous_response_id`, if given; 
 chat template renders them and the turn runs as a chat completion would, with the same sampling,
 limits, structured output (`text.format`) and tool calling (function tools; `tool_choice`
 "required" or a named function constrains the output). Its text becomes output items: a
-`message` holding one `output_text` part, and one `function_call` item per tool call.
+thinking model's reasoning a `reasoning` item (one `reasoning_text` part), a `message` holding one
+`output_text` part, and one `function_call` item per tool call.
 
 Streamed, it is OpenAI's typed events, each with its `sequence_number`: response.created,
-response.in_progress, then per item output_item.added, (content_part.added, output_text.delta...,
-output_text.done, content_part.done | function_call_arguments.delta, .done), output_item.done,
+response.in_progress, then per item output_item.added, (content_part.added, output_text.delta... or
+reasoning_text.delta..., their .done, content_part.done | function_call_arguments.delta, .done), output_item.done,
 and last response.completed, or response.incomplete when max_output_tokens (or the context)
 cut the output. A failure after the stream started is an `error` event and response.failed.
 
@@ -114,7 +115,7 @@ class ModelResponse(Serving):
     def body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
         final = finals[0]
         choice = final.outputs[0]
-        out = _Output(self.mode, self.logprobs, None)
+        out = _Output(self.mode, self.logprobs, None, self.ctx.client.reasoning(job))
         out.feed(choice.text, choice.logprobs)
         out.finish(choice.finish_reason)
         return self._finished(job, out, final)
@@ -159,7 +160,7 @@ class ModelResponse(Serving):
         event = _Events()
         yield event("response.created", response=self._object(job, "in_progress", []))
         yield event("response.in_progress", response=self._object(job, "in_progress", []))
-        out = _Output(self.mode, self.logprobs, event)
+        out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job))
         final = None
         try:
             async with aclosing(self.ctx.client.outputs(job)) as outputs:
@@ -219,16 +220,19 @@ class _Events:
 class _Output:
     """The choice's text, as it comes, → output items, and (streamed) the events that build them.
 
-    Text goes through the chat route's tool-call reader (openai_compat.ChoiceDeltas): content
-    opens a message item (one output_text part), each call is a function_call item; text after
-    a call is not kept (as on the chat route). A whole response runs the same code with no events.
+    Text goes through the chat route's reasoning and tool-call readers (openai_compat.ChoiceDeltas):
+    reasoning opens a reasoning item (one reasoning_text part), content a message item (one
+    output_text part), each call is a function_call item; text after a call is not kept (as on the
+    chat route). A whole response runs the same code with no events.
     """
 
-    def __init__(self, mode: str | None, logprobs: Callable[[list], list] | None, events: _Events | None) -> None:
-        self.deltas = ChoiceDeltas(mode)
+    def __init__(self, mode: str | None, logprobs: Callable[[list], list] | None, events: _Events | None,
+                 inside: bool | None = None) -> None:
+        self.deltas = ChoiceDeltas(mode, inside)
         self.logprobs = logprobs  # token logprobs → OpenAI's entries; None: not asked for
         self.emit = events
         self.items: list[dict[str, Any]] = []
+        self.reasoning: dict[str, Any] | None = None  # the open reasoning item
         self.message: dict[str, Any] | None = None  # the open message item
         self.call: dict[str, Any] | None = None  # the open function_call item
         self.status = "in_progress"
@@ -249,8 +253,8 @@ class _Output:
         for delta in rest:
             out += self._delta(delta, [])
         cut = finish_reason == "length"
-        out += self._close_call()
-        if not self.items:  # nothing written: still one (empty) message, as OpenAI answers
+        out += self._close_reasoning() + self._close_call()
+        if not any(item["type"] != "reasoning" for item in self.items):  # no answer: still one (empty) message, as OpenAI answers
             out += self._open_message()
         out += self._close_message("incomplete" if cut else "completed")
         self.status = "incomplete" if cut else "completed"
@@ -258,6 +262,15 @@ class _Output:
 
     def _delta(self, delta: dict[str, Any], entries: list) -> list[bytes]:
         out: list[bytes] = []
+        if thought := delta.get("reasoning_content"):
+            if self.reasoning is None:
+                out += self._open_reasoning()
+            part = self.reasoning["content"][0]
+            part["text"] += thought
+            out += self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+                               output_index=len(self.items) - 1, content_index=0, delta=thought)
+        if delta.get("content") or delta.get("tool_calls"):
+            out += self._close_reasoning()
         if delta.get("content"):
             if self.message is None:
                 out += self._open_message()
@@ -290,6 +303,28 @@ class _Output:
         return (self._event("response.function_call_arguments.done", item_id=call["id"], output_index=index,
                             arguments=call["arguments"])
                 + self._event("response.output_item.done", output_index=index, item=call))
+
+    def _open_reasoning(self) -> list[bytes]:
+        self.reasoning = {"id": _item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+        index = len(self.items)
+        self.items.append(self.reasoning)
+        part = {"type": "reasoning_text", "text": ""}
+        out = self._event("response.output_item.added", output_index=index, item=self.reasoning)
+        self.reasoning["content"].append(part)
+        return out + self._event("response.content_part.added", item_id=self.reasoning["id"], output_index=index,
+                                 content_index=0, part=part)
+
+    def _close_reasoning(self) -> list[bytes]:
+        item, self.reasoning = self.reasoning, None
+        if item is None:
+            return []
+        index, part = self.items.index(item), item["content"][0]
+        item["status"] = "completed"
+        return (self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                            text=part["text"])
+                + self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                              part=part)
+                + self._event("response.output_item.done", output_index=index, item=item))
 
     def _open_message(self) -> list[bytes]:
         self.message = {"id": _item_id("msg"), "type": "message", "status": "in_progress", "content": [], "role": "assistant"}

@@ -84,8 +84,8 @@ def plain_items(raw: list[dict[str, Any]], where: str = "input") -> list[dict[st
         {"type": "message", "role", "content": str}
         {"type": "function_call", "call_id", "name", "arguments"}
         {"type": "function_call_output", "call_id", "output": str}
-    Reasoning items are dropped (kvserve's models write none, and another's cannot be shown to
-    this one); every other kind is a 400 naming it."""
+    Reasoning items are dropped (a turn's reasoning is not shown to the next, as Qwen3's template
+    does not); every other kind is a 400 naming it."""
     out = []
     for i, item in enumerate(raw):
         here = f"{where}[{i}]"

@@ -43,6 +43,8 @@ class ChatPrompt:
     messages: list[dict[str, Any]]  # as the template wants them: content as one string, and so on
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None  # OpenAI's function list; None when tool_choice is "none"
+    # More template variables (vLLM's chat_template_kwargs), e.g. {"enable_thinking": False} for Qwen3
+    variables: dict[str, Any] | None = None
 
 
 class ChatTemplateError(KVServeError, ValueError):

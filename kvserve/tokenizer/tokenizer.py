@@ -265,7 +265,7 @@ class Tokenizer:
     def encode_prompt(self, prompt: ChatPrompt, special_tokens_in_content: bool = False,
                       max_tokens: int | None = None) -> list[int]:
         """A ChatPrompt's ids (`encode_chat`: client text stays text unless allowed)."""
-        extra = {"tools": prompt.tools} if prompt.tools else {}
+        extra = {**(prompt.variables or {}), **({"tools": prompt.tools} if prompt.tools else {})}
         return self.encode_chat(prompt.messages, prompt.add_generation_prompt, max_tokens=max_tokens,
                                 special_tokens_in_content=special_tokens_in_content, **extra)
 
