@@ -41,9 +41,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3). Names follow Hugging Face."""
+    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3). Names follow Hugging Face."""
 
-    architecture: str  # "llama", "mistral", "qwen2" or "qwen3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3" or "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -57,6 +57,8 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
     qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (weights [head_dim]) before RoPE
+    # Phi-3 / Phi-4-mini: RoPE turns only the first rotary_dim dims of each head (partial_rotary_factor); 0: all
+    rotary_dim: int = 0
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

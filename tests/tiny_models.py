@@ -65,7 +65,7 @@ def make_tiny_hf_model(
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                              Phi3Config, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     directory = Path(directory)
     if vocab_size is None:
@@ -97,10 +97,12 @@ def make_tiny_hf_model(
         model = MistralForCausalLM(MistralConfig(**common, **config_overrides))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, **config_overrides))
+    elif arch == "phi3":  # partial rotary through rope_scaling={"partial_rotary_factor": ...}
+        model = Phi3ForCausalLM(Phi3Config(**common, **config_overrides))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, attention_bias=attention_bias, **config_overrides))
     else:
-        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2' or 'qwen3', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -167,7 +169,7 @@ def write_tiny_gguf(
         state = hf_model_or_state
     else:
         state = hf_model_or_state.state_dict()
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[config.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[config.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -181,7 +183,7 @@ def write_tiny_gguf(
     if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if getattr(config, "sliding_window", None):  # Mistral's (llama.cpp writes it for models that slide)
         writer.add_sliding_window(config.sliding_window)
     rope = config.rope_parameters

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.config import ModelConfig
+from kvserve.errors import ModelFormatError
 from kvserve.model.loader import load_checkpoint, resolve_model_path
 from kvserve.tokenizer import Tokenizer
 
@@ -24,6 +25,8 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
 
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
+    if config.architecture not in _ARCHITECTURES or config.rotary_dim:
+        raise ModelFormatError(f"export writes {', '.join(_ARCHITECTURES)} models, not {config.architecture}")
     rope = config.rope_scaling
     scaling = None
     if rope.kind == "linear":

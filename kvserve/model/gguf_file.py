@@ -4,7 +4,7 @@ Files are read with gguf's GGUFReader (memory-mapped, so tensor bytes are paged 
 they are decoded). Two quirks of llama.cpp's converter are undone here:
 - `llama` files store q_proj/k_proj rows interleaved per head (pairs (0, d/2), (1, d/2+1), …
   become neighbours) for llama.cpp's interleaved RoPE; kvserve uses rotate-half RoPE, so the
-  rows are put back in Hugging Face order. `qwen2` and `qwen3` files are stored unpermuted.
+  rows are put back in Hugging Face order. `qwen2`, `qwen3` and `phi3` files are stored unpermuted.
 - Llama 3.1-style RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors,
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
 """
@@ -24,7 +24,7 @@ from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -37,12 +37,15 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projection (loader._unfuse splits it)
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's files name a tensor otherwise: Phi-3's ffn_up holds gate and up, fused.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _ROPE_FREQS = "rope_freqs.weight"
 
 
@@ -129,10 +132,14 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     hidden = int(key(Keys.LLM.EMBEDDING_LENGTH))
     heads = int(key(Keys.Attention.HEAD_COUNT))
     head_dim = int(key(Keys.Attention.KEY_LENGTH, hidden // heads))
-    if int(key(Keys.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
-        raise ModelFormatError(f"{path}: partial-rotary RoPE is not supported")
+    rotary = int(key(Keys.Rope.DIMENSION_COUNT, head_dim))
+    if rotary > head_dim or rotary % 2 or (head_dim - rotary) % 2:
+        raise ModelFormatError(f"{path}: RoPE over {rotary} of {head_dim} dims; kvserve needs an even count of "
+                               "turned and of unturned dims")
     theta = _f32(key(Keys.Rope.FREQ_BASE, 10000.0))
     names = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:  # Phi-3's LongRoPE
+        raise ModelFormatError(f"{path}: {rope_scaling_unsupported('longrope')}")
     if "token_embd.weight" not in names:
         raise ModelFormatError(f"{path}: no token_embd.weight tensor; not a complete {arch} model")
     vocab = key(Keys.LLM.VOCAB_SIZE, -1)
@@ -147,6 +154,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(key(Keys.Attention.HEAD_COUNT_KV, heads)),
         head_dim=head_dim,
+        rotary_dim=rotary if rotary < head_dim else 0,
         max_position_embeddings=int(key(Keys.LLM.CONTEXT_LENGTH)),
         rms_norm_eps=_f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
         rope_theta=theta,
@@ -161,13 +169,14 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def hf_name(path: Path, gguf_name: str) -> str:
+def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
     """blk.3.attn_q.weight → model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # ["blk", i, key, "weight"|"bias"]
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ModelFormatError(
         f"{path}: unexpected tensor {gguf_name!r}; not a plain {'/'.join(SUPPORTED_ARCHS)} model"
     )
@@ -190,7 +199,7 @@ def read_tensors(
         for t in reader.tensors:
             if t.name == _ROPE_FREQS:
                 continue  # folded into config.rope_scaling
-            name = hf_name(path, t.name)
+            name = hf_name(path, t.name, config.architecture)
             shape = _torch_shape(t)
             keep = keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2
             # Rows stay whole in either form, so the q/k row order is undone the same way.

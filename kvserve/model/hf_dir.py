@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
 
 
@@ -68,6 +68,13 @@ def read_config(directory: Path) -> ModelConfig:
     gen_eos = _read_json(generation).get("eos_token_id") if generation.exists() else None
     theta, scaling = _rope(cfg, path)
     heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # Phi-3's partial_rotary_factor: top-level in its config.json, inside rope_parameters in transformers 5's
+    partial = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+    rotary = int(head_dim * partial) if partial < 1 else 0
+    if rotary % 2 or (head_dim - rotary) % 2:
+        raise ModelFormatError(f"{path}: partial_rotary_factor {partial} turns {rotary} of {head_dim} dims; kvserve "
+                               "needs an even count of turned and of unturned dims")
     try:
         return ModelConfig(
             architecture=model_type,
@@ -77,7 +84,8 @@ def read_config(directory: Path) -> ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
+            rotary_dim=rotary,
             max_position_embeddings=cfg["max_position_embeddings"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,

@@ -1,4 +1,4 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3.
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3.
 
 Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
 embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
@@ -30,8 +30,14 @@ from kvserve.model.ops import LayerOps, head_norms
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] (float32), with llama3 or linear scaling applied."""
-    d = config.head_dim
+    """Inverse frequencies [D/2] (float32), with llama3 or linear scaling applied. Under partial
+    rotary (rotary_dim < D) the frequencies are the rotary dims' and the rest 0: cos 1, sin 0 turn
+    nothing, and the loader has put each head's dims in that order (loader.rotary_dims_first)."""
+    inv_freq = _inv_freq(config, config.rotary_dim or config.head_dim)
+    return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - inv_freq.numel())])
+
+
+def _inv_freq(config: ModelConfig, d: int) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
     if rs.kind == "linear":

@@ -105,6 +105,48 @@ def read_model_config(model: str | Path) -> ModelConfig:
     return _named(gguf_file.read_config(open_gguf(path), path), model)
 
 
+def _rows(w: Weight, index: torch.Tensor | slice) -> Weight:
+    """Some rows of a weight (float or GGML blocks: rows stay whole in either)."""
+    if isinstance(w, QuantizedWeight):
+        blocks = w.blocks[index].contiguous()
+        return QuantizedWeight(blocks, w.qtype, (blocks.shape[0], w.shape[1]))
+    return w[index].contiguous()
+
+
+def _unfuse(config: ModelConfig, tensors: dict[str, Weight]) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj as the q/k/v and gate/up weights the model takes
+    (LlamaModel fuses them again its own way), in place."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        if (qkv := tensors.pop(p + "self_attn.qkv_proj.weight", None)) is not None:
+            for name, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
+                tensors[p + f"self_attn.{name}_proj.weight"] = _rows(qkv, rows)
+        if (gate_up := tensors.pop(p + "mlp.gate_up_proj.weight", None)) is not None:
+            ffn = config.intermediate_size
+            tensors[p + "mlp.gate_proj.weight"] = _rows(gate_up, slice(0, ffn))
+            tensors[p + "mlp.up_proj.weight"] = _rows(gate_up, slice(ffn, 2 * ffn))
+
+
+def rotary_dims_first(config: ModelConfig, tensors: dict[str, Weight]) -> None:
+    """Under partial rotary, each q and k head's dims reordered so that the rotate-half pairs of
+    its rotary dims, (j, j + r/2), sit at (j, j + D/2) and its other dims between them: then the
+    kernels' RoPE over all D dims (with frequency 0 past r/2: llama.rope_inv_freq) is the model's.
+    q and k are reordered alike, so no attention score changes, and v is not."""
+    D, r = config.head_dim, config.rotary_dim
+    if not r or r == D:
+        return
+    half = (D - r) // 2
+    order = [*range(r // 2), *range(r, r + half), *range(r // 2, r), *range(r + half, D)]
+    for i in range(config.num_hidden_layers):
+        for name, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
+            rows = torch.tensor([h * D + j for h in range(heads) for j in order])
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.self_attn.{name}_proj.{kind}"
+                if key in tensors:
+                    tensors[key] = _rows(tensors[key], rows)
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of `config` must hold (biases: see _OPTIONAL_BIASES)."""
     h, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
@@ -195,6 +237,8 @@ def load_checkpoint(
         config = _named(gguf_file.read_config(reader, path), model)
         tensors = gguf_file.read_tensors(reader, path, config, dtype, keep_quantized=quantization != "none")
         fmt = "gguf"
+    _unfuse(config, tensors)
+    rotary_dims_first(config, tensors)
     if quantization in ON_LOAD_TYPES:
         _quantize_on_load(tensors, quantization)
     _check_tensors(path, config, tensors)
