@@ -16,20 +16,22 @@ def env_switch(name: str) -> bool:
 
 
 # The RoPE scaling kinds kvserve computes. Others that Llama-family checkpoints use -- YaRN,
-# dynamic NTK, LongRoPE -- change the frequencies (or the attention scale) in ways kvserve does not
-# model, so both model readers refuse them at load with rope_scaling_unsupported()'s message.
-SUPPORTED_ROPE_SCALING = ("none", "linear", "llama3")
+# dynamic NTK -- change the frequencies (or the attention scale) in ways kvserve does not model, so
+# both model readers refuse them at load with rope_scaling_unsupported()'s message.
+SUPPORTED_ROPE_SCALING = ("none", "linear", "llama3", "longrope")
 
 
 def rope_scaling_unsupported(kind: object) -> str:
     """The one refusal of a RoPE scaling kind, for the HF and GGUF readers alike."""
     return (f"RoPE scaling {kind!r} is not supported (kvserve supports {', '.join(SUPPORTED_ROPE_SCALING)}; "
-            "not yarn, dynamic NTK or longrope)")
+            "not yarn or dynamic NTK)")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: "none", "linear" or "llama3" (Llama 3.1's piecewise rule)."""
+    """RoPE frequency scaling. kind: "none", "linear", "llama3" (Llama 3.1's piecewise rule) or
+    "longrope" (Phi-3 128k, Phi-4-mini: per-frequency divisors, one set for contexts up to
+    original_max_position_embeddings and one past it, and cos, sin multiplied by attention_factor)."""
 
     kind: str = "none"
     factor: float = 1.0
@@ -37,6 +39,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope only
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -215,13 +215,18 @@ class LLM:
             # A sequence holds its whole context: the pool bounds it (under a sliding window only the
             # window's blocks and a step's are held at once, and the pool need only hold those).
             self.max_model_len = min(self.max_model_len, self.kv_sizing.num_tokens)
+        if self.config.rope_scaling.kind == "longrope":  # its frequencies follow the context served
+            if tensor_parallel_size != 1:
+                raise ValueError("tensor parallel does not serve a LongRoPE model yet: run one process")
+            self.model.set_context(self.max_model_len)
         kv_caches, kv_scales = allocate_kv_pool(self.kv_sizing), allocate_kv_scales(self.kv_sizing)
         disk = None
         if cache.disk_path is not None and cache.enable_prefix_caching:
             s = self.kv_sizing
             disk = DiskTier(cache.disk_path, cache.disk_bytes, tier_fields(
                 ckpt.path, self.dtype, quantization, self.batch_invariant, self.activations, self.kv_dtype, cache.block_size, s.num_layers,
-                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint()), kv_caches, cache.block_size,
+                s.num_kv_heads, s.head_dim, self.tokenizer.fingerprint(),
+                self.max_model_len if self.config.rope_scaling.kind == "longrope" else None), kv_caches, cache.block_size,
                 kv_scales=kv_scales)
         self.manager = KVCacheManager(BlockPool(self.kv_sizing.num_blocks, cache.enable_prefix_caching), cache.block_size,
                                       self.config.sliding_window, scheduler.max_num_batched_tokens, disk)

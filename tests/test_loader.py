@@ -237,10 +237,8 @@ def test_hf_rope_scaling_in_both_config_styles(tmp_path: Path) -> None:
 UNSUPPORTED_ROPE = {  # kind: an HF rope dict of that kind (theta added by make_tiny_hf_model)
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 512,
-                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
 }
-SUPPORTED_NAMED = "kvserve supports none, linear, llama3"
+SUPPORTED_NAMED = "kvserve supports none, linear, llama3, longrope"
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -380,10 +378,10 @@ def test_gguf_rope_scaling_llama3_and_linear(tmp_path: Path) -> None:
     _one_line(err, "c.gguf", "rope_freqs")
 
 
-@pytest.mark.parametrize("kind", ["yarn", "longrope"])
+@pytest.mark.parametrize("kind", ["yarn"])
 def test_gguf_unsupported_rope_scaling_is_refused_like_hf(kind: str, tmp_path: Path) -> None:
-    """llama.cpp's rope.scaling.type names yarn and longrope: the GGUF reader refuses them with
-    the HF reader's words."""
+    """llama.cpp's rope.scaling.type names yarn: the GGUF reader refuses it with the HF reader's
+    words. (LongRoPE comes as rope_factors tensors: tests/test_phi3.py.)"""
     model, _ = make_tiny_hf_model(tmp_path / "m", with_tokenizer=False, vocab_size=512)
     config = model.config.__class__.from_dict(model.config.to_dict())
     config.rope_parameters = {"rope_type": kind, "factor": 4.0, "rope_theta": 10000.0}

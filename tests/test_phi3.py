@@ -1,8 +1,8 @@
 """Phi-3 / Phi-4-mini (fused qkv and gate_up weights, RoPE over part of each head, a sliding
 window) against transformers on tiny random-weight models made here: exact greedy tokens in float32
 from the Hugging Face directory and from a GGUF named as llama.cpp names it (its fused ffn_up);
-the quantized GGUF through the native decode step, bit for bit the per-op path. LongRoPE
-(Phi-3-*-128k, Phi-4-mini) is refused at load, by name."""
+the quantized GGUF through the native decode step, bit for bit the per-op path; LongRoPE
+(Phi-3-*-128k, Phi-4-mini) within the original context exactly, and its long factors past it."""
 from __future__ import annotations
 
 import random
@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as Q
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig
-from kvserve.errors import ModelFormatError
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
@@ -86,10 +85,37 @@ def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does(phi3, tmp
     assert native == per_op
 
 
-def test_longrope_is_refused_by_name(tmp_path) -> None:
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
-                "original_max_position_embeddings": 1024, "partial_rotary_factor": 0.75}
-    model, directory = make_tiny_hf_model(tmp_path / "hf", arch="phi3", rope_scaling=longrope,
-                                          with_tokenizer=False, vocab_size=512, pad_token_id=0)
-    with pytest.raises(ModelFormatError, match="RoPE scaling 'longrope' is not supported"):
-        read_model_config(directory)
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 128, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5], "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    """Phi-4-mini's RoPE in small: 12 of 16 dims turned, LongRoPE (2048 / 128: attention factor 1.25)."""
+    return make_tiny_hf_model(tmp_path_factory.mktemp("longrope") / "hf", arch="phi3", rope_scaling=LONGROPE, seed=5,
+                              original_max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_longrope_within_the_original_context_equals_transformers(longrope, tmp_path, source) -> None:
+    # Served at 128 tokens (the original context): the short factors, as transformers uses below it.
+    hf, directory = longrope
+    path = directory if source == "hf" else write_tiny_gguf(tmp_path / "p.gguf", hf, Q.F32, with_vocab=True)
+    c = read_model_config(path).rope_scaling
+    assert (c.kind, c.original_max_position_embeddings) == ("longrope", 128)
+    assert c.short_factor == pytest.approx(LONGROPE["short_factor"]) and c.long_factor == pytest.approx(LONGROPE["long_factor"])
+    assert c.attention_factor == pytest.approx(1.25, abs=0.01)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, cache=CacheConfig(num_blocks=64))
+    prompts = _prompts(3)
+    assert _greedy(llm, prompts) == [_reference(hf, p) for p in prompts]
+
+
+def test_longrope_past_the_original_context_takes_the_long_factors(longrope) -> None:
+    # As llama.cpp chooses: by the context served, for every position alike (the K/V kept stay valid).
+    _, directory = longrope
+    exponents = torch.arange(0, 12, 2).float() / 12
+    for context, factors in ((128, LONGROPE["short_factor"]), (1024, LONGROPE["long_factor"])):
+        llm = LLM(str(directory), dtype="float32", max_model_len=context, cache=CacheConfig(num_blocks=64))
+        expected = 1.0 / (torch.tensor(factors) * 10000.0 ** exponents)
+        assert llm.max_model_len == context
+        assert torch.allclose(llm.model.inv_freq, torch.cat([expected, torch.zeros(2)]))

@@ -7,6 +7,7 @@ weights as a GGUF the way llama.cpp's converter does (q/k rows interleaved for `
 from __future__ import annotations
 
 import functools
+import math
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -195,7 +196,14 @@ def write_tiny_gguf(
         _add_default_vocab(writer, vocab_renames)
     writer.add_bos_token_id(config.bos_token_id if config.bos_token_id is not None else 1)
     writer.add_eos_token_id(config.eos_token_id if config.eos_token_id is not None else 2)
-    if rope.get("rope_type") in ("linear", "yarn", "longrope"):  # yarn, longrope: for kvserve's refusal
+    if arch == "phi3" and rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes it
+        orig = rope["original_max_position_embeddings"]
+        scale = config.max_position_embeddings / orig
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(orig)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    elif rope.get("rope_type") in ("linear", "yarn", "longrope"):  # yarn, longrope: for kvserve's refusal
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
     elif rope.get("rope_type") == "llama3":

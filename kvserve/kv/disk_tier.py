@@ -176,9 +176,10 @@ class DiskTier:
 
 def tier_fields(model_path: str | Path, model_dtype: torch.dtype, quantization: str, batch_invariant: bool,
                 activations: str, kv_dtype: torch.dtype, block_size: int, num_layers: int, num_kv_heads: int,
-                head_dim: int, tokenizer_fingerprint: str) -> dict[str, object]:
-    """What a stored block's bytes depend on: a different value is a different namespace."""
-    return {
+                head_dim: int, tokenizer_fingerprint: str, context: int | None = None) -> dict[str, object]:
+    """What a stored block's bytes depend on: a different value is a different namespace. `context`:
+    the context served, for a model whose RoPE depends on it (LongRoPE); None for others."""
+    return {**({"context": context} if context is not None else {}),
         "format": 1, "checkpoint": checkpoint_identity(model_path), "model_file": os.path.basename(str(model_path)),
         "dtype": str(model_dtype), "quantization": quantization, "batch_invariant": batch_invariant,
         "activations": activations, "kv_dtype": str(kv_dtype), "block_size": block_size, "num_layers": num_layers,

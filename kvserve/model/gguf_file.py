@@ -47,6 +47,7 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
 # Where an architecture's files name a tensor otherwise: Phi-3's ffn_up holds gate and up, fused.
 _ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's, as llama.cpp writes them
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -89,7 +90,9 @@ def _rope_scaling(
     factor = _f32(_field(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch), 1.0))
     if kind == "linear" and factor != 1.0:
         return RopeScaling("linear", factor)
-    if kind not in ("none", "linear"):  # llama3 comes as a rope_freqs tensor, below; yarn, longrope refused
+    if kind == "longrope":  # read from its rope_factors tensors (_longrope), which this file lacks
+        raise ModelFormatError(f"{path}: LongRoPE scaling without its rope_factors_short/long tensors")
+    if kind not in ("none", "linear"):  # llama3 comes as a rope_freqs tensor, below; yarn refused
         raise ModelFormatError(f"{path}: {rope_scaling_unsupported(kind)}")
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is None:
@@ -105,6 +108,22 @@ def _rope_scaling(
             "the only per-frequency scaling kvserve supports"
         )
     return scaling
+
+
+def _longrope(reader: GGUFReader, path: Path, arch: str, names: dict[str, ReaderTensor]) -> RopeScaling | None:
+    """Phi-3's LongRoPE: its two factor tensors, the attention factor and the original context."""
+    if not any(n in names for n in _LONGROPE):
+        return None
+    short, long = (tuple(dequantize(names[n].data, names[n].tensor_type, _torch_shape(names[n])).flatten().tolist())
+                   if n in names else () for n in _LONGROPE)
+    orig = _field(reader, Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch))
+    if not short or not long or orig is None:
+        raise ModelFormatError(f"{path}: LongRoPE needs both rope_factors tensors and "
+                               f"{Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch)}")
+    attention = _f32(_field(reader, Keys.Rope.SCALING_ATTN_FACTOR.format(arch=arch), 1.0))
+    context = int(_required(reader, path, Keys.LLM.CONTEXT_LENGTH.format(arch=arch)))
+    return RopeScaling("longrope", context / int(orig), original_max_position_embeddings=int(orig),
+                       short_factor=short, long_factor=long, attention_factor=attention)
 
 
 def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
@@ -138,8 +157,6 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
                                "turned and of unturned dims")
     theta = _f32(key(Keys.Rope.FREQ_BASE, 10000.0))
     names = {t.name: t for t in reader.tensors}
-    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:  # Phi-3's LongRoPE
-        raise ModelFormatError(f"{path}: {rope_scaling_unsupported('longrope')}")
     if "token_embd.weight" not in names:
         raise ModelFormatError(f"{path}: no token_embd.weight tensor; not a complete {arch} model")
     vocab = key(Keys.LLM.VOCAB_SIZE, -1)
@@ -158,7 +175,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         max_position_embeddings=int(key(Keys.LLM.CONTEXT_LENGTH)),
         rms_norm_eps=_f32(key(Keys.Attention.LAYERNORM_RMS_EPS, 1e-5)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, path, arch, head_dim, theta),
+        rope_scaling=_longrope(reader, path, arch, names) or _rope_scaling(reader, path, arch, head_dim, theta),
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
@@ -197,7 +214,7 @@ def read_tensors(
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     with single_threaded():
         for t in reader.tensors:
-            if t.name == _ROPE_FREQS:
+            if t.name == _ROPE_FREQS or t.name in _LONGROPE:
                 continue  # folded into config.rope_scaling
             name = hf_name(path, t.name, config.architecture)
             shape = _torch_shape(t)

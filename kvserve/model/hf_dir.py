@@ -6,6 +6,7 @@ from a single model.safetensors or the shards listed in model.safetensors.index.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,16 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
         return theta, RopeScaling()
     if kind == "linear":
         return theta, RopeScaling("linear", float(params["factor"]))
+    if kind in ("longrope", "su"):  # Phi-3 128k, Phi-4-mini (transformers' _compute_longrope_parameters)
+        max_pos = cfg["max_position_embeddings"]
+        orig = params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_pos
+        factor = params.get("factor") or max_pos / orig
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+        return theta, RopeScaling("longrope", float(factor), original_max_position_embeddings=int(orig),
+                                  short_factor=tuple(map(float, params["short_factor"])),
+                                  long_factor=tuple(map(float, params["long_factor"])), attention_factor=float(attention))
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",

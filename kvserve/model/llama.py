@@ -29,18 +29,26 @@ from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, 
 from kvserve.model.ops import LayerOps, head_norms
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2] (float32), with llama3 or linear scaling applied. Under partial
-    rotary (rotary_dim < D) the frequencies are the rotary dims' and the rest 0: cos 1, sin 0 turn
+def rope_inv_freq(config: ModelConfig, context: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [D/2] (float32), with llama3, linear or longrope scaling applied (longrope:
+    the long divisors where the served `context` passes the original one, as llama.cpp chooses; the
+    attention factor is in the q, k weights: loader.scale_rotary). Under partial rotary
+    (rotary_dim < D) the frequencies are the rotary dims' and the rest 0: cos 1, sin 0 turn
     nothing, and the loader has put each head's dims in that order (loader.rotary_dims_first)."""
-    inv_freq = _inv_freq(config, config.rotary_dim or config.head_dim)
+    inv_freq = _inv_freq(config, config.rotary_dim or config.head_dim, context or config.max_position_embeddings)
     return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - inv_freq.numel())])
 
 
-def _inv_freq(config: ModelConfig, d: int) -> torch.Tensor:
+def _inv_freq(config: ModelConfig, d: int, context: int) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = config.rope_scaling
-    if rs.kind == "linear":
+    if rs.kind == "longrope":
+        factors = rs.long_factor if context > rs.original_max_position_embeddings else rs.short_factor
+        if len(factors) != d // 2:
+            raise ModelFormatError(f"longrope lists {len(factors)} factors for {d // 2} frequencies")
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * config.rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    elif rs.kind == "linear":
         inv_freq = inv_freq / rs.factor
     elif rs.kind == "llama3":
         # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
@@ -169,6 +177,10 @@ class LlamaModel:
             if hasattr(lin, "set_activation_levels"):
                 lin.set_activation_levels(levels)
         self.act_levels = levels
+
+    def set_context(self, context: int) -> None:
+        """The context the model is served at: longrope's frequencies depend on it (rope_inv_freq)."""
+        self.inv_freq = rope_inv_freq(self.config, context)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] each, in the model dtype."""

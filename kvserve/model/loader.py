@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
@@ -126,6 +127,29 @@ def _unfuse(config: ModelConfig, tensors: dict[str, Weight]) -> None:
             ffn = config.intermediate_size
             tensors[p + "mlp.gate_proj.weight"] = _rows(gate_up, slice(0, ffn))
             tensors[p + "mlp.up_proj.weight"] = _rows(gate_up, slice(ffn, 2 * ffn))
+
+
+def scale_rotary(config: ModelConfig, tensors: dict[str, Weight]) -> None:
+    """longrope's attention factor, which multiplies the rotated dims' cos and sin, folded into the
+    q and k rows of those dims (a rotation is linear: R(a x) = a R(x)). Quantized rows are decoded,
+    scaled and kept as Q8_0."""
+    a = config.rope_scaling.attention_factor
+    if config.rope_scaling.kind != "longrope" or a == 1.0:
+        return
+    D, r = config.head_dim, config.rotary_dim or config.head_dim
+    for i in range(config.num_hidden_layers):
+        for name, heads in (("q", config.num_attention_heads), ("k", config.num_key_value_heads)):
+            scale = torch.ones(heads, D)
+            scale[:, :r] = a
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.self_attn.{name}_proj.{kind}"
+                w = tensors.get(key)
+                if w is None:
+                    continue
+                if isinstance(w, QuantizedWeight):
+                    tensors[key] = quantize(w.dequantize() * scale.reshape(-1, 1), Q.Q8_0)
+                else:
+                    tensors[key] = (w.float() * (scale.reshape(-1, 1) if w.dim() == 2 else scale.reshape(-1))).to(w.dtype)
 
 
 def rotary_dims_first(config: ModelConfig, tensors: dict[str, Weight]) -> None:
@@ -238,6 +262,7 @@ def load_checkpoint(
         tensors = gguf_file.read_tensors(reader, path, config, dtype, keep_quantized=quantization != "none")
         fmt = "gguf"
     _unfuse(config, tensors)
+    scale_rotary(config, tensors)
     rotary_dims_first(config, tensors)
     if quantization in ON_LOAD_TYPES:
         _quantize_on_load(tensors, quantization)
