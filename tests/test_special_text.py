@@ -31,6 +31,8 @@ RENDERED = {
     "messages[].tool_calls[].function.arguments":
         lambda b, v: b["messages"][2]["tool_calls"][0]["function"].update(arguments=json.dumps({"city": v, v: 1})),
     "messages[].tool_call_id": lambda b, v: b["messages"][3].update(tool_call_id=v),
+    # a thinking model's earlier reasoning, which its template may render (Qwen3's does)
+    "messages[].reasoning_content": lambda b, v: b["messages"][2].update(reasoning_content=v),
     # OpenAI's legacy form of one tool call (kvserve/server/openai_compat.py), in place of tool_calls.
     "messages[].function_call.name": lambda b, v: b["messages"][2].update(
         tool_calls=None, function_call={"name": v, "arguments": '{"city": "Paris"}'}),
@@ -63,14 +65,15 @@ BASE = {
 # A tool-aware template that renders every field above (names, ids, arguments, tools as JSON).
 EVERY_FIELD = (
     "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}\n{{ m.content or '' }}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}<tool_call>{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}"
     "</tool_call>{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # The model's own ChatML template renders role and content only; tools.py writes tools and tool
-# calls into the text for it (names, arguments, descriptions, schemas), but no ids or names.
-CHATML_SKIPS = {"messages[].name", "messages[].tool_calls[].id", "messages[].tool_call_id"}
+# calls into the text for it (names, arguments, descriptions, schemas), but no ids, names or reasoning.
+CHATML_SKIPS = {"messages[].name", "messages[].tool_calls[].id", "messages[].tool_call_id", "messages[].reasoning_content"}
 
 
 def _paths(tp: Any, path: str) -> set[str]:

@@ -102,6 +102,32 @@ def test_llama3_json_calls_and_plain_text() -> None:
     assert [c.name for c in parse_forced('[{"name": "f", "arguments": {"a": 1}}]')] == ["f"]
 
 
+# Replies as Mistral (v0.3 and the v11 tokenizer's form) and Phi-4-mini write calls; and near misses.
+RECORDED_CALLS = {
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]': [("get_weather", '{"city": "Paris"}')],
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}': [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]': [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")],
+    "functools is a Python module.": [],
+    "[TOOL_CALLS] not a call": [],
+    "f": [],
+}
+
+
+@pytest.mark.parametrize("text", RECORDED_CALLS)
+def test_mistral_and_phi4_calls_whole_and_streamed(text: str) -> None:
+    want = RECORDED_CALLS[text]
+    content, calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in calls] == want and content == (None if want else text)
+    stream, deltas = ToolCallStream(), []
+    for i in range(0, len(text), 3):
+        deltas += stream.feed(text[i:i + 3])
+    deltas += stream.finish()
+    assert [(c.name, c.arguments) for c in stream.calls] == want
+    assert "".join(d.get("content", "") for d in deltas) == ("" if want else text)
+
+
 def _streamed(text: str, size: int, forced: bool = False) -> tuple[str, list[dict], list]:
     """Feed text in pieces of `size`: (content, the tool_calls deltas, the calls read)."""
     stream = ToolCallStream(forced=forced)

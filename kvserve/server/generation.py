@@ -64,6 +64,7 @@ class EngineClient:
         self.state = state
         self.metrics = metrics
         self.grammars = grammars
+        self._thinks: tuple[Tokenizer, bool] | None = None
 
     # -- what the model is (valid once the server is ready) ---------------------------------
     @property
@@ -139,8 +140,12 @@ class EngineClient:
 
     @property
     def thinks(self) -> bool:
-        """Whether the model writes a <think> block before its answer (its chat template says so)."""
-        return reasoning.thinks(self.tokenizer.chat_template.source)
+        """Whether the model writes a <think> block before its answer (its chat template says so;
+        read once per tokenizer, not per request)."""
+        tok = self.tokenizer
+        if self._thinks is None or self._thinks[0] is not tok:
+            self._thinks = (tok, reasoning.thinks(tok.chat_template.source))
+        return self._thinks[1]
 
     def reasoning(self, job: Job) -> bool | None:
         """None where the output holds no reasoning (a model that does not think, or output a grammar

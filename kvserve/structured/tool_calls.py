@@ -1,11 +1,15 @@
 """Model output → OpenAI `tool_calls`, whole or streamed as deltas.
 
-Chat templates teach a model one way to write a call; kvserve reads the two its supported model
-families use:
-  - Hermes style (Qwen2.5, SmolLM2/3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+Chat templates teach a model one way to write a call; kvserve reads the ones its supported model
+families use, whichever the reply holds:
+  - Hermes style (Qwen2.5, Qwen3, SmolLM2/3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     one block per call, text allowed around them;
   - Llama 3.x JSON: the whole reply is `{"name": ..., "parameters": {...}}` (optionally after
-    `<|python_tag|>`, several calls separated by `;`).
+    `<|python_tag|>`, several calls separated by `;`);
+  - Mistral: the reply is `[TOOL_CALLS]` and a JSON list of calls (v0.3, Nemo), or
+    `[TOOL_CALLS]name[ARGS]{...}` once per call (the v11 tokenizer's);
+  - Phi-4-mini: the reply is `functools` and a JSON list of calls.
+Replies of the last three kinds are read whole at their end.
 When `tool_choice` forces a call the output is grammar-constrained JSON (see tool_grammar):
 a list of `{"name", "arguments"}` objects, or one such object for a named function.
 The streaming parser holds back text that may still become a call, emits content deltas for
@@ -23,6 +27,10 @@ from typing import Any
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PHI4_TAG = "functools"
+# A reply that starts so (after whitespace) is read whole at its end: it may be all calls.
+_WHOLE_STARTS = ("{", PYTHON_TAG, MISTRAL_TAG, PHI4_TAG + "[")
 
 
 @dataclass
@@ -90,7 +98,38 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     if stripped.startswith("{"):  # Llama 3.x: the reply is the call(s)
         calls = _calls(_split_top_level(stripped))
         return (text, []) if calls is None else (None, calls)
+    if stripped.startswith(MISTRAL_TAG):
+        calls = _mistral_calls(stripped)
+        return (text, []) if calls is None else (None, calls)
+    if stripped.startswith(PHI4_TAG + "["):
+        calls = _list_calls(stripped[len(PHI4_TAG):])
+        return (text, []) if calls is None else (None, calls)
     return text, []
+
+
+def _list_calls(text: str) -> list[ToolCall] | None:
+    """A JSON list of {"name", "arguments"} objects as calls; None if it is not one."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    calls = [_call_from_json(o) for o in items] if isinstance(items, list) and items else [None]
+    return None if any(c is None for c in calls) else calls
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """`[TOOL_CALLS][{...}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` repeated."""
+    rest = text[len(MISTRAL_TAG):].strip()
+    if rest.startswith("["):
+        return _list_calls(rest)
+    calls = []
+    for part in text.split(MISTRAL_TAG)[1:]:
+        name, sep, args = part.partition(MISTRAL_ARGS)
+        call = _call_from_json({"name": name.strip(), "arguments": args.strip()}) if sep and name.strip() else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -153,8 +192,10 @@ class ToolCallStream:
 
     def _feed_hermes(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if not self.calls and self._block is None and self._emitted == 0 and self.text.lstrip().startswith(("{", PYTHON_TAG)):
-            return []  # may be a Llama 3.x call: decide at the end
+        head = self.text.lstrip()
+        if not self.calls and self._block is None and self._emitted == 0 and (
+                head.startswith(_WHOLE_STARTS) or any(s.startswith(head) for s in _WHOLE_STARTS)):
+            return []  # may be a Llama 3.x, Mistral or Phi-4 call (or the start of one's tag): decide at the end
         while True:
             if self._block is not None:
                 deltas, end = self._advance(self._block)
