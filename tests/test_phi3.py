@@ -5,19 +5,17 @@ the quantized GGUF through the native decode step, bit for bit the per-op path; 
 (Phi-3-*-128k, Phi-4-mini) within the original context exactly, and its long factors past it."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
+from family_checks import greedy, native_and_per_op, prompts, reference
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
 
-TOKENS = 24
 # Phi-4-mini's shape in small: 3/4 of each head turned (partial_rotary_factor 0.75), GQA, tied head
 CASES = {"phi4-mini-like": dict(rope_scaling={"partial_rotary_factor": 0.75}, tie=True),
          "phi3-mini-like": dict(num_kv_heads=4, tie=False, sliding_window=16)}
@@ -28,23 +26,6 @@ def phi3(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp("phi3") / request.param
     model, directory = make_tiny_hf_model(directory, arch="phi3", head_dim=32, seed=4, **CASES[request.param])
     return request.param, model, directory
-
-
-def _prompts(n: int) -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
-
-
-def _reference(hf, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def test_the_config_from_both_sources(phi3, tmp_path) -> None:
@@ -61,8 +42,8 @@ def test_float32_greedy_tokens_equal_transformers(phi3, tmp_path, source) -> Non
     _, hf, directory = phi3
     path = directory if source == "hf" else write_tiny_gguf(tmp_path / "p.gguf", hf, Q.F32, with_vocab=True)
     llm = LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
-    prompts = _prompts(3)
-    assert _greedy(llm, prompts) == [_reference(hf, p) for p in prompts]
+    batch = prompts(3, seed=7)
+    assert greedy(llm, batch) == [reference(hf, p) for p in batch]
 
 
 @pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
@@ -70,18 +51,7 @@ def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does(phi3, tmp
     _, hf, _ = phi3
     llm = LLM(str(write_tiny_gguf(tmp_path / "q8.gguf", hf, Q.Q8_0, with_vocab=True)),
               cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
-    assert llm.runner.native is not None
-    prompts = _prompts(4)
-    llm.model.set_batch_invariant(True)
-    try:
-        native = _greedy(llm, prompts)
-        llm.runner.native, step = None, llm.runner.native
-        try:
-            per_op = _greedy(llm, prompts)
-        finally:
-            llm.runner.native = step
-    finally:
-        llm.model.set_batch_invariant(llm.batch_invariant)
+    native, per_op = native_and_per_op(llm, prompts(4, seed=7))
     assert native == per_op
 
 
@@ -106,8 +76,8 @@ def test_longrope_within_the_original_context_equals_transformers(longrope, tmp_
     assert c.short_factor == pytest.approx(LONGROPE["short_factor"]) and c.long_factor == pytest.approx(LONGROPE["long_factor"])
     assert c.attention_factor == pytest.approx(1.25, abs=0.01)
     llm = LLM(str(path), dtype="float32", max_model_len=128, cache=CacheConfig(num_blocks=64))
-    prompts = _prompts(3)
-    assert _greedy(llm, prompts) == [_reference(hf, p) for p in prompts]
+    batch = prompts(3, seed=7)
+    assert greedy(llm, batch) == [reference(hf, p) for p in batch]
 
 
 def test_longrope_past_the_original_context_takes_the_long_factors(longrope) -> None:

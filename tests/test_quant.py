@@ -27,6 +27,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.kernels import quant_matmul
 from kvserve.model import quant
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, make_linear
+from family_checks import greedy_along
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 HERE = Path(__file__).parent
@@ -332,17 +333,6 @@ def _greedy(llm, ids: list[int]) -> list[int]:
     return out
 
 
-def _greedy_along(llm, ids: list[int], tokens: list[int]) -> list[int]:
-    """`llm`'s greedy choice at each step while it is fed `tokens` (teacher forcing)."""
-    cache, token = llm.prefill(ids)
-    out = [token]
-    with cache:
-        for t in tokens[:-1]:
-            cache, token = llm.decode(cache, t)
-            out.append(token)
-    return out
-
-
 def _logits(llm, ids: list[int], chunk: int = 32) -> torch.Tensor:
     """Every position's logits (float64), teacher-forced in chunks below BLAS_FROM_ROWS so that a
     quantized model runs its integer kernels (larger steps dequantize and would equal the float path)."""
@@ -384,7 +374,7 @@ def test_quantized_greedy_tokens_agree_with_the_float_path(llms) -> None:
     for p in PROMPTS:
         ids = f.encode_chat([{"role": "user", "content": p}])
         want = _greedy(f, ids)
-        got = _greedy_along(q, ids, want)
+        got = greedy_along(q, ids, want)
         same += _greedy(q, ids) == want
         steps += len(want)
         agree += sum(g == w for g, w in zip(got, want))

@@ -5,20 +5,15 @@ quantized GGUF through the native decode step, bit for bit the per-op path, and 
 as the quantized tests define agreement."""
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
+from family_checks import greedy, greedy_along, native_and_per_op, prompts, reference
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
-
-TOKENS = 24
-
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
@@ -28,23 +23,6 @@ def qwen3(tmp_path_factory):
     model.save_pretrained(directory, max_shard_size="2MB")  # sharded: an index and several files
     assert (directory / "model.safetensors.index.json").is_file()
     return model, directory
-
-
-def _prompts(n: int) -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
-
-
-def _reference(hf, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)
-    return out[0, len(prompt):].tolist()
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def test_the_config_says_qwen3_from_both_sources(qwen3, tmp_path) -> None:
@@ -61,8 +39,8 @@ def test_float32_greedy_tokens_equal_transformers(qwen3, tmp_path, source) -> No
     hf, directory = qwen3
     path = directory if source == "hf" else write_tiny_gguf(tmp_path / "q.gguf", hf, Q.F32, with_vocab=True)
     llm = LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
-    prompts = _prompts(3)
-    assert _greedy(llm, prompts) == [_reference(hf, p) for p in prompts]
+    batch = prompts(3, seed=5)
+    assert greedy(llm, batch) == [reference(hf, p) for p in batch]
 
 
 @pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
@@ -71,29 +49,15 @@ def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agree
     llm = LLM(str(write_tiny_gguf(tmp_path / "q8.gguf", hf, Q.Q8_0, with_vocab=True)), cache=CacheConfig(num_blocks=128,
                                                                                        enable_prefix_caching=False))
     assert llm.runner.native is not None and llm.runner.native._layers[0].q_norm is not None
-    prompts = _prompts(4)
-    llm.model.set_batch_invariant(True)  # the batch of four and the one-row steps below multiply alike
-    try:
-        native = _greedy(llm, prompts)
-        llm.runner.native, step = None, llm.runner.native  # the per-op path: torch's head norms, the same kernels
-        try:
-            per_op = _greedy(llm, prompts)
-        finally:
-            llm.runner.native = step
-    finally:
-        llm.model.set_batch_invariant(llm.batch_invariant)
+    batch = prompts(4, seed=5)
+    native, per_op = native_and_per_op(llm, batch)
     assert native == per_op
     # int8 activations are a slightly different model: greedy tokens fed transformers' own agree at
     # nearly every step (tests/test_quant.py's measure of agreement).
     steps = agree = 0
-    for p in prompts:
-        want = _reference(hf, p)
-        cache, token = llm.prefill(p)
-        got = [token]
-        with cache:
-            for t in want[:-1]:
-                cache, token = llm.decode(cache, t)
-                got.append(token)
+    for p in batch:
+        want = reference(hf, p)
+        got = greedy_along(llm, p, want)
         steps += len(want)
         agree += sum(g == w for g, w in zip(got, want))
     assert agree >= 0.9 * steps, f"{agree}/{steps}"

@@ -1,0 +1,59 @@
+"""What the architecture tests (test_qwen3.py, test_phi3.py) check the same way: random prompts,
+transformers' greedy tokens, kvserve's, the native step against the per-op path, and greedy
+choices along a given sequence (teacher forcing, tests/test_quant.py's measure of agreement)."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvserve import LLM, SamplingParams
+
+TOKENS = 24
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(4, 40))] for _ in range(n)]
+
+
+def reference(hf, prompt: list[int], tokens: int = TOKENS) -> list[int]:
+    """transformers' greedy continuation."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(llm: LLM, batch: list[list[int]], tokens: int = TOKENS) -> list[list[int]]:
+    """kvserve's greedy continuations, the prompts batched."""
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(batch, sp, use_tqdm=False)]
+
+
+def native_and_per_op(llm: LLM, batch: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """The greedy tokens through the native step, and through the per-op path (the same kernels);
+    batch invariance on, so that the batch and the per-op path's rows multiply alike."""
+    assert llm.runner.native is not None
+    llm.model.set_batch_invariant(True)
+    try:
+        native = greedy(llm, batch)
+        llm.runner.native, step = None, llm.runner.native
+        try:
+            per_op = greedy(llm, batch)
+        finally:
+            llm.runner.native = step
+    finally:
+        llm.model.set_batch_invariant(llm.batch_invariant)
+    return native, per_op
+
+
+def greedy_along(llm: LLM, ids: list[int], tokens: list[int]) -> list[int]:
+    """`llm`'s greedy choice at each step while it is fed `tokens` (teacher forcing)."""
+    cache, token = llm.prefill(ids)
+    out = [token]
+    with cache:
+        for t in tokens[:-1]:
+            cache, token = llm.decode(cache, t)
+            out.append(token)
+    return out
