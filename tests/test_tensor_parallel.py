@@ -22,7 +22,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.quant import QuantizedLinear, QuantizedWeight
 from kvserve.parallel.shard import TensorParallelError, _cols, plan
 from server_harness import start_server, wait_for
-from test_quant import _greedy_along
+from family_checks import greedy_along
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_two_ranks_on_the_quantized_default_model(one_thread) -> None:
             want, want_logits = _greedy(emulated, ids, 12)
             assert got == want and torch.equal(got_logits, want_logits)
             unsplit, _ = _greedy(one, ids, 12)
-            fed = _greedy_along(two, ids, unsplit)
+            fed = greedy_along(two, ids, unsplit)
             steps += len(unsplit)
             agree += sum(g == w for g, w in zip(fed, unsplit))
         assert agree >= 0.9 * steps
