@@ -9,6 +9,7 @@ CPU kernels need AVX-512) is recorded with the reason instead of failing the who
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -89,13 +90,17 @@ def amx_runs() -> bool:
         return subprocess.run([str(exe)], capture_output=True).returncode == 0
 
 
-def setup_llama_server(progress=print) -> Path:
-    """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake; return its path."""
+def llama_cpp_sources(progress=print) -> Path:
+    """llama.cpp's source tree (vendor/llama.cpp of llama-cpp-python's sdist, downloaded and unpacked
+    once into the cache): llama-server's build and its GGUF converter, convert_hf_to_gguf.py."""
     root = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
     root.mkdir(parents=True, exist_ok=True)
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.exists() and (root / "built.ok").exists():
-        return binary
+    with (root / "sources.lock").open("w") as lock:  # test workers may ask at once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _unpacked_sources(root, progress)
+
+
+def _unpacked_sources(root: Path, progress) -> Path:
     log = root / "setup.log"
     sdist_dir = root / "sdist"
     sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz")) if sdist_dir.exists() else []
@@ -118,6 +123,17 @@ def setup_llama_server(progress=print) -> Path:
         (top,) = list(tmp.iterdir())
         top.rename(src)
         tmp.rmdir()
+    return vendor
+
+
+def setup_llama_server(progress=print) -> Path:
+    """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake; return its path."""
+    root = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+    binary = root / "build" / "bin" / "llama-server"
+    if binary.exists() and (root / "built.ok").exists():
+        return binary
+    vendor = llama_cpp_sources(progress)
+    log = root / "setup.log"
     build = root / "build"
     if not (build / "CMakeCache.txt").exists():
         progress("llama.cpp: configuring (CMake)")

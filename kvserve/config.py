@@ -47,9 +47,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3). Names follow Hugging Face."""
+    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3). Names follow Hugging Face."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3" or "phi3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2" or "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -73,6 +73,26 @@ class ModelConfig:
     # to keys p - window + 1 .. p (transformers' mask). Blocks that fall out of a sequence's window
     # go back to the pool (kv/manager.py slide()).
     sliding_window: int | None = None
+    # Gemma 2 and 3: windowed and global layers interleaved. Each layer's window (0: the whole context);
+    # the windowed ones turn RoPE at base `sliding_rope_theta`, unscaled. Every layer's blocks stay
+    # in the pool (the global layers read them), so nothing slides out of memory.
+    layer_windows: tuple[int, ...] = ()
+    sliding_rope_theta: float | None = None
+    # Gemma's other differences from Llama: the embedding multiplied by sqrt(hidden); a norm of the
+    # attention's and of the MLP's output before each residual add ("sandwich" norms); GeGLU (tanh
+    # GELU) instead of SwiGLU; attention scaled by attention_scale (query_pre_attn_scalar ** -0.5)
+    # instead of head_dim ** -0.5. RMSNorm weights are stored as used (Gemma's 1 + w folded at load).
+    embedding_multiplier: float = 1.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh"
+    attention_scale: float | None = None
+    # Gemma 2: attention scores and final logits soft-capped, x -> cap * tanh(x / cap); None: not capped
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees: its own window, the every-layer one, or 0 (the whole context)."""
+        return self.layer_windows[layer] if self.layer_windows else self.sliding_window or 0
 
     def describe(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}

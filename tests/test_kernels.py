@@ -348,3 +348,16 @@ def test_rope_store_refuses_slots_outside_the_pool_and_writes_nothing() -> None:
     with pytest.raises(RuntimeError, match="KV slots outside the pool of 64 slots: 3..64"):
         layer_ops.rope_store(qkv, cs, cs, pool, torch.tensor([3, 64]), 9)
     assert pool.abs().sum() == 0
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_the_glu_kernels_match_torch(act) -> None:
+    """SiLU * up and tanh-GELU * up (Gemma's GeGLU) as the native step computes them, over gates from
+    -30 to 30 (a sigmoid's both tails) and ordinary ones: within float32 rounding of torch's (where
+    torch's tanh saturates to an exact 0, the kernel's x * sigmoid(2u) keeps a value below 1e-6)."""
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.linspace(-30, 30, 960).reshape(3, 320), 3 * torch.randn(5, 320, generator=g)])
+    gu = torch.cat([gate, torch.randn(8, 320, generator=g)], dim=1)
+    want = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * gu[:, 320:]
+    got = getattr(layer_ops, f"{act}_mul")(gu.clone())
+    assert torch.allclose(got, want, rtol=2e-6, atol=1e-6), (got - want).abs().max()

@@ -524,9 +524,9 @@ def test_a_sliding_window_is_modelled_not_a_cap_on_the_context(tmp_path) -> None
 
     _, on = make_tiny_hf_model(tmp_path / "on", sliding_window=48)
     llm = LLM(str(on), dtype="float32", cache=CacheConfig(num_blocks=64))
-    assert llm.config.sliding_window == 48 and llm.model.window == 48
+    assert llm.config.sliding_window == 48 and all(lw.window == 48 for lw in llm.model.layers)
     assert llm.max_model_len == 2048  # the model's: a sequence holds at most 36 of the pool's 64 blocks
     # Qwen2 configs list a window with use_sliding_window false: full attention.
     _, off = make_tiny_hf_model(tmp_path / "off", arch="qwen2", sliding_window=48, use_sliding_window=False)
     llm = LLM(str(off), dtype="float32", cache=CacheConfig(num_blocks=64))
-    assert llm.config.sliding_window is None and llm.model.window == 0 and llm.max_model_len == 64 * 16
+    assert llm.config.sliding_window is None and all(lw.window == 0 for lw in llm.model.layers) and llm.max_model_len == 64 * 16

@@ -52,7 +52,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_the_window_is_read_and_not_capped(mistral) -> None:
     _, path = mistral
     llm = load(path)
-    assert llm.config.sliding_window == WINDOW and llm.model.window == WINDOW
+    assert llm.config.sliding_window == WINDOW and all(lw.window == WINDOW for lw in llm.model.layers)
     assert llm.max_model_len == 64 * BS  # the pool's tokens, not the window
     assert llm.manager.sliding_window == WINDOW
 

@@ -65,8 +65,9 @@ def make_tiny_hf_model(
     between implementations are not decided by rounding. Norm weights and biases are randomised
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Phi3Config, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Phi3Config, Phi3ForCausalLM, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     directory = Path(directory)
     if vocab_size is None:
@@ -102,12 +103,16 @@ def make_tiny_hf_model(
         model = Phi3ForCausalLM(Phi3Config(**common, **config_overrides))
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, attention_bias=attention_bias, **config_overrides))
+    elif arch == "gemma3":  # rope_parameters per layer type, sliding_window, query_pre_attn_scalar: config_overrides
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, **config_overrides}))
+    elif arch == "gemma2":  # soft caps, sliding_window, query_pre_attn_scalar: config_overrides
+        model = Gemma2ForCausalLM(Gemma2Config(**{**common, **config_overrides}))
     else:
-        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2', 'qwen3' or 'phi3', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2' or 'gemma3', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            if "norm" in name:  # (Gemma's norms multiply by 1 + w)
+                p.copy_((0.0 if arch.startswith("gemma") else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.eval()
@@ -153,7 +158,7 @@ def write_tiny_gguf(
     with_vocab: bool = False,
     vocab_renames: dict[int, str] | None = None,
 ) -> Path:
-    """Write a tiny HF llama/qwen2/qwen3 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
+    """Write a tiny HF llama/qwen2/qwen3/phi3/gemma2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
@@ -170,7 +175,8 @@ def write_tiny_gguf(
         state = hf_model_or_state
     else:
         state = hf_model_or_state.state_dict()
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[config.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+            "gemma2": "gemma2"}[config.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -181,12 +187,17 @@ def write_tiny_gguf(
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    if head_dim != config.hidden_size // config.num_attention_heads:
+    if head_dim != config.hidden_size // config.num_attention_heads and arch != "gemma2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if getattr(config, "sliding_window", None):  # Mistral's (llama.cpp writes it for models that slide)
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2 (its q/k/v keys' length always)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -216,6 +227,8 @@ def write_tiny_gguf(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.detach().float().numpy()
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            w = w + 1  # as llama.cpp's converter stores Gemma's 1 + w
         if arch == "llama" and ".q_proj." in name:
             w = _ggml_permute(w, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -232,3 +245,18 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def convert_with_llama_cpp(hf_dir: str | Path, out: str | Path, outtype: str = "f32") -> Path:
+    """A Hugging Face directory as llama.cpp's own converter (convert_hf_to_gguf.py, from the
+    llama.cpp sources benchmarks/peers.py unpacks) writes it: `outtype` f32, f16, bf16 or q8_0."""
+    import subprocess
+    import sys
+
+    from benchmarks.peers import llama_cpp_sources
+
+    converter = llama_cpp_sources(progress=lambda _: None) / "convert_hf_to_gguf.py"
+    done = subprocess.run([sys.executable, str(converter), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Path(out)

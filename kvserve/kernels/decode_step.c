@@ -81,6 +81,9 @@ typedef struct {
     void *kv; /* this layer's pool [2, Hkv, num_blocks * block_size, D] */
     void *kv_scale; /* an int8 pool's row scales [2, Hkv, num_blocks * block_size] float16, else NULL */
     const float *q_norm, *k_norm; /* [D]: each query and key head's RMSNorm before RoPE (Qwen3), else NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden]: Gemma's norms of the attention and MLP outputs, else NULL */
+    int window;       /* this layer's sliding window (keys per query), 0: none */
+    int sliding_rope; /* turned by the model's sliding_inv_freq (Gemma 3's windowed layers) */
 } kv_layer;
 
 typedef struct {
@@ -98,6 +101,10 @@ typedef struct {
     kv_linear lm_head; /* nparts 0: the caller runs the LM head */
     const kv_layer *layers;
     int act_levels; /* int8 levels each activation row is quantized at (quant_matmul.c's quantize_input): 1 or 2 */
+    const float *sliding_inv_freq; /* [D / 2]: the sliding_rope layers' frequencies, else NULL */
+    float embed_scale;             /* each embedding row multiplied by it (Gemma: sqrt(hidden)), 1: none */
+    int gelu;                      /* the MLP's activation: 0 SiLU, 1 tanh GELU */
+    float attn_softcap;            /* > 0: attention scores soft-capped to it (Gemma 2; paged_attention.c) */
 } kv_model;
 
 /* Buffers for a batch of up to max_batch rows, allocated once by the caller. */
@@ -110,6 +117,7 @@ typedef struct {
     float *best_val;   /* [max_threads, max_batch]: each thread's best logit of its columns (argmax) */
     int64_t *best_idx; /* [max_threads, max_batch]: its column, -1 for none */
     float *part;       /* [max_threads, 2 max_batch, 16]: each thread's two-level products (rows_out) */
+    float *cs2, *sn2;  /* [max_batch, D]: the sliding_rope layers' RoPE tables */
 } kv_work;
 
 /* The quantized activations' arrays for T input rows of `cols` values at `levels` each, laid over the work buffer. */
@@ -164,13 +172,14 @@ static void linear_in_region(const kv_linear *L, const float *x, long T, int lev
  * format a literal in each copy; the heads normed first where the model norms them. */
 static void rope_store(const kv_model *m, const kv_layer *L, const kv_work *ws, const int64_t *slots, int t, int h,
                        long num_slots) {
+    const float *cs = L->sliding_rope ? ws->cs2 : ws->cs, *sn = L->sliding_rope ? ws->sn2 : ws->sn;
     if (L->q_norm) {
         const int G = m->H / m->Hkv;
         float *row = ws->qkv + (size_t)t * (m->H + 2 * m->Hkv) * m->D;
         for (int g = h * G; g < (h + 1) * G; g++) rms_norm_head(row + (size_t)g * m->D, L->q_norm, m->D, m->eps);
         rms_norm_head(row + (size_t)(m->H + h) * m->D, L->k_norm, m->D, m->eps);
     }
-#define GROUP(F) rope_store_group(ws->qkv, ws->cs, ws->sn, ws->q, ws->k, L->kv, L->kv_scale, slots, t, h, m->H, m->Hkv, \
+#define GROUP(F) rope_store_group(ws->qkv, cs, sn, ws->q, ws->k, L->kv, L->kv_scale, slots, t, h, m->H, m->Hkv, \
                                   m->D, num_slots, 0, F)
     if (m->kv_fmt == FMT_F16)
         GROUP(FMT_F16);
@@ -265,7 +274,7 @@ int kvserve_argmax(const float *logits, int B, long ld, long cols, int64_t *argm
 
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
 int kvserve_decode_check(const kv_model *m) {
-    if (m->window < 0 || m->hidden % 32 || m->ffn % 32 || m->D % 2 || (m->act_levels != 1 && m->act_levels != 2) ||
+    if (m->n_layers < 1 || m->window < 0 || m->attn_softcap < 0 || (m->gelu != 0 && m->gelu != 1) || m->hidden % 32 || m->ffn % 32 || m->D % 2 || (m->act_levels != 1 && m->act_levels != 2) ||
         attention_shapes_check(m->H, m->Hkv, m->D, FMT_F32, m->kv_fmt))
         return -1;
     if (m->embed_type != 0 && (block_bytes(m->embed_type) == 0 || m->hidden % block_values(m->embed_type))) return -1;
@@ -274,7 +283,8 @@ int kvserve_decode_check(const kv_model *m) {
         const kv_layer *L = &m->layers[l];
         if (!linear_ok(&L->qkv, m->hidden, qkv_rows) || !linear_ok(&L->o, (long)m->H * m->D, m->hidden) ||
             !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden) || !L->kv ||
-            (m->kv_fmt == FMT_I8 && (!L->kv_scale || m->D > MAX_I8_D)))
+            (m->kv_fmt == FMT_I8 && (!L->kv_scale || m->D > MAX_I8_D)) || L->window < 0 ||
+            (L->sliding_rope && !m->sliding_inv_freq))
             return -1;
     }
     if (m->lm_head.nparts && !linear_ok(&m->lm_head, m->hidden, m->vocab)) return -1;
@@ -334,16 +344,23 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #endif
         FOR_STATIC
         for (int t = 0; t < B; t++) {
-            embed_row(m, ids[t], ws->x + (size_t)t * N);
+            float *x = ws->x + (size_t)t * N;
+            embed_row(m, ids[t], x);
+            if (m->embed_scale != 1.f)
+                for (int i = 0; i < N; i++) x[i] *= m->embed_scale;
             rope_table_row(positions[t], m->inv_freq, D, ws->cs, ws->sn, (size_t)t * D, 0);
+            if (m->sliding_inv_freq) rope_table_row(positions[t], m->sliding_inv_freq, D, ws->cs2, ws->sn2, (size_t)t * D, 0);
         }
         PHASE(PH_EMBED);
         for (int l = 0; l < m->n_layers; l++) {
             const kv_layer *L = &m->layers[l];
-            /* h = norm(x + the previous layer's MLP output), each row quantized for qkv by its own thread */
+            const float *delta_norm = l ? m->layers[l - 1].mlp_out_norm : NULL;
+            /* h = norm(x + the previous layer's MLP output (normed first where the model norms it)), each row
+             * quantized for qkv by its own thread */
             const acts Aqkv = acts_for(ws->acts, B, lv, &L->qkv);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
+                if (delta_norm) add_rms_norm_row(ws->delta, NULL, delta_norm, ws->delta, t, N, eps, 0);
                 add_rms_norm_row(ws->x, l ? ws->delta : NULL, L->input_norm, ws->h, t, N, eps, 0);
                 quantize_input(ws->h + (size_t)t * N, &Aqkv, t, lv);
             }
@@ -356,8 +373,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 FOR_STATIC
                 for (int h = 0; h < Hkv; h++) {
                     rope_store(m, L, ws, slots, 0, h, num_slots);
-                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables, seq_lens[0], m->window, 0, h, H, Hkv,
-                                (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables, seq_lens[0], L->window, 0, h, H, Hkv,
+                                (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, FMT_F32, m->kv_fmt, scores);
                 }
             } else {
                 FOR_STATIC
@@ -367,8 +384,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 FOR_DEALT
                 for (int item = 0; item < B * Hkv; item++) {
                     const int b = item / Hkv, h = item % Hkv;
-                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], m->window, b, h,
-                                H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, FMT_F32, m->kv_fmt, scores);
+                    attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], L->window, b, h,
+                                H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, FMT_F32, m->kv_fmt, scores);
                 }
             }
             PHASE(PH_ATTN);
@@ -376,23 +393,31 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
             const acts Agu = acts_for(ws->acts, B, lv, &L->gate_up);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
+                if (L->attn_out_norm) add_rms_norm_row(ws->o, NULL, L->attn_out_norm, ws->o, t, N, eps, 0);
                 add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
                 quantize_input(ws->h + (size_t)t * N, &Agu, t, lv);
             }
             PHASE(PH_NORM2);
             matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, part, PH_GATE_UP);
-            /* act = silu(gate) * up */
+            /* act = silu(gate) * up, or gelu(gate) * up */
             const acts Adown = acts_for(ws->acts, B, lv, &L->down);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
-                silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
+                if (m->gelu)
+                    gelu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
+                else
+                    silu_mul_row(ws->gu + (size_t)t * 2 * F, ws->act + (size_t)t * F, F);
                 quantize_input(ws->act + (size_t)t * F, &Adown, t, lv);
             }
             PHASE(PH_SILU);
             matmul_in_region(&L->down, &Adown, B, lv, ws->delta, part, PH_DOWN);
         }
+        const float *last_norm = m->layers[m->n_layers - 1].mlp_out_norm;
         FOR_STATIC
-        for (int t = 0; t < B; t++) add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
+        for (int t = 0; t < B; t++) {
+            if (last_norm) add_rms_norm_row(ws->delta, NULL, last_norm, ws->delta, t, N, eps, 0);
+            add_rms_norm_row(ws->x, ws->delta, m->final_norm, hidden, t, N, eps, 0);
+        }
         PHASE(PH_FINAL);
         if (m->lm_head.nparts && logits) {
             linear_in_region(&m->lm_head, hidden, B, lv, logits, ws->acts, part, PH_HEAD);

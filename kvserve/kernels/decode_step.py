@@ -27,7 +27,8 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("kv", _p), ("kv_scale", _p), ("q_norm", _p), ("k_norm", _p)]
+                ("down", Linear), ("kv", _p), ("kv_scale", _p), ("q_norm", _p), ("k_norm", _p),
+                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("window", _i), ("sliding_rope", _i)]
 
 
 class Model(ctypes.Structure):
@@ -36,6 +37,7 @@ class Model(ctypes.Structure):
         ("kv_fmt", _i), ("block_size", _i), ("num_blocks", _l), ("eps", _f), ("scale", _f),
         ("window", _i), ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
         ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("act_levels", _i),
+        ("sliding_inv_freq", _p), ("embed_scale", _f), ("gelu", _i), ("attn_softcap", _f),
     ]
 
 
@@ -43,7 +45,7 @@ class Work(ctypes.Structure):
     _fields_ = [
         ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
         *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
-        ("acts", _p), ("best_val", _p), ("best_idx", _p), ("part", _p),
+        ("acts", _p), ("best_val", _p), ("best_idx", _p), ("part", _p), ("cs2", _p), ("sn2", _p),
     ]
 
 

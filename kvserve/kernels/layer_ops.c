@@ -230,6 +230,25 @@ int kvserve_silu_mul(const float *gu, float *act, int T, int F, long ld, int nth
     return 0;
 }
 
+/* act[F] = gelu_tanh(gate) * up, float32: 0.5 g (1 + tanh(u)) is g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3),
+ * through silu_mul_row's exp. */
+static inline __attribute__((always_inline)) void gelu_mul_row(const float *gu, float *act, int F) {
+    const float *up = gu + F;
+    const float c = 1.5957691216057308f; /* 2 sqrt(2 / pi) */
+#pragma omp simd
+    for (int i = 0; i < F; i++) {
+        const float g = gu[i];
+        act[i] = g / (1.f + exp_approx(-c * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
+int kvserve_gelu_mul(const float *gu, float *act, int T, int F, long ld, int nthreads) {
+    const long work = (long)T * F;
+    PARALLEL_ROWS
+    for (int t = 0; t < T; t++) gelu_mul_row(gu + (size_t)t * 2 * F, act + (size_t)t * ld, F);
+    return 0;
+}
+
 /* cos and sin [D] of position p: angle p * inv_freq[i] in float32, the D/2 frequencies twice
  * over, rounded to the model's dtype (the rotate-half convention's tables). */
 static inline void rope_table_row(int64_t p, const float *inv_freq, int D, void *cs, void *sn, size_t o, int bf16) {

@@ -1,5 +1,5 @@
-"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store; float32 SiLU * up
-and RoPE tables."""
+"""ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store; float32 SiLU * up,
+GELU * up and RoPE tables."""
 from __future__ import annotations
 
 import ctypes
@@ -15,6 +15,7 @@ _SIGNATURES = {
     "kvserve_add_rms_norm": [_p, _p, _p, _p, _i, _i, _f, _i, _i],
     "kvserve_rope_store": [_p, _p, _p, _p, _p, _p, _p, _p, _i, _i, _i, _i, _l, _i, _i, _i],
     "kvserve_silu_mul": [_p, _p, _i, _i, _l, _i],
+    "kvserve_gelu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_rope_table": [_p, _p, _i, _i, _p, _p, _i],
 }
 
@@ -100,11 +101,20 @@ def rope_store(
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [T, 2F] float32 (gate, then up) -> silu(gate) * up, written into gu's first half."""
+    return _glu(gu, "silu")
+
+
+def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2F] float32 (gate, then up) -> gelu_tanh(gate) * up, written into gu's first half."""
+    return _glu(gu, "gelu")
+
+
+def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
     T, two_f = gu.shape
     if gu.dtype != torch.float32 or not gu.is_contiguous() or two_f % 2:
-        raise ValueError(f"silu_mul: gu must be contiguous float32 [T, 2F], got {gu.dtype} {tuple(gu.shape)}")
+        raise ValueError(f"{act}_mul: gu must be contiguous float32 [T, 2F], got {gu.dtype} {tuple(gu.shape)}")
     f = two_f // 2
-    _lib().kvserve_silu_mul(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
+    getattr(_lib(), f"kvserve_{act}_mul")(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
     return gu.narrow(-1, 0, f)
 
 

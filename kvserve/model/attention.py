@@ -67,6 +67,7 @@ class AttentionBackend(ABC):
         scale: float,
         window: int = 0,  # sliding window: keys per query (0: the whole context)
         kv_scale: torch.Tensor | None = None,  # an int8 pool's row scales [2, Hkv, num_blocks, block_size]
+        softcap: float = 0.0,  # > 0: each scaled score soft-capped to softcap * tanh(score / softcap) (Gemma 2)
     ) -> torch.Tensor:  # [T, H, D]
         """Each new token attends to its sequence's context (itself included) in the pool."""
 
@@ -105,6 +106,24 @@ def _widened(kv: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -
     return kv.to(dtype) if scale is None else kv_int8.dequantize(kv, scale, dtype)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float) -> torch.Tensor:
+    """q [1, H, n, D] over k, v [1, Hkv, L, D] (mask [n, L]; None: causal, n == L) -> [1, H, n, D]. Soft-capped
+    scores (Gemma 2) are written out as transformers' eager attention computes them: sdpa has no cap."""
+    if not softcap:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, H, n, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 class TorchAttention(AttentionBackend):
     """Reference backend in plain torch ops.
 
@@ -113,9 +132,9 @@ class TorchAttention(AttentionBackend):
     The gather copies the context out of the pool; CpuPagedAttention's kernel reads it in place.
     """
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=0, kv_scale=None):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=0, kv_scale=None, softcap=0.0):
         if meta.decode_only:  # a pure decode step: one batched call
-            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window, kv_scale)
+            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window, kv_scale, softcap)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -123,15 +142,15 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + n)
         if decode:
             rows = torch.tensor([starts[i] for i in decode], dtype=torch.long)
-            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale, window, kv_scale)
+            out[rows] = self._decode(q[rows], kv_cache, meta, decode, scale, window, kv_scale, softcap)
         for i, n in enumerate(meta.query_lens):
             if n > 1:
                 s = starts[i]
                 out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale,
-                                               window, kv_scale)
+                                               window, kv_scale, softcap)
         return out
 
-    def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0, kv_scale=None):
+    def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0, kv_scale=None, softcap=0.0):
         n, L = meta.query_lens[i], meta.seq_lens[i]
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n == L and not (window and L > window):  # the whole context, causal: its own K/V, no gather
@@ -139,7 +158,7 @@ class TorchAttention(AttentionBackend):
                 k, v = _as_stored(k, kv_cache), _as_stored(v, kv_cache)
             k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
             v = v.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o = _attend(q, k, v, None, scale, softcap)
         else:
             _, hkv, _, bs, d = kv_cache.shape
             first = first_key(L - n, window) // bs  # the first block any query of the chunk sees
@@ -154,8 +173,7 @@ class TorchAttention(AttentionBackend):
             mask = kpos <= qpos  # [n, L']
             if window:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=mask,
-                                               scale=scale, enable_gqa=True)
+            o = _attend(q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), mask, scale, softcap)
         return o.squeeze(0).transpose(0, 1)  # [n, H, D]
 
     def _gather(self, kv_cache, meta, seqs, firsts=None, kv_scale=None, dtype=None) -> torch.Tensor:
@@ -175,7 +193,7 @@ class TorchAttention(AttentionBackend):
             kv_scale.view(2 * hkv, -1, bs).index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs)
         return _widened(kv, sc, dtype or kv.dtype)
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0):
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
         starts = firsts = None
@@ -188,6 +206,8 @@ class TorchAttention(AttentionBackend):
         qg = q.view(B, hkv, -1, d).transpose(0, 1)  # [Hkv, B, G, D]
         # K @ q^T keeps the large operand untransposed (several times faster than q @ K^T).
         scores = torch.matmul(kv[0], qg.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [Hkv, B, G, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if starts:  # row j of sequence b is position firsts[b] * bs + j
             kpos = torch.arange(L).unsqueeze(0) + torch.tensor(firsts).unsqueeze(1) * kv_cache.shape[3]  # [B, L]
             outside = (kpos >= torch.tensor(lens).unsqueeze(1)) | (kpos < torch.tensor(starts).unsqueeze(1))
@@ -208,7 +228,7 @@ class CpuPagedAttention(TorchAttention):
     depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch.
     """
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0):
         # Everything but the kernel call is worked out once per step (the same in every layer).
         key = ("paged_decode", seqs if isinstance(seqs, range) else tuple(seqs))
         step = meta.scratch.get(key)
@@ -224,10 +244,10 @@ class CpuPagedAttention(TorchAttention):
                 step = False
             meta.scratch[key] = step
         if step is False:
-            return super()._decode(q, kv_cache, meta, list(seqs), scale, window, kv_scale)
+            return super()._decode(q, kv_cache, meta, list(seqs), scale, window, kv_scale, softcap)
         tables, lens = step
         return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True, window=window,
-                                            kv_scale=kv_scale)
+                                            kv_scale=kv_scale, softcap=softcap)
 
 
 def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:

@@ -4,7 +4,7 @@ Files are read with gguf's GGUFReader (memory-mapped, so tensor bytes are paged 
 they are decoded). Two quirks of llama.cpp's converter are undone here:
 - `llama` files store q_proj/k_proj rows interleaved per head (pairs (0, d/2), (1, d/2+1), …
   become neighbours) for llama.cpp's interleaved RoPE; kvserve uses rotate-half RoPE, so the
-  rows are put back in Hugging Face order. `qwen2`, `qwen3` and `phi3` files are stored unpermuted.
+  rows are put back in Hugging Face order. `qwen2`, `qwen3`, `phi3` and Gemma files are stored unpermuted.
 - Llama 3.1-style RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors,
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
 """
@@ -24,7 +24,7 @@ from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,8 +44,19 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Where an architecture's files name a tensor otherwise: Phi-3's ffn_up holds gate and up, fused.
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Where an architecture's files name a tensor otherwise: Phi-3's ffn_up holds gate and up, fused;
+# Gemma's norms around attention and MLP (ffn_norm is its pre-MLP norm).
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    **{arch: {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"} for arch in ("gemma2", "gemma3")},
+}
+# As llama.cpp reads Gemma files: the window pattern (every n-th layer global, the others windowed)
+# when the file gives none; the layer counts of the 27B models, whose attention it scales by
+# (hidden / heads) ** -0.5 rather than head_dim's; Gemma 2's window and soft caps when absent.
+_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA2_DEFAULTS = {"window": 4096, "attn_softcap": 50.0, "final_softcap": 30.0}
 _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's, as llama.cpp writes them
 
@@ -160,6 +171,10 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     if "token_embd.weight" not in names:
         raise ModelFormatError(f"{path}: no token_embd.weight tensor; not a complete {arch} model")
     vocab = key(Keys.LLM.VOCAB_SIZE, -1)
+    layers = int(key(Keys.LLM.BLOCK_COUNT))
+    gemma = arch in ("gemma2", "gemma3")
+    gemma2 = arch == "gemma2"
+    windows = _gemma_windows(reader, arch, layers) if gemma else ()
     eos_keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
     eos = [_field(reader, k) for k in eos_keys]
     return ModelConfig(
@@ -167,7 +182,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         vocab_size=int(vocab) if vocab >= 0 else _torch_shape(names["token_embd.weight"])[0],
         hidden_size=hidden,
         intermediate_size=int(key(Keys.LLM.FEED_FORWARD_LENGTH)),
-        num_hidden_layers=int(key(Keys.LLM.BLOCK_COUNT)),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=int(key(Keys.Attention.HEAD_COUNT_KV, heads)),
         head_dim=head_dim,
@@ -182,8 +197,31 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=path.stem,
-        sliding_window=int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
+        sliding_window=None if gemma else int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
+        layer_windows=windows,
+        sliding_rope_theta=_f32(key("{arch}.rope.freq_base_swa", 10000.0)) if any(windows) and not gemma2 else None,
+        embedding_multiplier=math.sqrt(hidden) if gemma else 1.0,
+        sandwich_norms=gemma,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        attention_scale=(hidden / heads if layers == _GEMMA_27B_LAYERS.get(arch) else head_dim) ** -0.5 if gemma else None,
+        attn_logit_softcapping=_f32(key("{arch}.attn_logit_softcapping", _GEMMA2_DEFAULTS["attn_softcap"])) if gemma2 else None,
+        final_logit_softcapping=_f32(key("{arch}.final_logit_softcapping", _GEMMA2_DEFAULTS["final_softcap"])) if gemma2
+        else _f32(key("{arch}.final_logit_softcapping", 0.0)) or None,
     )
+
+
+def _gemma_windows(reader: GGUFReader, arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's window as llama.cpp reads a Gemma file: none without sliding_window (Gemma 3; Gemma 2's
+    is 4096 then); else the sliding_window_pattern (a list of flags, or n: every n-th layer global)."""
+    default = _GEMMA2_DEFAULTS["window"] if arch == "gemma2" else 0
+    window = int(_field(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch), default))
+    if not window:
+        return ()
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])  # a key newer than gguf 0.16
+    if isinstance(pattern, list):
+        return tuple(window if flag else 0 for flag in pattern[:layers])
+    n = int(pattern)
+    return tuple(window if n == 0 or i % n < n - 1 else 0 for i in range(layers))
 
 
 def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:

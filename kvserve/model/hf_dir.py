@@ -16,8 +16,14 @@ from safetensors import SafetensorError, safe_open
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+_ARCHITECTURES = {"gemma3_text": "gemma3"}  # model_type → kvserve's name, where they differ
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
+# Gemma 3's image-and-text checkpoints (model_type "gemma3"): the language model's tensors under a
+# prefix (transformers 5's, then 4.x's), the vision tower and projector skipped.
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector.")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -35,8 +41,11 @@ def _eos_ids(*values: Any) -> tuple[int, ...]:
 
 
 def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
-    # transformers 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
+    # transformers 5 writes rope_parameters (theta inside; per layer type where they differ, as
+    # Gemma 3's: the global layers' here, the windowed ones' in _sliding_rope_theta); 4.x wrote
+    # rope_theta + rope_scaling.
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = params.get("full_attention", params)
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in ("default", "none"):
@@ -73,8 +82,15 @@ def read_config(directory: Path) -> ModelConfig:
             f"{path}: model_type {model_type!r} is not supported "
             f"(kvserve runs {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    if model_type == "gemma3":  # image and text: kvserve serves its language model
+        cfg = {"model_type": "gemma3_text", **cfg.get("text_config", {}),
+               **{k: cfg[k] for k in ("eos_token_id", "bos_token_id") if k in cfg}}
+        model_type = "gemma3_text"
     if cfg.get("mlp_bias"):
         raise ModelFormatError(f"{path}: mlp_bias=true is not supported")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    if gemma and cfg.get("use_bidirectional_attention"):
+        raise ModelFormatError(f"{path}: bidirectional attention (an embedding model) is not supported")
     generation = directory / "generation_config.json"
     gen_eos = _read_json(generation).get("eos_token_id") if generation.exists() else None
     theta, scaling = _rope(cfg, path)
@@ -86,9 +102,10 @@ def read_config(directory: Path) -> ModelConfig:
     if rotary % 2 or (head_dim - rotary) % 2:
         raise ModelFormatError(f"{path}: partial_rotary_factor {partial} turns {rotary} of {head_dim} dims; kvserve "
                                "needs an even count of turned and of unturned dims")
+    windows = _layer_windows(cfg) if gemma else ()
     try:
         return ModelConfig(
-            architecture=model_type,
+            architecture=_ARCHITECTURES.get(model_type, model_type),
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -101,16 +118,52 @@ def read_config(directory: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            sliding_window=_sliding_window(cfg, path),
+            sliding_window=None if gemma else _sliding_window(cfg, path),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            # absent from a config: transformers' defaults, Gemma 2's 50 and 30 (Gemma 3's attention has no cap)
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
+            if gemma else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            layer_windows=windows,
+            sliding_rope_theta=_sliding_rope_theta(cfg) if any(windows) and model_type == "gemma3_text" else None,
+            embedding_multiplier=math.sqrt(cfg["hidden_size"]) if gemma else 1.0,
+            sandwich_norms=gemma,
+            hidden_act=_activation(cfg, path),
+            attention_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5 if gemma else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
             name=directory.name,
         )
     except KeyError as e:
         raise ModelFormatError(f"{path}: missing {e.args[0]!r}, which kvserve needs") from None
+
+
+def _activation(cfg: dict, path: Path) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act in ("silu", "swish"):
+        return "silu"
+    if act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return "gelu_tanh"
+    raise ModelFormatError(f"{path}: activation {act!r} is not supported (kvserve runs silu and gelu_pytorch_tanh)")
+
+
+def _layer_windows(cfg: dict) -> tuple[int, ...]:
+    """Gemma's window per layer: layer_types where listed, else every sliding_window_pattern-th
+    layer global (transformers 4's older configs: 6 for Gemma 3, every other for Gemma 2), 0 for a
+    global layer."""
+    n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
+        2 if cfg["model_type"] == "gemma2" else 6)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _sliding_rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float((params.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
 
 
 def _sliding_window(cfg: dict, path: Path) -> int | None:
@@ -153,6 +206,16 @@ def _weight_files(directory: Path) -> list[Path]:
     )
 
 
+def _text_name(name: str) -> str | None:
+    """A tensor's name in a language-model checkpoint; None for an image-and-text one's vision parts."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, to in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return name
+
+
 def read_tensors(
     directory: Path, config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -160,12 +223,13 @@ def read_tensors(
     for file in _weight_files(directory):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(_SKIPPED_SUFFIXES):
+                for stored in f.keys():
+                    name = _text_name(stored)
+                    if name is None or name.endswith(_SKIPPED_SUFFIXES):
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding is the head
-                    tensors[name] = f.get_tensor(name).to(dtype)
+                    tensors[name] = f.get_tensor(stored).to(dtype)
         except (OSError, SafetensorError) as e:
             msg = f"{file}: unreadable or corrupt safetensors file ({e})"
             raise ModelFormatError(msg) from None

@@ -1,11 +1,13 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3.
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3.
 
 Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
 embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
 bias, Qwen3's RMSNorm of each query and key head before the rotation) and a SwiGLU MLP; the LM
-head is tied to the embedding or separate. References: "LLaMA" (Touvron et al. 2023), "GQA"
+head is tied to the embedding or separate. Gemma 2 and 3 add a scaled embedding, norms of the
+attention's and the MLP's outputs, GeGLU, and windowed layers between the global ones (Gemma 3's
+with their own RoPE base; Gemma 2's attention scores and logits soft-capped); ModelConfig says which. References: "LLaMA" (Touvron et al. 2023), "GQA"
 (Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants Improve Transformer" (Shazeer
-2020), Qwen3 Technical Report (2025).
+2020), Qwen3 Technical Report (2025), Gemma 2 and Gemma 3 Technical Reports (2024, 2025).
 
 The forward works on one packed step: a flat [T] list of tokens from many sequences, with K/V
 kept in the paged pool (see attention.py). Weights arrive under Hugging Face names and are fused
@@ -37,6 +39,15 @@ def rope_inv_freq(config: ModelConfig, context: int | None = None) -> torch.Tens
     nothing, and the loader has put each head's dims in that order (loader.rotary_dims_first)."""
     inv_freq = _inv_freq(config, config.rotary_dim or config.head_dim, context or config.max_position_embeddings)
     return torch.cat([inv_freq, torch.zeros(config.head_dim // 2 - inv_freq.numel())])
+
+
+def sliding_inv_freq(config: ModelConfig) -> torch.Tensor | None:
+    """Gemma 3's windowed layers' inverse frequencies [D/2]: base sliding_rope_theta, unscaled; None
+    where every layer turns as rope_inv_freq says."""
+    if config.sliding_rope_theta is None:
+        return None
+    d = config.head_dim
+    return 1.0 / (config.sliding_rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 
 
 def _inv_freq(config: ModelConfig, d: int, context: int) -> torch.Tensor:
@@ -76,6 +87,10 @@ class LayerWeights:
     down: Callable[[torch.Tensor], torch.Tensor]  # ffn -> hidden
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's norm of each query head, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's norm of the attention output, before its add
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: and of the MLP's
+    window: int = 0  # keys each query sees (0: the whole context)
+    sliding_rope: bool = False  # turned at the windowed layers' RoPE base (Gemma 3)
 
 
 class LlamaModel:
@@ -92,10 +107,10 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.attention = attention or default_backend()
-        self.scale = config.head_dim**-0.5
-        self.window = config.sliding_window or 0  # keys each query sees (0: the whole context)
+        self.scale = config.attention_scale or config.head_dim**-0.5
         self.act_levels = 1  # int8 levels per activation row in quantized layers (set_activation_levels)
         self.inv_freq = rope_inv_freq(config)
+        self.sliding_inv_freq = sliding_inv_freq(config)
 
         def take(name: str) -> Weight:
             try:
@@ -116,10 +131,12 @@ class LlamaModel:
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden] (or its blocks)
         self.layers: list[LayerWeights] = []
+        sandwich = config.sandwich_norms
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             biases = [take_opt(a + f"{n}_proj.bias") for n in "qkv"]
+            window = config.window(i)
             self.layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
@@ -128,11 +145,16 @@ class LlamaModel:
                         torch.cat(biases) if all(b is not None for b in biases) else None,
                     ),
                     o=linear([a + "o_proj.weight"], take_opt(a + "o_proj.bias")),
-                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    # the norm before the MLP: Gemma names it pre_feedforward, its post_attention is after attention
+                    post_norm=take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                     gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=linear([p + "mlp.down_proj.weight"]),
                     q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
+                    attn_out_norm=take(p + "post_attention_layernorm.weight") if sandwich else None,
+                    mlp_out_norm=take(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                    window=window,
+                    sliding_rope=bool(window) and self.sliding_inv_freq is not None,
                 )
             )
         self.norm = take("model.norm.weight")
@@ -155,8 +177,8 @@ class LlamaModel:
         n = nbytes(self.embed) + nbytes(self.norm)
         n += self.lm_head.nbytes - (nbytes(self.embed) if self.tied else 0)
         for lw in self.layers:
-            n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm)
-                     if t is not None)
+            n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm,
+                                                             lw.attn_out_norm, lw.mlp_out_norm) if t is not None)
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
         return n
 
@@ -182,9 +204,16 @@ class LlamaModel:
         """The context the model is served at: longrope's frequencies depend on it (rope_inv_freq)."""
         self.inv_freq = rope_inv_freq(self.config, context)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] each, in the model dtype."""
-        return self.ops.rope_tables(positions, self.inv_freq, self.dtype)
+    def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] each, in the model dtype (sliding: the windowed layers' own, Gemma 3)."""
+        return self.ops.rope_tables(positions, self.sliding_inv_freq if sliding else self.inv_freq, self.dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the rows, times Gemma's sqrt(hidden) (a float32 scalar in the model
+        dtype, as transformers multiplies)."""
+        x = embedding(input_ids, self.embed, self.dtype)
+        m = self.config.embedding_multiplier
+        return x if m == 1.0 else x * torch.tensor(m, dtype=torch.float32).to(self.dtype)
 
     def forward(
         self,
@@ -196,8 +225,11 @@ class LlamaModel:
     ) -> torch.Tensor:  # [T, hidden]
         c = self.config
         T, H, D, eps = input_ids.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
-        cos, sin = self.rope(positions)
-        x = embedding(input_ids, self.embed, self.dtype)  # [T, hidden]
+        softcap = c.attn_logit_softcapping or 0.0
+        tables = {False: self.rope(positions)}
+        if self.sliding_inv_freq is not None:
+            tables[True] = self.rope(positions, sliding=True)
+        x = self.embed_tokens(input_ids)  # [T, hidden]
         ops = self.ops.for_step(x, kv_caches[0])  # kernel checks once per step, not per layer
         # Step buffers, written anew by every layer (each is read before the next write): the
         # normed activations [T, hidden] and the rotated q [T, H, D], k [T, Hkv, D].
@@ -209,12 +241,24 @@ class LlamaModel:
             qkv = lw.qkv(h)
             if lw.q_norm is not None:
                 head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
+            cos, sin = tables[lw.sliding_rope]
             q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
-            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, self.window, kv_scale)  # [T, H, D]
-            x, h = ops.add_rms_norm(x, lw.o(o.reshape(T, H * D)), lw.post_norm, eps, h_buf)
-            delta = lw.down(ops.silu_mul(lw.gate_up(h)))
+            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, lw.window, kv_scale, softcap)  # [T, H, D]
+            o = lw.o(o.reshape(T, H * D))
+            if lw.attn_out_norm is not None:
+                o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
+            x, h = ops.add_rms_norm(x, o, lw.post_norm, eps, h_buf)
+            gate_up = lw.gate_up(h)
+            delta = lw.down(ops.gelu_mul(gate_up) if self.config.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up))
+            if lw.mlp_out_norm is not None:
+                delta = ops.add_rms_norm(delta, None, lw.mlp_out_norm, eps)[1]
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head on the given positions only: [N, hidden] -> [N, V] float32."""
-        return self.lm_head(hidden).float()
+        """LM head on the given positions only: [N, hidden] -> [N, V] float32 (Gemma 2's soft-capped)."""
+        return self.softcap_logits(self.lm_head(hidden).float())
+
+    def softcap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap), in place, where the model caps its logits (as transformers computes it)."""
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else logits.div_(cap).tanh_().mul_(cap)

@@ -129,6 +129,16 @@ def _unfuse(config: ModelConfig, tensors: dict[str, Weight]) -> None:
             tensors[p + "mlp.up_proj.weight"] = _rows(gate_up, slice(ffn, 2 * ffn))
 
 
+def shift_norms(config: ModelConfig, tensors: dict[str, Weight]) -> None:
+    """Gemma's RMSNorm multiplies by 1 + w: a Hugging Face checkpoint's norm weights get their 1 here,
+    once (a GGUF has it already: llama.cpp's converter adds it), in place."""
+    if config.architecture not in ("gemma2", "gemma3"):
+        return
+    for name, w in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1.0 + w.float()).to(w.dtype)
+
+
 def scale_rotary(config: ModelConfig, tensors: dict[str, Weight]) -> None:
     """longrope's attention factor, which multiplies the rotated dims' cos and sin, folded into the
     q and k rows of those dims (a rotation is linear: R(a x) = a R(x)). Quantized rows are decoded,
@@ -180,6 +190,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
+        if config.sandwich_norms:  # Gemma's: pre- and post-norms around attention and MLP
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,)}
         shapes |= {
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
@@ -255,6 +267,7 @@ def load_checkpoint(
     if path.is_dir():
         config = _named(hf_dir.read_config(path), model)
         tensors = hf_dir.read_tensors(path, config, dtype)
+        shift_norms(config, tensors)
         fmt = "hf"
     else:
         reader = open_gguf(path)

@@ -35,7 +35,7 @@ Best = tuple[list[int], list[float]]  # each row's argmax (its token id) and the
 
 log = logging.getLogger("kvserve.model")
 
-_FIELDS = ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn")
+_FIELDS = ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "cs2", "sn2")
 
 
 def enabled() -> bool:
@@ -108,8 +108,13 @@ class NativeDecode:
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
                                                         c.num_key_value_heads, c.head_dim, c.intermediate_size)
         m.kv_fmt, m.block_size, m.num_blocks = KV_DTYPES[pool.dtype], block_size, pool.shape[2]
-        m.eps, m.scale, m.window, m.act_levels = c.rms_norm_eps, model.scale, model.window, model.act_levels
+        # m.window: the every-layer window, under which block tables may hold freed blocks; each layer has its own
+        m.eps, m.scale, m.window, m.act_levels = c.rms_norm_eps, model.scale, c.sliding_window or 0, model.act_levels
         m.inv_freq = _f32(model.inv_freq.float(), self._keep)
+        if model.sliding_inv_freq is not None:
+            m.sliding_inv_freq = _f32(model.sliding_inv_freq.float(), self._keep)
+        m.embed_scale, m.gelu = c.embedding_multiplier, {"silu": 0, "gelu_tanh": 1}[c.hidden_act]
+        m.attn_softcap = c.attn_logit_softcapping or 0.0
         embed = model.embed
         if isinstance(embed, QuantizedWeight):
             if embed.qtype not in KERNEL_TYPES:
@@ -136,6 +141,9 @@ class NativeDecode:
             out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
             if lw.q_norm is not None:
                 out.q_norm, out.k_norm = _f32(lw.q_norm, self._keep), _f32(lw.k_norm, self._keep)
+            if lw.attn_out_norm is not None:
+                out.attn_out_norm, out.mlp_out_norm = _f32(lw.attn_out_norm, self._keep), _f32(lw.mlp_out_norm, self._keep)
+            out.window, out.sliding_rope = lw.window, lw.sliding_rope
         m.layers = layers
         self._layers, self._model = layers, m
         self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
@@ -163,7 +171,7 @@ class NativeDecode:
         batch, context = max(batch, w.max_batch * 2 if w.max_batch else 1), max(context, 2 * w.max_context)
         H, Hkv, D, N, F = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size, c.intermediate_size
         widths = {"x": N, "h": N, "qkv": (H + 2 * Hkv) * D, "q": H * D, "k": Hkv * D, "att": H * D, "o": N,
-                  "gu": 2 * F, "act": F, "delta": N, "cs": D, "sn": D}
+                  "gu": 2 * F, "act": F, "delta": N, "cs": D, "sn": D, "cs2": D, "sn2": D}
         b = self._buffers
         for name in _FIELDS:
             b[name] = torch.zeros(batch, widths[name])
@@ -234,7 +242,9 @@ class NativeDecode:
         hidden = self._buffers["hidden"]
         head = logits and B < self.head_rows
         out = self._buffers["logits"] if head else None
-        best = head and 0 < argmax_cols
+        # Soft-capped logits (Gemma 2) are capped here, after the step: its argmax would be of the uncapped ones
+        capped = bool(self.model.config.final_logit_softcapping)
+        best = head and 0 < argmax_cols and not capped
         ip, tp = self._buffers["index"].data_ptr(), self._buffers["tables"].data_ptr()
         ids_out, vals_out = self._buffers["argmax"], self._buffers["argmax_val"]
         rc = self._lib.kvserve_decode_step(
@@ -246,4 +256,4 @@ class NativeDecode:
             raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
                                "outside the model's vocabulary or the KV pool")
         picked = (ids_out[:B].tolist(), vals_out[:B].tolist()) if best else None
-        return hidden[:B], (out[:B] if head else None), picked
+        return hidden[:B], (self.model.softcap_logits(out[:B]) if head else None), picked

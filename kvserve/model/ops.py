@@ -124,3 +124,11 @@ class LayerOps:
         f = gate_up.shape[-1] // 2
         gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)  # narrow: one dispatch, chunk: five
         return F.silu(gate, inplace=True).mul_(up)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU, silu_mul's twin: [T, 2F] -> gelu_tanh(gate) * up [T, F] (Gemma)."""
+        if self.native_step_arith and gate_up.dtype == torch.float32 and (self.checked or layer_ops.supports(gate_up)):
+            return layer_ops.gelu_mul(gate_up)
+        f = gate_up.shape[-1] // 2
+        gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)
+        return F.gelu(gate, approximate="tanh").mul_(up)
