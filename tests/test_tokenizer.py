@@ -261,8 +261,8 @@ def test_hf_dir_bos_template_and_stop_ids(tmp_path, hf_tokenizer):
     assert ours.encode_chat(messages)[:2] == [1, 9690]  # the template's <|im_start|> is the BOS: not doubled
 
 
-def _write_gguf(path: Path, fields: dict) -> Path:
-    writer = gguf.GGUFWriter(str(path), "llama")
+def _write_gguf(path: Path, fields: dict, arch: str = "llama") -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
     write_gguf_fields(writer, fields)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -337,3 +337,57 @@ def test_sentencepiece_stream_keeps_leading_space_after_prompt(sentencepiece_ggu
     whole = ours.decode(prompt + reply, skip_special_tokens=True)
     assert streamed == whole[len(ours.decode(prompt, skip_special_tokens=True)) :] == " world 世"
     assert ours.decode(reply) == "world 世"  # decoded alone, the first space is dropped
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf(tmp_path_factory) -> Path:
+    """A small vocabulary spelt as a Gemma GGUF is: no space in front of text, tokens of several spaces
+    stored as spaces, no merges (their order is the tokens' order), Gemma's control tokens."""
+    from tokenizers import Tokenizer as Backend, models, pre_tokenizers, trainers
+
+    trainer = trainers.BpeTrainer(vocab_size=700, show_progress=False)
+    backend = Backend(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+    backend.train_from_iterator([t for t in CORPUS if t.isascii()] * 20 + ["我们 世界 你好"], trainer)
+    learned = [t for t, _ in sorted(backend.get_vocab().items(), key=lambda kv: kv[1])]
+    control = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    spaces = [" " * n for n in range(2, 6)]
+    tokens = control + [f"<0x{b:02X}>" for b in range(256)] + spaces + learned
+    types = [3] * len(control) + [6] * 256 + [1] * (len(spaces) + len(learned))
+    fields = {
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": False,
+    }
+    return _write_gguf(tmp_path_factory.mktemp("gemma") / "gemma.gguf", fields, "gemma3")
+
+
+def test_a_gemma_gguf_vocabulary_equals_transformers(gemma_gguf):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_gguf(gemma_gguf)
+    ref = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+    assert ours.adds_bos and ours.bos_token_id == 2
+    for text in CORPUS + ["<start_of_turn>user\n  two  spaces<end_of_turn>", "  lead", "a     b"]:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    assert ours.encode("a  b", add_special_tokens=False)[1] == 262  # "  " (the vocabulary's "▁▁"), whole
+
+
+def test_phi3s_gguf_vocabulary_encodes_as_llama_cpp_does() -> None:
+    """llama.cpp's own vocabulary test for Phi-3 (its models/ggml-vocab-phi-3.gguf and the ids its
+    tokenizer gives each text): every text, leading spaces included."""
+    from benchmarks.peers import llama_cpp_sources
+
+    models = llama_cpp_sources(progress=lambda _: None) / "models"
+    ours = Tokenizer.from_gguf(models / "ggml-vocab-phi-3.gguf")
+    texts = (models / "ggml-vocab-phi-3.gguf.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = (models / "ggml-vocab-phi-3.gguf.out").read_text().split("\n")
+    pairs = list(zip(texts, expected))
+    assert len(pairs) > 40
+    for text, ids in pairs:
+        assert ours.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], repr(text)

@@ -4,8 +4,12 @@ A GGUF has no tokenizer.json: it stores tokens, token types, merges or scores an
 `tokenizer.ggml.*`. Two vocabulary kinds are rebuilt here:
 - `gpt2`: byte-level BPE (SmolLM, Llama 3, Qwen2). The `pre` key names how text is split before
   BPE; the merges in the file were learned on pieces split that way.
-- `llama`: SentencePiece-style BPE with byte fallback (Llama 2, Mistral). Merges are derived from
-  the token scores, best score first.
+- `llama`: SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Phi-3, Gemma). Merges are
+  derived from the token scores, best score first. Two families differ, as transformers' GGUF
+  tokenizers (the reference the tests compare with) rebuild them: Phi-3 puts its space in front of
+  every piece of text (a normalizer: "  hi" is ▁▁▁hi, as llama.cpp and its own tokenizer.json
+  encode it); Gemma has no such space, stores its tokens of several spaces as spaces, and ranks
+  its merges by the tokens' order in the file, not their scores.
 """
 from __future__ import annotations
 
@@ -102,13 +106,13 @@ def build_gguf_vocab(meta: dict[str, Any], *, exact_pre_tokenizer: bool = False)
     if model == "gpt2":
         backend = _byte_level(meta, tokens, set(special + user_defined), exact_pre_tokenizer)
         add_bos = meta.get("tokenizer.ggml.add_bos_token", False)
-    elif model == "llama" and not arch.startswith("gemma") and arch != "phi3":
-        backend = _sentencepiece(meta, tokens, ids["unknown"], exact_pre_tokenizer)
+    elif model == "llama":
+        backend = _sentencepiece(meta, tokens, ids["unknown"], exact_pre_tokenizer, arch)
         add_bos = meta.get("tokenizer.ggml.add_bos_token", True)  # SentencePiece adds BOS unless told not to
     else:
         raise ModelFormatError(
             f"tokenizer {model!r} (architecture {arch!r}) in this GGUF is not supported; kvserve reads "
-            "'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies (not Gemma/Phi-3)."
+            "'gpt2' byte-level BPE and 'llama' SentencePiece vocabularies."
         )
     backend.add_special_tokens([_added(tokens[i], True) for i in special])
     backend.add_tokens([_added(tokens[i], False) for i in user_defined])
@@ -178,22 +182,35 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], whole: set[int], exact:
     return backend
 
 
-def _sentencepiece(meta: dict[str, Any], tokens: list[str], unk: int | None, exact: bool) -> Tokenizer:
+def _sentencepiece(meta: dict[str, Any], tokens: list[str], unk: int | None, exact: bool, arch: str) -> Tokenizer:
+    gemma = arch.startswith("gemma")
+    if gemma:  # its tokens of several spaces are stored as spaces; text reaches BPE with ▁ for each
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     else:
-        merges = _merges_from_scores(vocab, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        scores = [-float(i) for i in range(len(tokens))] if gemma else meta.get("tokenizer.ggml.scores")
+        merges = _merges_from_scores(vocab, scores or [0.0] * len(tokens))
     unk_token = tokens[unk] if unk is not None else None
     backend = Tokenizer(
         BPE(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:  # no space in front: each space is a ▁
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        backend.decoder = decoders.Sequence(steps)
+        return backend
+    if arch == "phi3":  # a ▁ in front of every piece of text, after a special token too
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)])
+        return backend
     # A space is '▁'; the text gets one in front (only at its start, not after special tokens).
     prefix = meta.get("tokenizer.ggml.add_space_prefix", True) if exact else True
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix else "never", split=False
     )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return backend
 
