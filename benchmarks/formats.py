@@ -2,9 +2,10 @@
 
 The default model as shipped (Q4_1) and as llama.cpp's `llama-quantize` remakes it (Q4_0, Q8_0,
 Q4_K_M: llama.cpp repacks Q4_0, Q8_0 and Q4_K rows for its kernels at load, not Q4_1, so the
-shipped file alone would flatter kvserve); and a random-weight model with Llama-3.2-1B's shapes
-(hidden 2048, 16 layers, 32 / 8 heads, FFN 8192), written with the `gguf` library and quantized to
-Q4_0 — only speed means anything on it, so EOS is ignored everywhere. Both servers get 2 threads
+shipped file alone would flatter kvserve); and random-weight models with the shapes of Llama-3.2-1B,
+Qwen3-4B and Gemma-3-4B (SHAPES: their layers, heads, FFN and vocabulary sizes; the default model's
+tokenizer, padded to the vocabulary), written with the `gguf` library and quantized by
+`llama-quantize` — only speed means anything on them, so EOS is ignored everywhere. Both servers get 2 threads
 and their best settings (llama-server: one server per concurrency, `-np` = clients), the same
 streamed closed-loop load from `kvserve bench serve`, one after the other on a quiet machine.
 
@@ -36,6 +37,22 @@ from kvserve.bench.serve import BenchConfig, run
 
 FORMATS = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M")
 ONE_B = "1b-Q4_0"  # the Llama-3.2-1B-shaped random model
+# Random-weight models by the name's prefix ("qwen3-4b-Q4_K_M"): the architecture and shapes of a model
+# users run (vocab None: the default model's tokenizer's 49152).
+SHAPES = {
+    "1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn=8192, vocab=None,
+               tied=False, stem="llama-1b-shaped"),
+    "qwen3-4b": dict(arch="qwen3", hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, ffn=9728,
+                     vocab=151936, tied=True, stem="qwen3-4b-shaped"),
+    "gemma3-4b": dict(arch="gemma3", hidden=2560, layers=34, heads=8, kv_heads=4, head_dim=256, ffn=10240,
+                      vocab=262144, tied=True, stem="gemma3-4b-shaped"),
+}
+
+
+def _shape_of(name: str) -> tuple[str | None, str]:
+    """A format name's random-model shape (None: the default model) and its weight format."""
+    shape, _, fmt = name.rpartition("-")
+    return (shape if shape in SHAPES else None), fmt
 BEGIN, END = "<!-- formats:begin -->", "<!-- formats:end -->"
 
 
@@ -48,64 +65,83 @@ def model_file(name: str, progress=print) -> Path:
         return shipped
     root = peers.cache_root() / "models"
     root.mkdir(parents=True, exist_ok=True)
-    out = root / f"{'llama-1b-shaped' if name == ONE_B else 'smollm2-135m'}-{name.removeprefix('1b-')}.gguf"
+    shape, fmt = _shape_of(name)
+    stem = SHAPES[shape]["stem"] if shape else "smollm2-135m"
+    out = root / f"{stem}-{fmt}.gguf"
     if out.exists():
         return out
     quantize = peers.quantize_binary(peers.setup_llama_server(progress))
     source = shipped
-    if name == ONE_B:
-        source = root / "llama-1b-shaped-F16.gguf"
+    if shape:
+        source = root / f"{stem}-F16.gguf"
         if not source.exists():
-            progress("writing the 1B-shaped random model (F16, ~2.5 GB)")
-            write_random_llama(source, shipped)
+            progress(f"writing the {shape}-shaped random model (F16)")
+            write_random(source, shipped, **{k: v for k, v in SHAPES[shape].items() if k != "stem"})
     progress(f"llama-quantize {source.name} -> {out.name}")
     tmp = out.with_suffix(".tmp")
-    subprocess.run([str(quantize), "--allow-requantize", str(source), str(tmp), name.removeprefix("1b-")],
-                   check=True, capture_output=True)
+    subprocess.run([str(quantize), "--allow-requantize", str(source), str(tmp), fmt], check=True, capture_output=True)
     tmp.rename(out)
     return out
 
 
-def write_random_llama(path: Path, vocab_from: Path, hidden: int = 2048, layers: int = 16, heads: int = 32,
-                       kv_heads: int = 8, ffn: int = 8192, seed: int = 0) -> None:
-    """A Llama GGUF of the given shapes: F16 weights ~ N(0, 0.02), norms of 1, the default model's
-    tokenizer (so any client can talk to it), untied LM head. Only its speed means anything."""
+def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int = 2048, layers: int = 16,
+                 heads: int = 32, kv_heads: int = 8, head_dim: int = 64, ffn: int = 8192, vocab: int | None = None,
+                 tied: bool = False, seed: int = 0) -> None:
+    """A llama / qwen3 / gemma3 GGUF of the given shapes, named as llama.cpp names them: F16 weights
+    ~ N(0, 0.02), norms of 1, the default model's tokenizer (so any client can talk to it) padded with
+    unused tokens to `vocab`. Gemma 3's windows and RoPE bases are Gemma-3-4B's. Only its speed means anything."""
     import gguf
     import numpy as np
 
     from kvserve.tokenizer.gguf_vocab import read_gguf_metadata, write_gguf_fields
 
-    meta = read_gguf_metadata(vocab_from)
-    vocab = len(meta["tokenizer.ggml.tokens"])
-    w = gguf.GGUFWriter(str(path), "llama")
+    fields = {k: v for k, v in read_gguf_metadata(vocab_from).items() if k.startswith("tokenizer.")}
+    pad = (vocab or 0) - len(fields["tokenizer.ggml.tokens"])
+    if pad > 0:  # unused ids: never produced by the tokenizer, only the LM head's width
+        fields["tokenizer.ggml.tokens"] = fields["tokenizer.ggml.tokens"] + [f"[PAD{i}]" for i in range(pad)]
+        fields["tokenizer.ggml.token_type"] = fields["tokenizer.ggml.token_type"] + [5] * pad
+    vocab = len(fields["tokenizer.ggml.tokens"])
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
     w.add_context_length(8192)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(hidden // heads)
-    w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base({"llama": 500000.0}.get(arch, 1e6))
+    w.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma3":
+        w.add_sliding_window(1024)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(8.0)
     w.add_vocab_size(vocab)
-    write_gguf_fields(w, {k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+    write_gguf_fields(w, fields)
     rng = np.random.default_rng(seed)
-    d = hidden // heads
+    d = head_dim
 
     def rand(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
 
     w.add_tensor("token_embd.weight", rand(vocab, hidden))
-    w.add_tensor("output.weight", rand(vocab, hidden))
+    if not tied:
+        w.add_tensor("output.weight", rand(vocab, hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    norms = {"llama": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"),
+             "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[arch]
     for i in range(layers):
         p = f"blk.{i}."
         for name, shape in (("attn_q", (heads * d, hidden)), ("attn_k", (kv_heads * d, hidden)),
                             ("attn_v", (kv_heads * d, hidden)), ("attn_output", (hidden, heads * d)),
                             ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
             w.add_tensor(p + name + ".weight", rand(*shape))
-        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+        for name in norms:
+            w.add_tensor(p + name + ".weight", np.ones(hidden, np.float32))
+        if arch != "llama":  # Qwen3's and Gemma 3's per-head q/k norms
+            w.add_tensor(p + "attn_q_norm.weight", np.ones(d, np.float32))
+            w.add_tensor(p + "attn_k_norm.weight", np.ones(d, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -225,7 +261,8 @@ def plot(points: dict[tuple[str, str, int], list[dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", default=",".join((*FORMATS, ONE_B)), help=f"of {', '.join((*FORMATS, ONE_B))}")
+    ap.add_argument("--formats", default=",".join((*FORMATS, ONE_B)),
+                    help=f"of {', '.join(FORMATS)}, or a random model's <shape>-<format> ({', '.join(SHAPES)})")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--input-len", type=int, default=110)
     ap.add_argument("--output-len", type=int, default=128)

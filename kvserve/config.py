@@ -47,9 +47,9 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3). Names follow Hugging Face."""
+    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE). Names follow Hugging Face."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2" or "gemma3"
+    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral" or "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -89,6 +89,20 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits soft-capped, x -> cap * tanh(x / cap); None: not capped
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+
+    # Mixture of experts (Mixtral, Qwen3-MoE): in each sparse layer a router picks num_experts_per_tok of
+    # num_experts SwiGLU experts (moe_intermediate_size wide) per token, their outputs weighted by the
+    # router's softmax over all experts (renormalized over the chosen where norm_topk_prob). Layers in
+    # dense_layers keep a dense MLP (Qwen3-MoE's mlp_only_layers and decoder_sparse_step). 0: dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int:
         """Keys a query of `layer` sees: its own window, the every-layer one, or 0 (the whole context)."""

@@ -65,7 +65,8 @@ def make_tiny_hf_model(
     between implementations are not decided by rounding. Norm weights and biases are randomised
     too, so a mixed-up norm or a dropped bias shows in the output.
     """
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                              MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, LlamaForCausalLM, MistralConfig,
                               MistralForCausalLM, Qwen2Config, Phi3Config, Phi3ForCausalLM, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
@@ -107,8 +108,13 @@ def make_tiny_hf_model(
         model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, **config_overrides}))
     elif arch == "gemma2":  # soft caps, sliding_window, query_pre_attn_scalar: config_overrides
         model = Gemma2ForCausalLM(Gemma2Config(**{**common, **config_overrides}))
+    elif arch == "mixtral":  # num_local_experts, num_experts_per_tok: config_overrides
+        model = MixtralForCausalLM(MixtralConfig(**{**common, **config_overrides}))
+    elif arch == "qwen3_moe":  # num_experts, moe_intermediate_size, norm_topk_prob, mlp_only_layers: config_overrides
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**common, **config_overrides}))
     else:
-        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2' or 'gemma3', not {arch!r}")
+        raise ValueError(f"arch must be 'llama', 'mistral', 'qwen2', 'qwen3', 'phi3', 'gemma2', 'gemma3', 'mixtral' or "
+                         f"'qwen3_moe', not {arch!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # (Gemma's norms multiply by 1 + w)

@@ -24,7 +24,7 @@ from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")  # llama: Mixtral too
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,7 +43,11 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' weights: one 3-D tensor [experts, rows, cols] each, split into each expert's
+# model.layers.{i}.mlp.experts.{j}.<name> (rows stay whole, so quantized blocks split alike).
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Where an architecture's files name a tensor otherwise: Phi-3's ffn_up holds gate and up, fused;
 # Gemma's norms around attention and MLP (ffn_norm is its pre-MLP norm).
 _ARCH_LAYER_NAMES = {
@@ -145,8 +149,6 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
             f"{path}: architecture {arch!r} is not supported "
             f"(kvserve runs {', '.join(SUPPORTED_ARCHS)} GGUFs)"
         )
-    if _field(reader, Keys.LLM.EXPERT_COUNT.format(arch=arch), 0):
-        raise ModelFormatError(f"{path}: mixture-of-experts {arch} models are not supported")
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
             names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
@@ -175,6 +177,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     gemma = arch in ("gemma2", "gemma3")
     gemma2 = arch == "gemma2"
     windows = _gemma_windows(reader, arch, layers) if gemma else ()
+    experts = int(key("{arch}.expert_count", 0))
     eos_keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
     eos = [_field(reader, k) for k in eos_keys]
     return ModelConfig(
@@ -193,6 +196,14 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_scaling=_longrope(reader, path, arch, names) or _rope_scaling(reader, path, arch, head_dim, theta),
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        # llama.cpp renormalizes the chosen experts' weights unless the file says otherwise; a block
+        # without a router keeps a dense MLP
+        num_experts=experts,
+        num_experts_per_tok=int(key("{arch}.expert_used_count", 0)),
+        moe_intermediate_size=(int(key("{arch}.expert_feed_forward_length", 0)) or int(key(Keys.LLM.FEED_FORWARD_LENGTH))
+                               if experts else 0),
+        norm_topk_prob=bool(key("{arch}.expert_weights_norm", True)),
+        dense_layers=tuple(i for i in range(layers) if experts and f"blk.{i}.ffn_gate_inp.weight" not in names),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -229,12 +240,26 @@ def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # ["blk", i, key, "weight"|"bias"]
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {}), **{k: f"mlp.experts.{{}}.{v}" for k, v in _EXPERT_NAMES.items()}}
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ModelFormatError(
         f"{path}: unexpected tensor {gguf_name!r}; not a plain {'/'.join(SUPPORTED_ARCHS)} model"
     )
+
+
+def _experts(t: ReaderTensor, name: str, shape: tuple[int, ...], dtype: torch.dtype, keep_quantized: bool
+             ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A 3-D expert tensor as each expert's matrix, named by `name`'s "{}" (the expert's index)."""
+    experts, rows, cols = shape
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    if keep_quantized and t.tensor_type in KERNEL_TYPES:
+        blocks = from_gguf(torch.from_numpy(t.data).reshape(experts * rows, -1), t.tensor_type, (experts * rows, cols)).blocks
+        for e in range(experts):
+            out[name.format(e)] = QuantizedWeight(blocks[e * rows:(e + 1) * rows].contiguous(), t.tensor_type, (rows, cols))
+        return out
+    w = dequantize(t.data, t.tensor_type, shape)
+    return {name.format(e): w[e].to(dtype).contiguous() for e in range(experts)}
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -256,6 +281,9 @@ def read_tensors(
                 continue  # folded into config.rope_scaling
             name = hf_name(path, t.name, config.architecture)
             shape = _torch_shape(t)
+            if len(shape) == 3:  # a mixture of experts' weights, [experts, rows, cols]: one matrix per expert
+                tensors.update(_experts(t, name, shape, dtype, keep_quantized))
+                continue
             keep = keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2
             # Rows stay whole in either form, so the q/k row order is undone the same way.
             w = from_gguf(torch.from_numpy(t.data), t.tensor_type, shape).blocks if keep else dequantize(t.data, t.tensor_type, shape)

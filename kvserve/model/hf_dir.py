@@ -16,8 +16,12 @@ from safetensors import SafetensorError, safe_open
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
-_ARCHITECTURES = {"gemma3_text": "gemma3"}  # model_type → kvserve's name, where they differ
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "mixtral",
+                         "qwen3_moe")
+_ARCHITECTURES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}  # model_type → kvserve's (llama.cpp's) name
+# Mixtral's expert tensors under Qwen3-MoE's names, the ones kvserve's model takes.
+_MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.",
+                  ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed
 # Gemma 3's image-and-text checkpoints (model_type "gemma3"): the language model's tensors under a
 # prefix (transformers 5's, then 4.x's), the vision tower and projector skipped.
@@ -120,7 +124,8 @@ def read_config(directory: Path) -> ModelConfig:
             rope_scaling=scaling,
             sliding_window=None if gemma else _sliding_window(cfg, path),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+            **_experts(cfg, model_type),
             # absent from a config: transformers' defaults, Gemma 2's 50 and 30 (Gemma 3's attention has no cap)
             attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
@@ -138,6 +143,21 @@ def read_config(directory: Path) -> ModelConfig:
         )
     except KeyError as e:
         raise ModelFormatError(f"{path}: missing {e.args[0]!r}, which kvserve needs") from None
+
+
+def _experts(cfg: dict, model_type: str) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields (none for a dense model)."""
+    if model_type == "mixtral":
+        return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"])
+    if model_type != "qwen3_moe":
+        return {}
+    n, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step") or 1
+    only = set(cfg.get("mlp_only_layers") or ())
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 4's name, then 5's
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                dense_layers=tuple(i for i in range(n) if i in only or (i + 1) % step))
 
 
 def _activation(cfg: dict, path: Path) -> str:
@@ -225,6 +245,9 @@ def read_tensors(
             with safe_open(file, framework="pt") as f:
                 for stored in f.keys():
                     name = _text_name(stored)
+                    if name is not None and config.architecture == "mixtral":
+                        for old, new in _MIXTRAL_NAMES.items():
+                            name = name.replace(old, new)
                     if name is None or name.endswith(_SKIPPED_SUFFIXES):
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:

@@ -1,13 +1,15 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3.
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE.
 
 Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
 embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
 bias, Qwen3's RMSNorm of each query and key head before the rotation) and a SwiGLU MLP; the LM
 head is tied to the embedding or separate. Gemma 2 and 3 add a scaled embedding, norms of the
 attention's and the MLP's outputs, GeGLU, and windowed layers between the global ones (Gemma 3's
-with their own RoPE base; Gemma 2's attention scores and logits soft-capped); ModelConfig says which. References: "LLaMA" (Touvron et al. 2023), "GQA"
+with their own RoPE base; Gemma 2's attention scores and logits soft-capped); Mixtral and Qwen3-MoE
+replace the MLP with a router over SwiGLU experts (Experts). ModelConfig says which. References: "LLaMA" (Touvron et al. 2023), "GQA"
 (Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants Improve Transformer" (Shazeer
-2020), Qwen3 Technical Report (2025), Gemma 2 and Gemma 3 Technical Reports (2024, 2025).
+2020), Qwen3 Technical Report (2025), Gemma 2 and Gemma 3 Technical Reports (2024, 2025), "Mixtral of
+Experts" (Jiang et al. 2024).
 
 The forward works on one packed step: a flat [T] list of tokens from many sequences, with K/V
 kept in the paged pool (see attention.py). Weights arrive under Hugging Face names and are fused
@@ -77,18 +79,49 @@ def _inv_freq(config: ModelConfig, d: int, context: int) -> torch.Tensor:
 
 
 @dataclass
+class Experts:
+    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE): each token's top_k experts by the router's
+    softmax, their outputs weighted by it (renormalized over the chosen where `renormalize`), as
+    transformers computes them. Each chosen expert multiplies its rows at once, so its weights are
+    read once per step however many rows chose it."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: list[Callable[[torch.Tensor], torch.Tensor]]  # per expert: hidden -> 2 * ffn (gate rows, then up)
+    down: list[Callable[[torch.Tensor], torch.Tensor]]  # per expert: ffn -> hidden
+    top_k: int
+    renormalize: bool
+
+    def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        probs = torch.softmax(torch.nn.functional.linear(h, self.router).float(), dim=-1)  # [T, E]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            y = self.down[e](glu(self.gate_up[e](h[rows])))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return out
+
+    def linears(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        return [*self.gate_up, *self.down]
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     # Linear layers (model/linear.py, or model/quant.py's for weights kept quantized)
     qkv: Callable[[torch.Tensor], torch.Tensor]  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
     o: Callable[[torch.Tensor], torch.Tensor]  # H * D -> hidden, with Llama's attention_bias
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]  # hidden -> 2 * ffn: gate rows then up rows
-    down: Callable[[torch.Tensor], torch.Tensor]  # ffn -> hidden
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> 2 * ffn: gate rows then up rows
+    down: Callable[[torch.Tensor], torch.Tensor] | None  # ffn -> hidden (both None in a mixture of experts' layer)
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's norm of each query head, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
     attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's norm of the attention output, before its add
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: and of the MLP's
+    experts: Experts | None = None  # the MLP of a mixture of experts' sparse layer
     window: int = 0  # keys each query sees (0: the whole context)
     sliding_rope: bool = False  # turned at the windowed layers' RoPE base (Gemma 3)
 
@@ -126,6 +159,10 @@ class LlamaModel:
         # a decode step streams through them all.
         arena = hugepages.Arena()
 
+        def router(name: str) -> torch.Tensor:  # float, however the file stores it (llama.cpp: F32)
+            w = take(name)
+            return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
+
         def linear(names: list[str], bias: torch.Tensor | None = None):
             return make_linear([take(n) for n in names], bias, dtype, arena)
 
@@ -147,8 +184,14 @@ class LlamaModel:
                     o=linear([a + "o_proj.weight"], take_opt(a + "o_proj.bias")),
                     # the norm before the MLP: Gemma names it pre_feedforward, its post_attention is after attention
                     post_norm=take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=linear([p + "mlp.down_proj.weight"]),
+                    gate_up=None if config.sparse(i) else linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=None if config.sparse(i) else linear([p + "mlp.down_proj.weight"]),
+                    experts=Experts(
+                        router(p + "mlp.gate.weight"),
+                        [linear([p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"])
+                         for e in range(config.num_experts)],
+                        [linear([p + f"mlp.experts.{e}.down_proj.weight"]) for e in range(config.num_experts)],
+                        config.num_experts_per_tok, config.norm_topk_prob) if config.sparse(i) else None,
                     q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
                     attn_out_norm=take(p + "post_attention_layernorm.weight") if sandwich else None,
@@ -167,7 +210,7 @@ class LlamaModel:
         self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype, arena)
         # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
-        quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].down))
+        quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].o))
         self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops, native_step_arith=quantized)
 
     @property
@@ -179,11 +222,16 @@ class LlamaModel:
         for lw in self.layers:
             n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm,
                                                              lw.attn_out_norm, lw.mlp_out_norm) if t is not None)
-            n += sum(lin.nbytes for lin in (lw.qkv, lw.o, lw.gate_up, lw.down))
+            n += sum(lin.nbytes for lin in (lw.qkv, lw.o, *self._mlp(lw)))
+            n += nbytes(lw.experts.router) if lw.experts else 0
         return n
 
+    @staticmethod
+    def _mlp(lw: LayerWeights) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        return lw.experts.linears() if lw.experts else [lw.gate_up, lw.down]
+
     def _linears(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        return [self.lm_head, *(getattr(layer, n) for layer in self.layers for n in ("qkv", "o", "gate_up", "down"))]
+        return [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, *self._mlp(layer)))]
 
     def set_batch_invariant(self, on: bool) -> None:
         """Quantized layers multiply with the integer kernel at every batch size (see
@@ -248,8 +296,8 @@ class LlamaModel:
             if lw.attn_out_norm is not None:
                 o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
             x, h = ops.add_rms_norm(x, o, lw.post_norm, eps, h_buf)
-            gate_up = lw.gate_up(h)
-            delta = lw.down(ops.gelu_mul(gate_up) if self.config.hidden_act == "gelu_tanh" else ops.silu_mul(gate_up))
+            glu = ops.gelu_mul if self.config.hidden_act == "gelu_tanh" else ops.silu_mul
+            delta = lw.experts(h, glu) if lw.experts else lw.down(glu(lw.gate_up(h)))
             if lw.mlp_out_norm is not None:
                 delta = ops.add_rms_norm(delta, None, lw.mlp_out_norm, eps)[1]
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step

@@ -199,10 +199,17 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, h),
             p + "self_attn.v_proj.weight": (kv_out, h),
             p + "self_attn.o_proj.weight": (h, q_out),
-            p + "mlp.gate_proj.weight": (ffn, h),
-            p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
         }
+        if config.sparse(i):  # a router and each expert's SwiGLU
+            e_ffn = config.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (config.num_experts, h)
+            for e in range(config.num_experts):
+                x = p + f"mlp.experts.{e}."
+                shapes |= {x + "gate_proj.weight": (e_ffn, h), x + "up_proj.weight": (e_ffn, h),
+                           x + "down_proj.weight": (h, e_ffn)}
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                       p + "mlp.down_proj.weight": (h, ffn)}
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
@@ -213,7 +220,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     # Llama's attention_bias=True also biases o_proj; Qwen2's does not.
-    if not (config.attention_bias and config.architecture not in ("qwen2", "qwen3")):
+    if not (config.attention_bias and config.architecture not in ("qwen2", "qwen3", "qwen3moe")):
         return {}
     n = config.num_hidden_layers
     return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,) for i in range(n)}
@@ -239,7 +246,7 @@ def _quantize_on_load(tensors: dict[str, Weight], quantization: str) -> None:
         if isinstance(w, QuantizedWeight) or w.dim() != 2 or w.shape[1] % 32:
             continue
         head = name in ("model.embed_tokens.weight", "lm_head.weight")
-        if head or name.endswith("_proj.weight"):
+        if head or name.endswith("_proj.weight"):  # (a router, mlp.gate, stays float)
             tensors[name] = quantize(w, ON_LOAD_TYPES["q8_0" if head else quantization])
 
 

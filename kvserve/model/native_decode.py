@@ -91,6 +91,8 @@ class NativeDecode:
         if getattr(model, "tensor_parallel_size", 1) > 1:
             raise Unsupported("tensor parallel: the step has no all-reduce between layers")
         c = model.config
+        if c.num_experts:
+            raise Unsupported("a mixture of experts (its experts run in the per-op path)")
         if model.dtype != torch.float32:
             raise Unsupported(f"activations in {model.dtype} (the step computes in float32)")
         if not isinstance(model.attention, CpuPagedAttention) or not model.ops.native:
