@@ -250,8 +250,11 @@ class LLM:
         gguf_reader.forget()  # config, weights and tokenizer are read: the parsed file is not needed again
         _release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
-        log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights, loaded in %.1f s", model, ckpt.path.name,
-                 str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, self.load_seconds)
+        c = self.config
+        experts = (f" ({self.model.active_nbytes / 1e6:.0f} MB read per token: {c.num_experts_per_tok} of {c.num_experts} "
+                   "experts)") if c.num_experts and tensor_parallel_size == 1 else ""
+        log.info("model: %s (%s, %s, quantization %s), %.0f MB of weights%s, loaded in %.1f s", model, ckpt.path.name,
+                 str(self.dtype).removeprefix("torch."), quantization, self.model.nbytes / 1e6, experts, self.load_seconds)
         log.info(self.kv_sizing.describe())
 
     def offload_prefix_cache(self) -> int:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvserve.kv.kv_size import PRESETS, kv_size, parse_bytes
+from kvserve.kv.kv_size import PRESETS, format_report, kv_size, parse_bytes
 from kvserve.model.loader import read_model_config
 
 KiB, GiB = 1024, 1024**3
@@ -103,3 +103,28 @@ def test_the_disk_tier_in_tokens() -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip().endswith("Disk tier (kvserve serve --kv-disk-gib): 4 GiB holds 186,304 tokens of KV cache "
                                       "in block files of 360 KiB (11,644 blocks)")
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1])),
+    ("gemma3", dict(head_dim=32, sliding_window=8, query_pre_attn_scalar=32)),
+])
+def test_parameters_of_each_family_equal_transformers_and_experts_count_as_read(tmp_path, arch, extra) -> None:
+    """Every parameter transformers' model holds (q/k norms, Gemma's output norms, routers, experts, dense
+    layers); a step reads the chosen experts only: total - (experts - chosen) x each expert's 3 matrices."""
+    from tiny_models import make_tiny_hf_model
+
+    hf, directory = make_tiny_hf_model(tmp_path, arch=arch, seed=0, num_layers=3, tie=False, with_tokenizer=False,
+                                       **extra)
+    s = kv_size(str(directory), dtype="float32", memory="1GiB")
+    assert s.num_parameters == hf.num_parameters()
+    c = hf.config
+    if arch == "gemma3":
+        assert s.active_parameters == s.num_parameters and "Mixture of experts" not in format_report(s)
+        return
+    experts = getattr(c, "num_experts", None) or c.num_local_experts
+    width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+    sparse = 3 - len(getattr(c, "mlp_only_layers", None) or [])
+    assert s.active_parameters == s.num_parameters - sparse * (experts - 2) * 3 * c.hidden_size * width
+    assert f"2 of {experts} experts per token" in format_report(s)

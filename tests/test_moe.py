@@ -75,3 +75,13 @@ def test_the_converters_q8_0_agrees_with_transformers_and_a_request_is_the_same_
         steps += len(want)
         agree += sum(g == w for g, w in zip(got, want))
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
+
+
+def test_the_startup_log_says_the_bytes_a_token_reads(moe, caplog) -> None:
+    family, _, _, files = moe
+    with caplog.at_level("INFO", logger="kvserve"):
+        llm = LLM(str(files["q8_0"]), cache=CacheConfig(num_blocks=16))
+    experts, chosen, _ = EXPERTS[family]
+    idle = sum(lin.nbytes for lw in llm.model.layers for lin in lw.experts.linears()) * (experts - chosen) // experts
+    assert llm.model.active_nbytes == llm.model.nbytes - idle > 0
+    assert f"MB read per token: {chosen} of {experts} experts" in caplog.text

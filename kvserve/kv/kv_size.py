@@ -47,19 +47,41 @@ class Architecture:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     num_parameters: int | None = None  # exact when the source lists its tensors (GGUF)
+    # A mixture of experts (ModelConfig's fields): num_experts experts of moe_intermediate_size in each
+    # sparse layer (all but dense_layers), num_experts_per_tok of them read per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: int = 0
+    qk_norm: bool = False  # Qwen3's, Gemma 3's norms of each query and key head
+    sandwich_norms: bool = False  # Gemma's norms of the attention's and the MLP's outputs
 
     @property
     def parameters(self) -> int:
         """The parameter count: the source's own, or a Llama-family decoder's from the shapes."""
         if self.num_parameters is not None:
             return self.num_parameters
+        return self._count(self.num_experts)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters a decode step reads for one token: all but the experts it does not choose
+        (a dense model's every one)."""
+        return self._count(self.num_experts_per_tok) if self.num_experts else self.parameters
+
+    def _count(self, experts: int) -> int:
+        """Parameters with `experts` experts in each sparse layer (the embedding counted once as the LM head:
+        a step reads its few rows besides)."""
         h, d, ffn = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        layer = h * (q + 2 * kv) + q * h + 3 * h * ffn + 2 * h  # qkv, o, gate/up/down, two norms
+        attention = h * (q + 2 * kv) + q * h + (4 if self.sandwich_norms else 2) * h + (2 * d if self.qk_norm else 0)
         if self.attention_bias:
-            layer += q + 2 * kv
+            attention += q + 2 * kv
+        sparse = self.num_hidden_layers - self.dense_layers if self.num_experts else 0
+        mlp = (self.num_hidden_layers - sparse) * 3 * h * ffn + sparse * (experts * 3 * h * self.moe_intermediate_size
+                                                                          + self.num_experts * h)  # + the router
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+        return self.num_hidden_layers * attention + mlp + heads * self.vocab_size * h + h
 
 
 def _preset(name: str, layers: int, heads: int, kv_heads: int, hidden: int, ffn: int, vocab: int, ctx: int,
@@ -110,6 +132,12 @@ def _from_model(model: str | Path) -> Architecture:
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=config.attention_bias,
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        dense_layers=len(config.dense_layers) if config.num_experts else 0,
+        qk_norm=config.qk_norm,
+        sandwich_norms=config.sandwich_norms,
     )
 
 
@@ -161,6 +189,10 @@ class KVSize:
     disk_bytes: int | None = None  # the disk tier's bound (kvserve serve --kv-disk-gib)
     disk_block_file_bytes: int | None = None  # one block's file: its K/V, token ids and header
     disk_tokens: int | None = None  # tokens the disk tier holds (whole blocks)
+    num_experts: int = 0  # a mixture of experts': experts per sparse layer, and chosen per token
+    num_experts_per_tok: int = 0
+    active_parameters: int = 0  # read per token by a one-sequence decode step
+    active_bytes: int = 0  # the same in weight_dtype: a decode step's bytes, whose ceiling is bandwidth / this
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +247,8 @@ def kv_size(
         mha_bytes_per_token=mha, gqa_saving=mha / per_token,
         num_parameters=arch.parameters, weight_dtype=weight_dtype, weight_bytes=weights,
         memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token, **disk_fields,
+        num_experts=arch.num_experts, num_experts_per_tok=arch.num_experts_per_tok,
+        active_parameters=arch.active_parameters, active_bytes=int(arch.active_parameters * DTYPE_BYTES[weight_dtype]),
     )
 
 
@@ -260,6 +294,11 @@ def format_report(s: KVSize) -> str:
         f"Weights: {s.num_parameters / 1e9:.3g} B parameters x {_elem(DTYPE_BYTES[s.weight_dtype])} bytes "
         f"({s.weight_dtype}) = {human(s.weight_bytes)}",
     ]
+    if s.num_experts:
+        lines.append(
+            f"Mixture of experts: {s.num_experts_per_tok} of {s.num_experts} experts per token, so a one-sequence decode "
+            f"step reads {s.active_parameters / 1e9:.3g} B parameters = {human(s.active_bytes)} "
+            f"({s.active_parameters / s.num_parameters:.0%} of the weights): tokens/s at most bandwidth / that")
     if s.free_for_cache_bytes == 0:
         lines.append(f"In {human(s.memory_bytes)}: the weights alone do not fit; no room for any KV cache")
     else:

@@ -226,6 +226,13 @@ class LlamaModel:
             n += nbytes(lw.experts.router) if lw.experts else 0
         return n
 
+    @property
+    def active_nbytes(self) -> int:
+        """Bytes a one-sequence decode step reads: nbytes less the experts a token does not choose."""
+        c = self.config
+        idle = sum(sum(lin.nbytes for lin in lw.experts.linears()) for lw in self.layers if lw.experts)
+        return self.nbytes - (idle * (c.num_experts - c.num_experts_per_tok) // c.num_experts if c.num_experts else 0)
+
     @staticmethod
     def _mlp(lw: LayerWeights) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         return lw.experts.linears() if lw.experts else [lw.gate_up, lw.down]
