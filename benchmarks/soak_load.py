@@ -39,8 +39,8 @@ TOOLS = [{"type": "function", "function": {
 SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {} for i in range(4000)}}
 # OpenAI's metadata limits are 16 keys, keys of 64 and values of 512 characters: one form over each.
 BIG_METADATA = [{f"k{i}": "v" for i in range(17)}, {"note": "x" * 4000}, {"k" * 65: "v"}]
-# What a hostile request may get: a refusal (status, as the docs say) or, for the slow schema, an
-# answer once an earlier compile of it finished and was cached (docs/server.md: "its result is kept").
+# What a hostile request may get: a refusal (status, as the docs say; the slow schema's compile is
+# killed at its timeout, never finished and cached: docs/server.md).
 REFUSALS = {"slow_schema": ("400", "429"), "big_metadata": ("400",)}
 TOPICS = "rivers lanterns harbors glaciers orchards falcons copper meadows".split()
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from tiny_models import make_tiny_hf_model
 
@@ -139,6 +140,31 @@ def wait_for(condition, timeout: float = 10.0) -> float:
         assert time.monotonic() - t0 < timeout, "timed out"
         time.sleep(0.02)
     return time.monotonic() - t0
+
+
+def grammar_processes(pid: int) -> tuple[set[int], set[int]]:
+    """The grammar fork servers under process pid, and their live workers
+    (kvserve/structured/compile_worker.py)."""
+    servers, workers = set(), set()
+    for child in psutil.Process(pid).children():
+        try:
+            if "kvserve.structured.compile_worker" in child.cmdline():
+                servers.add(child.pid)
+                workers |= {w.pid for w in child.children() if w.status() != psutil.STATUS_ZOMBIE}
+        except psutil.NoSuchProcess:
+            pass
+    return servers, workers
+
+
+def gone(pids: set[int]) -> bool:
+    """Whether every process in pids has ended (a zombie has: it only waits to be reaped)."""
+    def ended(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    return all(ended(pid) for pid in pids)
 
 
 def start_server(tmp_path_factory, *args: str, api_key: str | None = API_KEY) -> ServerProcess:

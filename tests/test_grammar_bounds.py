@@ -1,12 +1,14 @@
 """Structured-output grammars are bounded and owned by their request: a size limit checked before
 compiling (a 400 naming it), compiles on a pool of their own with a time limit and a queue
-bound, taken off the queue when their request ends, and a compiled-grammar cache bounded by
-bytes with hit/miss metrics. Real xgrammar compiles with the default model's vocabulary, and a
-real server process."""
+bound, taken off the queue when their request ends and killed in their process when it has
+started, and a compiled-grammar cache bounded by bytes with hit/miss metrics. Real xgrammar
+compiles with the default model's vocabulary, real processes, and a real server process."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from kvserve.structured.grammar import GrammarCompiler
 from kvserve.structured.limits import GrammarLimits
 from kvserve.structured.spec import Constraint
 from kvserve.tokenizer import Tokenizer
-from server_harness import MODEL_NAME, start_server
+from server_harness import MODEL_NAME, gone, grammar_processes, slow_schema, start_server, wait_for
 
 
 def chain(n: int, tag: str = "x") -> str:
@@ -93,20 +95,59 @@ def test_the_cache_keeps_the_most_recent_grammars_within_its_bytes(compiler):
     assert len(cache) == 0 and cache.bytes == 0 and compiler.compile(again) is again.compiled[0]
 
 
-# -- the pool: own threads, a time limit, a queue bound, cancellation ---------------------------
-def test_slow_compiles_time_out_fill_only_their_own_pool_and_leave_when_their_request_does(compiler):
+# -- the pool: own processes, a time limit, a queue bound, cancellation -------------------------
+@pytest.fixture
+def make_pool(compiler):
+    """A pool with its compile processes started: the fork server loaded and a worker on each
+    thread (the server starts them as its model loads: kvserve/server/grammar_pool.py)."""
     compiler.limits = GrammarLimits(max_chars=1 << 30, max_rules=1 << 30)  # slow shapes the limits would stop
-    compiler.compile(Constraint("json_object"))  # xgrammar's vocabulary, loaded once
-    pool = GrammarPool(threads=2, max_pending=3, timeout=0.3)
+    compiler.compile(Constraint("json_object"))  # xgrammar's vocabulary, loaded once here
+    made: list[GrammarPool] = []
+
+    def make(workers: int = 2, max_pending: int = 8, timeout: float = 60) -> GrammarPool:
+        pool = GrammarPool(workers, max_pending, timeout=60)
+        made.append(pool)
+
+        async def warm():
+            await asyncio.gather(*(pool.compile(compiler, Constraint("regex", f"warm{i}")) for i in range(workers)))
+
+        asyncio.run(warm())
+        pool.timeout = timeout
+        return pool
+
+    yield make
+    for pool in made:
+        pool.shutdown()
+
+
+def live_workers() -> set[int]:
+    """The pids of this process's grammar workers (a test's pool is the only one running)."""
+    return grammar_processes(os.getpid())[1]
+
+
+async def compiling(pool: GrammarPool, n: int, timeout: float = 10.0) -> set[int]:
+    """Once n compiles are pending (and a moment more: they reach their workers), the workers' pids."""
+    t0 = time.monotonic()
+    while pool.pending < n:
+        assert time.monotonic() - t0 < timeout, f"{pool.pending} of {n} compiles pending"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    return live_workers()
+
+
+def test_slow_compiles_time_out_fill_only_their_own_pool_and_are_killed_when_their_request_leaves(compiler, make_pool):
+    pool = make_pool(max_pending=3, timeout=0.5)
+    cached = len(compiler.cache)
 
     async def scenario():
         slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", chain(1400, tag), "guided_grammar")))
                 for tag in ("a", "b")]
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
         queued_constraint = Constraint("grammar", 'root ::= "queued"', "guided_grammar")
         queued = asyncio.ensure_future(pool.compile(compiler, queued_constraint))
         await asyncio.sleep(0.05)
         assert pool.pending == 3
+        busy = live_workers()
         with pytest.raises(APIError) as full:  # one more: refused at once
             await pool.compile(compiler, Constraint("regex", "x+", "guided_regex"))
         assert (full.value.status, full.value.code) == (429, "grammar_pool_full")
@@ -116,25 +157,28 @@ def test_slow_compiles_time_out_fill_only_their_own_pool_and_leave_when_their_re
         queued.cancel()  # its request ended while it waited: it never compiles
         errors = await asyncio.gather(*slow, return_exceptions=True)
         await asyncio.gather(queued, return_exceptions=True)
-        return errors, free_after, queued_constraint
+        t0 = time.monotonic()
+        while pool.pending:  # the two started compiles are killed, not run to their end
+            assert time.monotonic() - t0 < 0.5, pool.pending
+            await asyncio.sleep(0.01)
+        killed = wait_for(lambda: gone(busy), timeout=2.0)
+        t0 = time.monotonic()
+        small = Constraint("json", json.dumps({"type": "array", "items": {"type": "integer"}}))
+        await pool.compile(compiler, small)  # on a fresh worker, at once
+        return errors, free_after, queued_constraint, busy, killed, time.monotonic() - t0, small
 
-    errors, free_after, queued_constraint = asyncio.run(scenario())
-    assert [str(e) for e in errors] == ["guided_grammar took longer than 0.3 s to compile, this server's limit "
+    errors, free_after, queued_constraint, busy, killed, small_after, small = asyncio.run(scenario())
+    assert [str(e) for e in errors] == ["guided_grammar took longer than 0.5 s to compile, this server's limit "
                                         "(--grammar-compile-timeout): make it simpler"] * 2
     assert free_after < 0.2 and pool.timeouts == 2
-    deadline = time.monotonic() + 30
-    while pool.pending:  # the two started compiles run to their end (xgrammar cannot be stopped)
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert len(busy) == 2 and killed < 0.5, (busy, killed)
+    assert small.compiled and small_after < 0.5, small_after
     assert not queued_constraint.compiled and not compiler.cached(Constraint("grammar", 'root ::= "queued"'))
-    assert len(compiler.cache) == 3  # json_object and the two slow ones, kept for a retry
-    pool.shutdown()
+    assert len(compiler.cache) == cached + 1  # the small one: the slow ones were never finished
 
 
-def test_a_client_that_leaves_takes_its_queued_compile_with_it(compiler):
-    compiler.limits = GrammarLimits(max_chars=1 << 30, max_rules=1 << 30)
-    compiler.compile(Constraint("json_object"))
-    pool = GrammarPool(threads=1, max_pending=4, timeout=30)
+def test_a_client_that_leaves_takes_its_queued_compile_with_it(compiler, make_pool):
+    pool = make_pool(workers=1, max_pending=4, timeout=30)
 
     async def scenario():
         gone = asyncio.Event()
@@ -161,14 +205,58 @@ def test_a_client_that_leaves_takes_its_queued_compile_with_it(compiler):
                                                          "the client disconnected while its grammar compiled")
     assert answered < 0.2  # at once, not after the compile ahead of it
     assert pool.pending == 0 and not behind.compiled and not compiler.cached(Constraint("grammar", behind.value))
-    pool.shutdown()
 
 
-def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves_the_other_thread_free(compiler):
-    compiler.limits = GrammarLimits(max_chars=1 << 30, max_rules=1 << 30)
-    compiler.compile(Constraint("json_object"))
-    pool = GrammarPool(threads=2, max_pending=8, timeout=30)
+def test_a_compile_whose_every_client_left_is_killed_and_its_worker_serves_the_next_at_once(compiler, make_pool):
+    pool = make_pool()
+    async def scenario():
+        gone = asyncio.Event()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        slow = [Constraint("json", json.dumps(slow_schema(tag))) for tag in ("a", "b")]
+        waiting = [asyncio.ensure_future(pool.compile(compiler, c, receive)) for c in slow]
+        busy = await compiling(pool, 2)
+        assert pool.pending == 2 and len(busy) == 2
+        gone.set()  # both clients leave
+        await asyncio.gather(*waiting, return_exceptions=True)
+        t0 = time.monotonic()
+        small = Constraint("json", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+        await pool.compile(compiler, small)  # the slow compiles would hold both workers for minutes
+        return time.monotonic() - t0, busy
+
+    small_after, busy = asyncio.run(scenario())
+    assert small_after < 0.5, small_after
+    assert wait_for(lambda: gone(busy), timeout=2.0) < 0.5
+    assert pool.pending == 0 and pool._compiling == {}
+
+
+def test_a_compile_that_ends_in_its_worker_too_late_to_run_again_here_in_time_gets_its_400_and_runs_nowhere(
+        compiler, make_pool):
+    seconds = []
+    for tag in ("m", "n"):  # what this compile costs here
+        t0 = time.monotonic()
+        compiler.build(Constraint("grammar", chain(1400, tag)))
+        seconds.append(time.monotonic() - t0)
+    pool = make_pool(timeout=1.5 * min(seconds))  # room for one compile, not for two
+    late = Constraint("grammar", chain(1400, "late"), "guided_grammar")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidParam) as error:
+        asyncio.run(pool.compile(compiler, late))
+    answered = time.monotonic() - t0
+    assert str(error.value) == (f"guided_grammar took longer than {pool.timeout:g} s to compile, this server's limit "
+                                "(--grammar-compile-timeout): make it simpler")
+    assert answered < pool.timeout + 0.2 and pool.timeouts == 1
+    time.sleep(2 * min(seconds))  # a compile here after the worker's would have ended by now
+    assert not compiler.cached(Constraint("grammar", late.value)) and pool.pending == 0
+
+
+def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves_the_other_worker_free(compiler, make_pool):
+    pool = make_pool()
     slow_value = chain(1400, "r")
+    cached = len(compiler.cache)
 
     async def scenario():
         slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", slow_value, "guided_grammar")))
@@ -177,7 +265,7 @@ def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves
         assert pool.pending == 1  # one compile for the four requests
         t0 = time.monotonic()
         other = Constraint("grammar", 'root ::= "other"', "guided_grammar")
-        await pool.compile(compiler, other)  # on the second thread, not behind the slow one
+        await pool.compile(compiler, other)  # on the second worker, not behind the slow one
         other_after = time.monotonic() - t0
         slow[0].cancel()  # one waiter leaving does not stop the others' compile
         await asyncio.gather(*slow[1:])
@@ -188,8 +276,78 @@ def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves
     slow_after = time.monotonic() - t0
     assert other.compiled and other_after < 0.5 < slow_after, (other_after, slow_after)
     assert pool.pending == 0 and pool._compiling == {}
-    assert compiler.cached(Constraint("grammar", slow_value)) and len(compiler.cache) == 3
-    pool.shutdown()
+    assert compiler.cached(Constraint("grammar", slow_value)) and len(compiler.cache) == cached + 2
+
+
+def test_the_pool_compiles_the_grammar_a_direct_compile_does(compiler, make_pool, default_gguf):
+    pool = make_pool()
+    tok = Tokenizer.from_gguf(default_gguf)
+    direct = GrammarCompiler(tok, tok.vocab_size, frozenset(tok.eos_token_ids))
+    constraints = [Constraint("json", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                                  "required": ["ok"], "additionalProperties": False})),
+                   Constraint("regex", r"[a-z]+@[a-z]+\.com"), Constraint("choice", json.dumps(["yes", "no"])),
+                   Constraint("grammar", chain(20))]
+
+    async def compile_all():
+        for c in constraints:
+            await pool.compile(compiler, c)
+
+    asyncio.run(compile_all())
+    for c in constraints:
+        assert c.compiled[0].serialize_json() == direct.compile(Constraint(c.kind, c.value)).serialize_json()
+    bad = Constraint("json", json.dumps({"type": "nope"}), "response_format.json_schema.schema")
+    with pytest.raises(InvalidParam) as through_pool:
+        asyncio.run(pool.compile(compiler, bad))
+    with pytest.raises(InvalidParam) as directly:
+        direct.compile(bad)
+    assert str(through_pool.value) == str(directly.value) and through_pool.value.param == bad.param
+
+
+def test_a_compile_process_that_dies_costs_its_request_a_400_and_the_processes_are_started_again(compiler, make_pool):
+    pool = make_pool()
+    # What the kernel's OOM killer would do: a worker killed from outside while it compiles, then
+    # the fork server itself.
+    slow = Constraint("json", json.dumps(slow_schema("o")), "response_format.json_schema.schema")
+
+    async def scenario():
+        waiting = asyncio.ensure_future(pool.compile(compiler, slow))
+        busy = await compiling(pool, 1)
+        assert pool.pending == 1 and len(busy) == 2  # (the other worker is idle: the busy one is its own process)
+        for pid in busy:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(InvalidParam) as died:
+            await waiting
+        os.kill(next(iter(grammar_processes(os.getpid())[0])), signal.SIGKILL)  # the fork server
+        again = Constraint("regex", "[0-9]+")
+        await pool.compile(compiler, again)  # on a fork server started again
+        return died.value, again
+
+    died, again = asyncio.run(scenario())
+    assert died.param == slow.param and str(died) == (
+        "response_format.json_schema.schema could not be compiled: the grammar compiler's process ended on it "
+        "(out of memory?): make it simpler")
+    assert again.compiled and pool.pending == 0 and len(grammar_processes(os.getpid())[0]) == 1
+
+
+def test_shutdown_with_compiles_running_waits_for_none_and_ends_their_processes(compiler, make_pool):
+    pool = make_pool()
+    async def scenario():
+        slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("json", json.dumps(slow_schema(tag)))))
+                for tag in ("a", "b")]
+        await compiling(pool, 2)
+        servers, workers = grammar_processes(os.getpid())
+        processes = servers | workers
+        t0 = time.monotonic()
+        pool.shutdown()
+        took = time.monotonic() - t0
+        for task in slow:
+            task.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+        return took, processes
+
+    took, processes = asyncio.run(scenario())
+    assert took < 0.5, took
+    assert len(processes) == 3 and wait_for(lambda: gone(processes), timeout=2.0) < 1.0
 
 
 # -- a real server -----------------------------------------------------------------------------------

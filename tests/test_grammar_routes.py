@@ -2,7 +2,8 @@
 a schema that takes minutes to compile (an object of 4,000 optional properties, 51 KB, inside the
 size limits) gets a 400 within the compile timeout on every API family, and a plain request sent
 beside six of them is answered at once — the worker threads that tokenize for everyone are never
-held by a compile. A real server process on loopback."""
+held by a compile; the compile's process is killed at the timeout, so the next schema compiles at
+once. A real server process on loopback."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from server_harness import MODEL_NAME, slow_schema, start_server, wait_for
+from server_harness import MODEL_NAME, gone, grammar_processes, slow_schema, start_server, wait_for
 
 COMPILE_TIMEOUT = 2.0
 PLAIN_WITHIN = 2.5  # seconds: a two-token answer on an idle server takes ~0.1 s; before, none came in minutes
@@ -21,6 +22,8 @@ PLAIN_WITHIN = 2.5  # seconds: a two-token answer on an idle server takes ~0.1 s
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     s = start_server(tmp_path_factory, "--max-model-len", "256", "--grammar-compile-timeout", str(COMPILE_TIMEOUT))
+    with s.client() as c:  # the compile processes started with the server: the first schema waits for them, once
+        assert c.post("/v1/chat/completions", json=_chat({"type": "integer"})).status_code == 200
     yield s
     s.stop()
 
@@ -61,7 +64,6 @@ ROUTES = {
 
 def test_a_schema_compiled_on_the_pool_is_enforced_on_every_route(server):
     # The check reads the grammar the pool compiled: a small schema still constrains each route's output.
-    # (First: the slow schemas below hold the pool's threads for minutes once they start.)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     texts: dict[str, str] = {}
@@ -113,6 +115,41 @@ def test_a_slow_schema_gets_a_400_in_the_compile_timeout_and_a_plain_request_bes
         assert elapsed < COMPILE_TIMEOUT + 1.5, f"answered after {elapsed:.1f} s: {text}"
         if status == 400:
             assert f"{param} took longer than {COMPILE_TIMEOUT:g} s to compile" in text, text
+
+
+def test_two_slow_schemas_are_killed_at_their_timeout_and_the_next_schema_compiles_at_once(server):
+    answers: list[tuple[int, float, str]] = []
+
+    def slow(tag: str) -> None:
+        t0 = time.monotonic()
+        with server.client() as c:
+            r = c.post("/v1/chat/completions", json=_chat(slow_schema(tag)))
+        answers.append((r.status_code, time.monotonic() - t0, r.text))
+
+    threads = [threading.Thread(target=slow, args=(tag,)) for tag in "yz"]  # two compiles: both workers
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.metric("kvserve_grammar_compiles_pending") == 2, timeout=COMPILE_TIMEOUT)
+    time.sleep(0.3)  # (each worker has its compile)
+    _, busy = grammar_processes(server.proc.pid)
+    for t in threads:
+        t.join(30)
+    assert [status for status, _, _ in answers] == [400, 400], answers
+    assert all(elapsed < COMPILE_TIMEOUT + 1.0 for _, elapsed, _ in answers), answers
+    assert all("took longer than 2 s to compile" in text for _, _, text in answers), answers
+    # Killed at the timeout, not left compiling for minutes: their processes are gone, their slots free.
+    assert len(busy) == 2
+    assert wait_for(lambda: gone(busy), timeout=2.0) < 0.5
+    assert server.metric("kvserve_grammar_compiles_pending") == 0
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}  # not compiled before on this server
+    t0 = time.monotonic()
+    with server.client() as c:
+        r = c.post("/v1/chat/completions", json={**_chat(schema), "max_tokens": 16})
+    took = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert took < 1.0, f"a small schema after two killed compiles took {took:.2f} s"
+    assert set(json.loads(_text("openai-chat", r.json()))) == {"n"}
 
 
 def _text(family: str, body: dict) -> str:

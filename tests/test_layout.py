@@ -20,8 +20,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the CPU's features, the engine's output types.
     ("base", ("kvserve", "kvserve.errors", "kvserve.config", "kvserve.cpu", "kvserve.hugepages", "kvserve.outputs")),
     # Libraries that know no model and no engine: the HTTP front (web/), tokenizer and chat
-    # template, output constraints, sampling parameters and their defaults, fill-in-the-middle,
-    # the GGUF reader the tokenizer and the model's load share, the stores of models users already have.
+    # template, output constraints (and the processes that compile them: structured.compile_worker),
+    # sampling parameters and their defaults, fill-in-the-middle, the GGUF reader the tokenizer and
+    # the model's load share, the stores of models users already have.
     ("libraries", ("kvserve.web", "kvserve.tokenizer", "kvserve.structured", "kvserve.sampling_params",
                    "kvserve.generation_defaults", "kvserve.fim", "kvserve.gguf_reader", "kvserve.stores")),
     ("kernels", ("kvserve.kernels",)),

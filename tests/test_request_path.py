@@ -205,6 +205,7 @@ def traced() -> Path:
             return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
         assert chat("Name a colour.")  # warm-up: first-use costs stay out of the window
+        assert app.state.ctx.grammars.started.wait(60)  # and the grammar processes' start (grammar_pool.py)
         recorder.on = True  # the idle server's own work is background
         time.sleep(1.5)
         recorder.on = False

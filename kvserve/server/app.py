@@ -102,6 +102,7 @@ def build_app(
         raise ValueError("pass either llm (a loaded LLM) or load (a function that loads one)")
     ctx = ServerContext(settings)
     if llm is not None:
+        ctx.grammars.start(llm.engine.grammars)  # (not waited for: a structured request waits instead)
         ctx.state.set_ready(llm)
 
     def load_failed(e: BaseException) -> None:
@@ -111,6 +112,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.grammars.start()  # the compile processes' import (~3 s) runs while the model loads
         if load is not None:
             app.state.loader = ctx.state.load_in_background(load, load_failed)
         yield

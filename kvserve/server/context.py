@@ -23,6 +23,10 @@ from kvserve.server.parsing import parse
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
 
+# The most a loading server waits for its grammar compile processes before it says ready (they take
+# ~3 s; past this, a structured request waits for them instead).
+GRAMMAR_START_WAIT = 60.0
+
 
 class ServerContext:
     """What every route handler needs, in one object the app holds."""
@@ -31,6 +35,7 @@ class ServerContext:
         self.settings = settings
         self.state = ServerState(settings)
         self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
+        self.state.on_ready.append(lambda llm: self.grammars.start(llm.engine.grammars, wait=GRAMMAR_START_WAIT))
         # The metrics read the engine through the client, which is made after them (it observes into them).
         self.metrics = ServerMetrics(lambda: self.client.stats(), lambda: self.state.num_admitted_requests,
                                      self._grammar_stats, settings.model_name, lambda: self.client.cache_info())

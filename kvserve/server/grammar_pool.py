@@ -1,21 +1,31 @@
-"""Grammar compiles on a pool of their own, bounded in threads, queue and time, owned by their request.
+"""Grammar compiles on a pool of their own, bounded in processes, queue and time, owned by their request.
 
-Compiling a constraint is C++ work of up to a second within the size limits
-(kvserve/structured/limits.py). On the default thread pool, which body parsing and tokenizing
-share, a few slow compiles would starve every other request while /health still says 200. So:
-  - compiles run on `threads` threads of their own; at most `max_pending` wait or run at once,
-    one more request is answered 429 at once;
+Compiling a constraint is C++ work: milliseconds for most schemas, minutes for some inside the
+size limits (kvserve/structured/limits.py; an object of 4,000 optional properties), and xgrammar
+cannot be interrupted. On the default thread pool, which body parsing and tokenizing share, slow
+compiles would starve every other request while /health still says 200; on threads of their
+own, they would hold those threads for minutes after their requests left. So:
+  - each compile runs first in a worker process (kvserve/structured/compile_worker.py), one per
+    thread of this pool (`workers`); at most `max_pending` compiles wait or run at once, one
+    more request is answered 429 at once;
   - a request waits at most `timeout` seconds for its compile, then gets a 400 naming the limit;
-  - a request that ends (its client left — watched while it waits —, or the timeout) takes its
-    compile off the queue if it has not started. One that has started runs to its end (xgrammar cannot be interrupted),
-    bounded by the size limits; it still counts against `max_pending` until then, and its
-    result is kept in the cache for the next request that asks;
+  - a compile that no request waits for any more (its clients left — watched while they wait —,
+    timed out, or were cut off by a drain) leaves the queue if it has not started, and has its
+    process killed if it has: its worker is free at once, and nothing compiles for nobody;
+  - what compiled in its worker is compiled again here, on the same thread, for the engine (a
+    compiled grammar costs more to carry between processes than to compile: compile_worker.py),
+    unless that second compile would end after its last request stops waiting: then the 400
+    comes at once. This process only runs compiles seen to end within the timeout; a cache miss
+    costs about twice a compile (a small schema: ~0.5 ms more than on a thread);
   - a request whose constraint is already compiling waits for that compile instead of starting
-    another, so one slow schema sent again and again holds one thread, and other requests'
+    another, so one slow schema sent again and again holds one worker, and other requests'
     grammars still compile on the rest;
-  - a wait is work a drain may cut off (`tracked`: ServerState.work): past the drain timeout
-    the request gets a 503, and a compile still running never holds the process
-    (kvserve/server/lifecycle.py exits without joining its thread).
+  - shutdown kills the processes, waiting for none.
+The processes start with the server (`start`): the fork server's import of xgrammar (~3 s) runs
+while the model loads, its vocabulary follows once the model is loaded, before the server says
+it is ready. (A server given a loaded model starts them at once and says ready meanwhile: a
+structured request that comes before they are up waits for them, once, and that wait is not
+counted against its timeout.)
 Every generation route compiles here, before its prompt is tokenized and checked
 (kvserve/server/context.py); the engine's check only reads what was compiled.
 """
@@ -24,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,14 +43,16 @@ from starlette.types import Receive
 
 from kvserve.errors import InvalidParam
 from kvserve.server.errors import APIError, cut_off
+from kvserve.structured.compile_worker import CompileProcesses, CompileWorker, WorkerGone
+from kvserve.structured.grammar import GrammarCompiler
 from kvserve.structured.spec import Constraint
 
 log = logging.getLogger("kvserve.server")
 
 
 class GrammarPool:
-    def __init__(self, threads: int = 2, max_pending: int = 8, timeout: float = 10.0) -> None:
-        self.threads = threads
+    def __init__(self, workers: int = 2, max_pending: int = 8, timeout: float = 10.0) -> None:
+        self.workers = workers
         self.max_pending = max_pending
         self.timeout = timeout
         self.pending = 0  # compiles queued or running (changed on the loop and by done callbacks)
@@ -46,22 +60,53 @@ class GrammarPool:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._compiling: dict[tuple[str, str], _Job] = {}  # by constraint, on the event loop
+        self._processes = CompileProcesses()
+        self._loading = False  # the vocabulary is on its way to the fork server
+        self.started = threading.Event()  # set once it arrived there (or failed to): compiles can run
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvserve-grammar")
+            self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="kvserve-grammar")
         return self._executor
 
-    async def compile(self, compiler: Any, c: Constraint, receive: Receive | None = None,
+    def start(self, compiler: GrammarCompiler | None = None, wait: float = 0.0) -> None:
+        """Start the compile processes ahead of the first structured request, off the event loop:
+        the fork server's import now, its vocabulary once the model is loaded (`compiler`); with
+        `wait`, up to that many seconds until they are up (a server's loading thread waits so)."""
+        if self._loading:
+            self.started.wait(wait)
+            return  # started already, the vocabulary on its way
+        self._loading = compiler is not None
+
+        def run() -> None:
+            try:
+                self._processes.start(_vocabulary(compiler) if compiler is not None else None)
+            except Exception as e:  # noqa: BLE001 - the first structured request says what is wrong
+                if not self._processes.closed:
+                    log.warning("the grammar compile processes did not start: %s", e)
+            finally:
+                if compiler is not None:
+                    self.started.set()  # (also when they failed: each compile then says why)
+
+        threading.Thread(target=run, name="kvserve-grammar-start", daemon=True).start()
+        if compiler is not None:
+            self.started.wait(wait)
+
+    async def compile(self, compiler: GrammarCompiler, c: Constraint, receive: Receive | None = None,
                       tracked: set[asyncio.Future] | None = None) -> None:
         """Compile c for this request (it is pinned on c), or raise: InvalidParam (400) for a
         constraint over the limits, too slow or invalid; APIError 429 when the pool is full, 400
         when the client left (`receive`: the request's ASGI receive, its body already read), 503
         when a drain cut the wait off (`tracked`: the server's work that a drain may cancel).
         Requests for a constraint already compiling wait for that compile: a schema sent again
-        and again (a client retrying) takes one thread, not all of them."""
+        and again (a client retrying) takes one worker, not all of them."""
         if compiler.cached(c):
             return
+        compiler.check(c)  # over the size limits: a 400 at once, whatever the pool is doing
+        if not self.started.is_set():  # seconds, once, as the server starts: not counted against the timeout
+            self.start(compiler)
+            while not self.started.is_set():
+                await asyncio.sleep(0.02)  # (a poll: only while the processes start)
         job = self._compiling.get(c.key)
         if job is None:
             with self._lock:
@@ -69,11 +114,14 @@ class GrammarPool:
                     raise APIError(429, f"{self.pending} structured-output grammars are compiling, this server's "
                                    "limit: retry after a moment", code="grammar_pool_full", headers={"Retry-After": "1"})
                 self.pending += 1
-            future = self._pool().submit(compiler.build, c)
+            job = _Job()
+            future = self._pool().submit(self._run, compiler, c, job)
             future.add_done_callback(self._done)  # before the loop hears of the end: a waiter sees pending counted down
-            job = self._compiling[c.key] = _Job(future)
+            job.attach(future)
+            self._compiling[c.key] = job
             job.result.add_done_callback(lambda _, key=c.key, j=job: self._forget(key, j))
         job.waiters += 1
+        job.deadline = max(job.deadline, time.monotonic() + self.timeout)
         waiting = asyncio.shield(job.result)  # a waiter that leaves cancels its own wait only
         left = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
         if tracked is not None:
@@ -89,19 +137,55 @@ class GrammarPool:
             if left is not None and left in done:
                 log.info("a client left while its grammar (%s) compiled", c.param)
                 raise APIError(400, "the client disconnected while its grammar compiled", code="client_disconnected")
-            self.timeouts += 1
+            with self._lock:
+                self.timeouts += 1
             log.info("a grammar compile (%s) passed %g s: the request gets a 400", c.param, self.timeout)
-            raise InvalidParam(c.param, f"{c.param} took longer than {self.timeout:g} s to compile, this server's "
-                               "limit (--grammar-compile-timeout): make it simpler")
+            raise _too_slow(c, self.timeout)
         finally:
             waiting.cancel()
             job.waiters -= 1
-            if not job.waiters and job.future.cancel():  # not started, and no request waits for it: never starts
-                self._forget(c.key, job)
+            if not job.waiters and not job.result.done():  # no request waits for it any more
+                self._forget(c.key, job)  # the next request for c starts a compile of its own
+                if not job.future.cancel():  # started: its process is killed, its worker free at once
+                    job.abandon()
             if tracked is not None:
                 tracked.discard(waiting)
             if left is not None:
                 left.cancel()
+
+    def _run(self, compiler: GrammarCompiler, c: Constraint, job: _Job) -> Any:
+        """On a pool thread: c compiled in this thread's worker process, then here if it compiled
+        there in time."""
+        compiler.check(c)  # over the size limits: refused before any work
+        try:
+            worker = self._processes.worker(_vocabulary(compiler))
+        except WorkerGone:
+            if self._processes.closed:
+                raise _Abandoned from None
+            raise APIError(503, "the grammar compiler's processes failed to start: retry in a moment",
+                           code="grammar_compiler_unavailable", headers={"Retry-After": "1"}) from None
+        if not job.begin(worker):
+            raise _Abandoned
+        try:
+            took = worker.try_compile(c)
+        except WorkerGone:
+            self._processes.discard()
+            if job.abandoned or self._processes.closed:
+                raise _Abandoned from None
+            log.warning("a grammar compile process ended while it compiled %s", c.param)
+            raise InvalidParam(c.param, f"{c.param} could not be compiled: the grammar compiler's process ended on it "
+                               "(out of memory?): make it simpler") from None
+        finally:
+            job.end()
+        if job.abandoned:
+            raise _Abandoned
+        if time.monotonic() + took > job.deadline:  # compiled here too, it would end after every request left
+            with self._lock:
+                self.timeouts += 1
+            log.info("a grammar compile (%s) took %.1f s in its worker: compiled again here, it would end past "
+                     "its requests' %g s, so they get a 400", c.param, took, self.timeout)
+            raise _too_slow(c, self.timeout)
+        return compiler.build(c)
 
     def _done(self, future: Any) -> None:
         with self._lock:
@@ -114,18 +198,56 @@ class GrammarPool:
             job.result.exception()  # retrieved: a compile's error with no waiter left is not logged as lost
 
     def shutdown(self) -> None:
-        """Drop the queued compiles; a running one is left to the process's exit (lifecycle.py)."""
+        """Drop the queued compiles and kill the compile processes, the running compiles with them:
+        nothing is waited for. A compile's second pass in this process (bounded by `timeout`) is
+        left to the process's exit (lifecycle.py)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        self._processes.kill()
 
 
 class _Job:
-    """One compile and the requests waiting for it."""
+    """One compile, the requests waiting for it, and the worker process running it."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self) -> None:
+        self.waiters = 0
+        self.deadline = 0.0  # time.monotonic() when its last request stops waiting
+        self.abandoned = False  # no request waits for it: it never starts, or ends at once
+        self.worker: CompileWorker | None = None  # while its process compiles it
+        self._lock = threading.Lock()
+
+    def attach(self, future: Future) -> None:
         self.future = future  # on the pool's thread
         self.result = asyncio.wrap_future(future)  # the same, on the event loop
-        self.waiters = 0
+
+    def begin(self, worker: CompileWorker) -> bool:
+        with self._lock:
+            if not self.abandoned:
+                self.worker = worker
+            return not self.abandoned
+
+    def end(self) -> None:
+        with self._lock:
+            self.worker = None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+            if self.worker is not None:
+                self.worker.kill()
+
+
+class _Abandoned(Exception):
+    """A compile that no request waits for any more, stopped: nobody reads this."""
+
+
+def _vocabulary(compiler: GrammarCompiler) -> Callable[[], str]:
+    return lambda: compiler.tokenizer_info().serialize_json()
+
+
+def _too_slow(c: Constraint, timeout: float) -> InvalidParam:
+    return InvalidParam(c.param, f"{c.param} took longer than {timeout:g} s to compile, this server's limit "
+                        "(--grammar-compile-timeout): make it simpler")
 
 
 async def _until_disconnect(receive: Receive) -> None:

@@ -11,9 +11,11 @@ run longer than its stall timeout, and `dead` once the engine loop has failed.
 
 Signals: the first SIGTERM/SIGINT while serving drains (new requests get 503, admitted ones
 finish, up to drain_timeout, and those still waiting then are cut off, grammar compiles'
-included), then the process exits 0, within EXIT_GRACE of the server's end even when a thread
-still runs (a grammar compile cannot be interrupted). A second signal, or one that arrives
-while the process is still starting, exits at once with status 0 and one log line.
+included; their compile processes are killed), then the process exits 0, within EXIT_GRACE of
+the server's end even when a thread still runs (a grammar's compile in this process, which cannot
+be interrupted but was seen to end within the compile timeout: kvserve/server/grammar_pool.py).
+A second signal, or one that arrives while the process is still starting, exits at once with
+status 0 and one log line.
 """
 from __future__ import annotations
 
@@ -87,6 +89,9 @@ class ServerState:
         self._idle = asyncio.Event()  # set while no request is admitted (drain waits on it)
         self._idle.set()
         self.work: set[asyncio.Future] = set()  # responses being generated (see serving.py)
+        # Called with the loaded model before /health says ready, on the loading thread (they may block there):
+        # the grammar compile processes get its vocabulary, so no request waits for them.
+        self.on_ready: list[Callable[[LLM], None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------
     def set_ready(self, llm: LLM) -> None:
@@ -103,6 +108,8 @@ class ServerState:
         def run() -> None:
             try:
                 llm = load()
+                for hook in self.on_ready:
+                    hook(llm)
             except BaseException as e:  # noqa: BLE001 - reported to the serving side
                 self.phase = Phase.FAILED
                 loop.call_soon_threadsafe(on_failure, e)
@@ -227,9 +234,10 @@ class EngineServer(DrainingServer):
     async def serve(self, sockets=None) -> None:
         await super().serve(sockets)
         if self._draining:
-            # Nothing is left to answer, but a thread may still hold the process: a grammar compile
-            # runs to its end and the interpreter joins its pool's threads at exit, as asyncio.run
-            # joins the loop's worker threads. Leave anyway if they have not ended in a moment.
+            # Nothing is left to answer, but a thread may still hold the process: a grammar's compile
+            # in this process runs to its end (up to the compile timeout) and the interpreter joins
+            # the pool's threads at exit, as asyncio.run joins the loop's worker threads. Leave
+            # anyway if they have not ended in a moment.
             timer = threading.Timer(EXIT_GRACE, exit_now, args=("threads still running after the drain",))
             timer.daemon = True
             timer.start()

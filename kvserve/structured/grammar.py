@@ -60,9 +60,33 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def compile_constraint(compiler: Any, c: Constraint) -> Any:
+    """c compiled by an xgrammar GrammarCompiler (the size limits are the caller's), or an
+    InvalidParam that names the request field and what is wrong."""
+    try:
+        if c.kind == "json":
+            # No free whitespace: small models otherwise fill the output with blank lines; and
+            # no unbounded numbers, which a sampled model may extend until max_tokens (bounds.py).
+            return compiler.compile_json_schema(bounds.bounded(c.value), any_whitespace=False, strict_mode=True)
+        if c.kind == "json_object":
+            # Any object, its values' numbers bounded as a schema's are (bounds.py).
+            return compiler.compile_json_schema(bounds.bounded(bounds.JSON_OBJECT), any_whitespace=False)
+        if c.kind == "regex":
+            return compiler.compile_regex(c.value)
+        if c.kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(json.loads(c.value)))
+        return compiler.compile_grammar(c.value)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(c.kind, "constraint")
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+        raise InvalidParam(c.param, f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
+
+
 class GrammarCompiler:
-    """Constraint → compiled grammar, for one tokenizer. Built on first use: loading the
-    vocabulary into xgrammar takes ~0.5 s, which a server that never sees a grammar need not pay.
+    """Constraint → compiled grammar, for one tokenizer. Built on first use (loading the
+    vocabulary into xgrammar takes ~0.5 s); a server builds it once its model is loaded, to give
+    the vocabulary to its compile processes (kvserve/server/grammar_pool.py).
 
     A constraint over the size limits (kvserve/structured/limits.py) is refused before any work.
     Compiled grammars are kept in a cache bounded by bytes (kvserve/structured/grammar_cache.py;
@@ -74,6 +98,7 @@ class GrammarCompiler:
         self._vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's)
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
+        self._info: Any = None  # xgrammar's TokenizerInfo, with the compiler
         self._lock = threading.Lock()
         self.cache = GrammarCache()
         self.limits = limits.LIMITS
@@ -87,9 +112,9 @@ class GrammarCompiler:
                     raise ValueError("structured output needs the xgrammar package: pip install xgrammar") from None
                 backend = self._tokenizer.backend
                 vocab = [backend.id_to_token(i) or "" for i in range(self._tokenizer.vocab_size)]
-                info = xgr.TokenizerInfo(vocab, vocab_type(backend.to_str()), vocab_size=self._vocab_size,
-                                         stop_token_ids=self._stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._info = xgr.TokenizerInfo(vocab, vocab_type(backend.to_str()), vocab_size=self._vocab_size,
+                                               stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def cached(self, c: Constraint) -> bool:
@@ -105,29 +130,20 @@ class GrammarCompiler:
         """The compiled grammar, or a ValueError that names the request field and what is wrong."""
         return c.compiled[0] if self.cached(c) else self.build(c)
 
+    def check(self, c: Constraint) -> None:
+        """InvalidParam if c is over the size limits (no compile work is done for it)."""
+        limits.check(c, self.limits)
+
+    def tokenizer_info(self) -> Any:
+        """xgrammar's TokenizerInfo: the vocabulary as the compiles see it (kvserve/structured/compile_worker.py
+        loads it into its processes)."""
+        self._xgr_compiler()
+        return self._info
+
     def build(self, c: Constraint) -> Any:
         """Compile c (no cache lookup), keep it in the cache and on c."""
-        limits.check(c, self.limits)
-        compiler = self._xgr_compiler()
-        try:
-            if c.kind == "json":
-                # No free whitespace: small models otherwise fill the output with blank lines; and
-                # no unbounded numbers, which a sampled model may extend until max_tokens (bounds.py).
-                grammar = compiler.compile_json_schema(bounds.bounded(c.value), any_whitespace=False, strict_mode=True)
-            elif c.kind == "json_object":
-                # Any object, its values' numbers bounded as a schema's are (bounds.py).
-                grammar = compiler.compile_json_schema(bounds.bounded(bounds.JSON_OBJECT), any_whitespace=False)
-            elif c.kind == "regex":
-                grammar = compiler.compile_regex(c.value)
-            elif c.kind == "choice":
-                grammar = compiler.compile_grammar(_choice_grammar(json.loads(c.value)))
-            else:
-                grammar = compiler.compile_grammar(c.value)
-        except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(c.kind, "constraint")
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
-            raise InvalidParam(c.param, f"{c.param} is not a valid {what} that kvserve can enforce: {reason}") from None
+        self.check(c)
+        grammar = compile_constraint(self._xgr_compiler(), c)
         self.cache.put(c.key, grammar, grammar.memory_size_bytes)
         c.compiled[:] = [grammar]
         return grammar
