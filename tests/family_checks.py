@@ -1,6 +1,7 @@
-"""What the architecture tests (test_qwen3.py, test_phi3.py) check the same way: random prompts,
-transformers' greedy tokens, kvserve's, the native step against the per-op path, and greedy
-choices along a given sequence (teacher forcing, tests/test_quant.py's measure of agreement)."""
+"""What the architecture tests (test_qwen3.py, test_phi3.py, test_gemma.py, test_moe.py) check the same
+way: random prompts, transformers' greedy tokens, kvserve's, the native step against the per-op
+path, and greedy choices along a given sequence (teacher forcing, tests/test_quant.py's measure of
+agreement)."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ import random
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig
 
 TOKENS = 24
 
@@ -57,3 +59,22 @@ def greedy_along(llm: LLM, ids: list[int], tokens: list[int]) -> list[int]:
             cache, token = llm.decode(cache, t)
             out.append(token)
     return out
+
+
+def agreement(llm: LLM, hf, batch: list[list[int]]) -> tuple[int, int]:
+    """(steps where `llm`'s greedy choice, fed transformers' own tokens, is transformers', steps): a
+    quantized model is a slightly different one, so it agrees at nearly every step, not all."""
+    steps = agree = 0
+    for p in batch:
+        want = reference(hf, p)
+        got = greedy_along(llm, p, want)
+        steps += len(want)
+        agree += sum(g == w for g, w in zip(got, want))
+    return agree, steps
+
+
+def float32_tokens(path, hf, n: int = 3, seed: int = 5) -> tuple[list[list[int]], list[list[int]]]:
+    """(kvserve's, transformers') greedy tokens for n random prompts, the model at `path` loaded in float32."""
+    llm = LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
+    batch = prompts(n, seed)
+    return greedy(llm, batch), [reference(hf, p) for p in batch]

@@ -17,7 +17,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
-from family_checks import greedy, greedy_along, native_and_per_op, prompts, reference
+from family_checks import agreement, float32_tokens, greedy, native_and_per_op, prompts, reference
 from gguf import GGMLQuantizationType as Q
 
 from tiny_models import convert_with_llama_cpp, make_tiny_hf_model, write_tiny_gguf
@@ -71,9 +71,8 @@ def test_the_config_says_gemma_from_both_sources(gemma) -> None:
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_float32_greedy_tokens_equal_transformers(gemma, source) -> None:
     _, hf, directory, files = gemma
-    llm = LLM(str(directory if source == "hf" else files["f32"]), dtype="float32", cache=CacheConfig(num_blocks=64))
-    batch = prompts(3, seed=5)
-    assert greedy(llm, batch) == [reference(hf, p) for p in batch]
+    got, want = float32_tokens(directory if source == "hf" else files["f32"], hf)
+    assert got == want
 
 
 @pytest.mark.parametrize("gemma", ["gemma3"], indirect=True)
@@ -109,12 +108,7 @@ def test_the_converters_q8_0_runs_the_native_step_as_the_per_op_path_does_and_ag
     assert native == per_op
     # int8 activations are a slightly different model: greedy tokens fed transformers' own agree at
     # nearly every step (tests/test_quant.py's measure of agreement).
-    steps = agree = 0
-    for p in batch:
-        want = reference(hf, p)
-        got = greedy_along(llm, p, want)
-        steps += len(want)
-        agree += sum(g == w for g, w in zip(got, want))
+    agree, steps = agreement(llm, hf, batch)
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
 
 

@@ -12,7 +12,7 @@ from kvserve import LLM
 from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
-from family_checks import greedy, greedy_along, native_and_per_op, prompts, reference
+from family_checks import agreement, greedy, native_and_per_op, prompts, reference
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
 
 @pytest.fixture(scope="module")
@@ -54,10 +54,5 @@ def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agree
     assert native == per_op
     # int8 activations are a slightly different model: greedy tokens fed transformers' own agree at
     # nearly every step (tests/test_quant.py's measure of agreement).
-    steps = agree = 0
-    for p in batch:
-        want = reference(hf, p)
-        got = greedy_along(llm, p, want)
-        steps += len(want)
-        agree += sum(g == w for g, w in zip(got, want))
+    agree, steps = agreement(llm, hf, batch)
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
