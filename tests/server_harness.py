@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 from tiny_models import make_tiny_hf_model
 
@@ -145,6 +144,8 @@ def wait_for(condition, timeout: float = 10.0) -> float:
 def grammar_processes(pid: int) -> tuple[set[int], set[int]]:
     """The grammar fork servers under process pid, and their live workers
     (kvserve/structured/compile_worker.py)."""
+    import psutil  # (a test extra: the dependency floors' smoke test imports this module without it)
+
     servers, workers = set(), set()
     for child in psutil.Process(pid).children():
         try:
@@ -158,6 +159,8 @@ def grammar_processes(pid: int) -> tuple[set[int], set[int]]:
 
 def gone(pids: set[int]) -> bool:
     """Whether every process in pids has ended (a zombie has: it only waits to be reaped)."""
+    import psutil
+
     def ended(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
