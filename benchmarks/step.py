@@ -95,7 +95,7 @@ def breakdown(llm: LLM, batch: int, context: int, reps: int) -> dict[str, float]
     q, k, v = model.ops.rope_and_store(qkv, cos, sin, kv[0], slots, H, kv_scale=scales[0])
     o = model.attention.forward(q, k, v, kv[0], meta, model.scale, kv_scale=scales[0])
     gu = lw.gate_up(x)
-    act = model.ops.silu_mul(gu)
+    act = model.ops.glu(gu)
     ids = torch.zeros(batch, dtype=torch.long)
     logits = model.logits(x)
     rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(batch)]
@@ -117,7 +117,7 @@ def breakdown(llm: LLM, batch: int, context: int, reps: int) -> dict[str, float]
                                model.ops.add_rms_norm(x.clone(), x, lw.post_norm, 1e-5))),
         "RoPE + KV store": each_layer(
             lambda lw, cache: model.ops.rope_and_store(qkv, cos, sin, cache[0], slots, H, kv_scale=cache[1])),
-        "SiLU * up": each_layer(lambda lw, cache: model.ops.silu_mul(gu.clone())),
+        "SiLU * up": each_layer(lambda lw, cache: model.ops.glu(gu.clone())),
         "embedding + RoPE tables + final norm": lambda: (quant.embedding(ids, model.embed, model.dtype),
                                                          model.rope(torch.full((batch,), context - 1)),
                                                          model.ops.add_rms_norm(x.clone(), x, model.norm, 1e-5)),

@@ -91,7 +91,7 @@ class Experts:
     top_k: int
     renormalize: bool
 
-    def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor, str], torch.Tensor], act: str) -> torch.Tensor:
         probs = torch.softmax(torch.nn.functional.linear(h, self.router).float(), dim=-1)  # [T, E]
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.renormalize:
@@ -100,7 +100,7 @@ class Experts:
         out = torch.zeros_like(h)
         for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            y = self.down[e](glu(self.gate_up[e](h[rows])))
+            y = self.down[e](glu(self.gate_up[e](h[rows]), act))
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
@@ -303,8 +303,7 @@ class LlamaModel:
             if lw.attn_out_norm is not None:
                 o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
             x, h = ops.add_rms_norm(x, o, lw.post_norm, eps, h_buf)
-            glu = ops.gelu_mul if self.config.hidden_act == "gelu_tanh" else ops.silu_mul
-            delta = lw.experts(h, glu) if lw.experts else lw.down(glu(lw.gate_up(h)))
+            delta = lw.experts(h, ops.glu, c.hidden_act) if lw.experts else lw.down(ops.glu(lw.gate_up(h), c.hidden_act))
             if lw.mlp_out_norm is not None:
                 delta = ops.add_rms_norm(delta, None, lw.mlp_out_norm, eps)[1]
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step

@@ -115,20 +115,12 @@ class LayerOps:
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2F] (gate, then up) -> [T, F], computed in place in gate_up's first half (the
-        caller's temporary): no new tensor. float32 under native_step_arith through the kernel (the
-        native decode step's arithmetic), else torch's own ops."""
+    def glu(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """[T, 2F] (gate, then up) -> act(gate) * up [T, F]: act "silu" (SwiGLU) or "gelu_tanh" (Gemma's
+        GeGLU). SiLU's in place in gate_up's first half (the caller's temporary). float32 under
+        native_step_arith through the kernel (the native decode step's arithmetic), else torch's own ops."""
         if self.native_step_arith and gate_up.dtype == torch.float32 and (self.checked or layer_ops.supports(gate_up)):
-            return layer_ops.silu_mul(gate_up)
+            return layer_ops.silu_mul(gate_up) if act == "silu" else layer_ops.gelu_mul(gate_up)
         f = gate_up.shape[-1] // 2
         gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)  # narrow: one dispatch, chunk: five
-        return F.silu(gate, inplace=True).mul_(up)
-
-    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """GeGLU, silu_mul's twin: [T, 2F] -> gelu_tanh(gate) * up [T, F] (Gemma)."""
-        if self.native_step_arith and gate_up.dtype == torch.float32 and (self.checked or layer_ops.supports(gate_up)):
-            return layer_ops.gelu_mul(gate_up)
-        f = gate_up.shape[-1] // 2
-        gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)
-        return F.gelu(gate, approximate="tanh").mul_(up)
+        return (F.silu(gate, inplace=True) if act == "silu" else F.gelu(gate, approximate="tanh")).mul_(up)
