@@ -15,7 +15,7 @@ FLOORS_PIP_FLAGS ?= --no-compile
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
-.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-speculative bench-router soak clean
+.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-prompts bench-speculative bench-router soak clean
 
 setup: $(STAMP)
 
@@ -112,6 +112,11 @@ clean:
 # alternated rounds a cell (a shared VM drifts by a fifth over minutes): ~60 min.
 bench-formats: $(BENCH_STAMP)  ## kvserve vs llama-server per weight format and model size; writes docs/benchmarks.md
 	$(PY) -m benchmarks.formats --rounds 3 --write docs/benchmarks.md $(ARGS)
+
+# Long unique prompts (1k and 4k tokens, 1 and 4 clients) on the default model and the 1B shape, kvserve beside
+# llama-server (built with clang where installed, so that ggml's AMX kernels run), against the int8 matrix peak.
+bench-prompts: $(BENCH_STAMP)  ## prompt tokens/s and TTFT vs llama-server and the int8 matrix peak; writes docs/benchmarks.md
+	$(PY) -m benchmarks.prompts --write docs/benchmarks.md $(ARGS)
 
 # Speculation off and on behind HTTP: kvserve (--speculative ngram) beside llama-server (--spec-type
 # ngram-simple, two lookup lengths) on the copy and random workloads at 1 and 4 users: ~10 min.

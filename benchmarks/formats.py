@@ -54,6 +54,7 @@ def _shape_of(name: str) -> tuple[str | None, str]:
     shape, _, fmt = name.rpartition("-")
     return (shape if shape in SHAPES else None), fmt
 BEGIN, END = "<!-- formats:begin -->", "<!-- formats:end -->"
+NO_AMX = "kvserve-noamx"  # kvserve with its AMX tiles turned off (KVSERVE_AMX=0): what they add
 
 
 def model_file(name: str, progress=print) -> Path:
@@ -148,13 +149,13 @@ def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int 
     w.close()
 
 
-def argv_for(who: str, model: Path, slots: int):
-    if who == "kvserve":
+def argv_for(who: str, model: Path, slots: int, ctx_per_slot: int = CTX_PER_SLOT):
+    if who.startswith("kvserve"):
         return lambda port: [sys.executable, "-m", "kvserve", "serve", "--model", str(model), "--port", str(port),
                              "--no-access-log", "--threads", str(THREADS)]
     binary = peers.setup_llama_server()
     return lambda port: [str(binary), "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots),
-                         "-c", str(slots * CTX_PER_SLOT), "--host", "127.0.0.1", "--port", str(port)]
+                         "-c", str(slots * ctx_per_slot), "--host", "127.0.0.1", "--port", str(port)]
 
 
 def point_path(out: Path, who: str, model: Path, concurrency: int, round_: int) -> Path:
@@ -162,15 +163,19 @@ def point_path(out: Path, who: str, model: Path, concurrency: int, round_: int) 
 
 
 def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, output_len: int,
-            round_: int = 0) -> dict:
-    path = point_path(out, who, model, concurrency, round_)
+            round_: int = 0, prompts: int | None = None, path: Path | None = None) -> dict:
+    """One cell: `prompts` requests (default max(2 clients, 8)) of random unique prompts, streamed by
+    `concurrency` clients to a fresh server; saved at `path` (default point_path) and read back from there."""
+    path = path or point_path(out, who, model, concurrency, round_)
     if path.exists():
         return json.loads(path.read_text())
-    print(f"== {who} on {model.name}, {concurrency} client(s), round {round_ + 1}", flush=True)
-    server = Server(argv_for(who, model, concurrency), {"OMP_NUM_THREADS": str(THREADS)}, out / f"{path.stem}.log")
+    print(f"== {who} on {model.name}, {concurrency} client(s), {input_len} tokens in, round {round_ + 1}", flush=True)
+    ctx = max(CTX_PER_SLOT, input_len + output_len + 64)
+    env = {"OMP_NUM_THREADS": str(THREADS), **({"KVSERVE_AMX": "0"} if who == NO_AMX else {})}
+    server = Server(argv_for(who, model, concurrency, ctx), env, out / f"{path.stem}.log")
     try:
         name = server.wait_ready()
-        dataset = DatasetConfig("random", max(2 * concurrency, 8), input_len, output_len, seed=concurrency)
+        dataset = DatasetConfig("random", prompts or max(2 * concurrency, 8), input_len, output_len, seed=concurrency)
         cfg = BenchConfig(base_url=server.url, model=name, dataset=dataset, max_concurrency=concurrency,
                           max_duration=300, timeout=360, num_warmups=1)
         point = run(cfg, load_samples(dataset, bench_tokenizer())).to_dict()
@@ -259,6 +264,14 @@ def plot(points: dict[tuple[str, str, int], list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def measured_on(stamps: list[float]) -> str:
+    """'Measured <date> on <CPU> (<its AVX2 / AVX-512 / AMX flags>)' for points saved at these times."""
+    from kvserve import cpu
+
+    flags = " ".join(sorted(f for f in cpu.cpu_flags() if f.startswith(("avx2", "avx512", "amx"))))
+    return f"Measured {time.strftime('%Y-%m-%d', time.localtime(min(stamps)))} on {cpu.cpu_model()} ({flags})"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default=",".join((*FORMATS, ONE_B)),
@@ -273,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None,
                     help="a folder of saved points (default: this commit's); points missing there are measured")
     args = ap.parse_args(argv)
-    from kvserve import cpu
     from benchmarks import limits as limits_mod
 
     out = args.results or results_dir(args.fresh, Plan(name="formats"))  # the plan names the results folder only
@@ -294,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     points.setdefault((who, fmt, c), []).append(
                         measure(who, model, c, out, args.input_len, args.output_len, r))
                     stamps.append(point_path(out, who, model, c, r).stat().st_mtime)
-    flags = " ".join(sorted(f for f in cpu.cpu_flags() if f.startswith(("avx2", "avx512", "amx"))))
-    section = [BEGIN, "", f"Measured {time.strftime('%Y-%m-%d', time.localtime(min(stamps)))} on {cpu.cpu_model()} "
-               f"({flags}), {THREADS} threads each, "
+    section = [BEGIN, "", f"{measured_on(stamps)}, {THREADS} threads each, "
                f"{args.input_len}-token prompts, {args.output_len} tokens out (EOS ignored), "
                f"measured read bandwidth {lim['bandwidth_gbs']:.1f} GB/s; `make bench-formats` "
                f"({(max(stamps) - min(stamps)) / 60 + 1:.0f} min)"

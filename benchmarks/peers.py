@@ -65,10 +65,11 @@ _AMX_PROBE = r"""
 #include <sys/syscall.h>
 #include <unistd.h>
 int main(void) {
-    unsigned char cfg[64];
+    unsigned char cfg[64] __attribute__((aligned(64)));
     syscall(SYS_arch_prctl, 0x1023, 18); /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, as ggml asks */
     memset(cfg, 0, sizeof cfg);
     cfg[0] = 1, cfg[16] = 64, cfg[48] = 16; /* palette 1, tile 0: 16 rows of 64 bytes */
+    __asm__ volatile("" ::: "memory"); /* gcc 12 drops stores only ldtilecfg reads without it */
     _tile_loadconfig(cfg);
     _tile_zero(0);
     _tile_release();
@@ -77,17 +78,24 @@ int main(void) {
 """
 
 
-def amx_runs() -> bool:
+def amx_runs(cc: str = "cc") -> bool:
     """Whether AMX tile instructions run here (False where the CPU lacks them, or lists them and
-    faults, as some VMs do)."""
+    faults, as some VMs do), the probe built with `cc`."""
     if "amx_tile" not in Path("/proc/cpuinfo").read_text(errors="replace"):
         return False
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "amx.c", Path(tmp) / "amx"
         src.write_text(_AMX_PROBE)
-        if subprocess.run(["cc", "-O1", "-mamx-tile", "-o", str(exe), str(src)], capture_output=True).returncode:
+        if subprocess.run([cc, "-O1", "-mamx-tile", "-o", str(exe), str(src)], capture_output=True).returncode:
             return False
         return subprocess.run([str(exe)], capture_output=True).returncode == 0
+
+
+def llama_compiler() -> str:
+    """The compiler llama-server is built with: clang where installed, else the system's cc. ggml's AMX
+    kernels run only in clang's build: gcc 12 drops the stores into ggml's tile configuration before
+    `ldtilecfg` (objdump shows them gone), so its first tile instruction faults; gcc builds go without AMX."""
+    return "clang" if shutil.which("clang") and shutil.which("clang++") else "cc"
 
 
 def llama_cpp_sources(progress=print) -> Path:
@@ -127,29 +135,38 @@ def _unpacked_sources(root: Path, progress) -> Path:
 
 
 def setup_llama_server(progress=print) -> Path:
-    """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake; return its path."""
+    """Build llama-server from llama-cpp-python's sdist (vendor/llama.cpp) with CMake (llama_compiler(); one
+    build folder per compiler); return its path."""
     root = cache_root() / f"llama.cpp-{LLAMA_CPP_PYTHON}"
-    binary = root / "build" / "bin" / "llama-server"
-    if binary.exists() and (root / "built.ok").exists():
+    clang = llama_compiler() == "clang"
+    build = root / ("build-clang" if clang else "build")
+    binary, done = build / "bin" / "llama-server", build / "built.ok"
+    if binary.exists() and (done.exists() or (not clang and (root / "built.ok").exists())):
         return binary
     vendor = llama_cpp_sources(progress)
     log = root / "setup.log"
-    build = root / "build"
     if not (build / "CMakeCache.txt").exists():
-        progress("llama.cpp: configuring (CMake)")
-        # GGML_NATIVE turns AMX on where cpuinfo lists it; some VMs list it but fault on its first
-        # tile instruction (SIGILL in llama-server's first matmul): then it is built without.
+        progress(f"llama.cpp: configuring (CMake, {'clang' if clang else 'cc'})")
+        # GGML_NATIVE turns AMX on where cpuinfo lists it: kept where the tiles run and the compiler keeps
+        # ggml's tile configuration (llama_compiler), else built without.
         no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno-* outrank -march=native's
-        amx = [] if amx_runs() else [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+        amx = [] if clang and amx_runs("clang") else [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
+        compilers = ["-DCMAKE_C_COMPILER=clang", "-DCMAKE_CXX_COMPILER=clang++"] if clang else []
         _run(["cmake", "-S", str(vendor), "-B", str(build), "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DCMAKE_BUILD_TYPE=Release", *amx], log)
+              "-DCMAKE_BUILD_TYPE=Release", *compilers, *amx], log)
     progress("llama.cpp: building llama-server and llama-quantize (about 10 minutes on two cores; cached afterwards)")
     _run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(os.cpu_count() or 2)], log)
     if not binary.exists() or not quantize_binary(binary).exists():
         raise RuntimeError(f"the build finished but {binary} or llama-quantize is missing; see {log}")
-    (root / "built.ok").write_text(LLAMA_CPP_PYTHON + "\n")
+    done.write_text(LLAMA_CPP_PYTHON + "\n")
     return binary
+
+
+def llama_uses_amx(binary: Path) -> bool:
+    """Whether this llama-server build has ggml's AMX kernels (its CMake cache names no -mno-amx)."""
+    cache = binary.parent.parent / "CMakeCache.txt"
+    return cache.exists() and "-mno-amx" not in cache.read_text(errors="replace") and amx_runs()
 
 
 def quantize_binary(server: Path) -> Path:

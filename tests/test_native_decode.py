@@ -161,6 +161,30 @@ def test_prompt_rows_give_the_bits_of_decoding_the_prompt(llm: LLM, monkeypatch)
     assert torch.equal(mixed[0], runner.run([SeqChunk([5], 20, ta, True)])[0])
 
 
+def test_a_prompt_chunk_gets_the_same_bits_on_amx_tiles(llm: LLM) -> None:
+    """A prompt chunk of 90 rows (180 activation rows at two levels) runs its linears on AMX tiles where they
+    run: the same logits and K/V as on the AVX-512 kernels, so switching them changes no answer. Where they
+    do not run, the switch stays off and both runs take the same kernels."""
+    from benchmarks.peers import amx_runs
+    from kvserve import cpu
+    from kvserve.kernels import quant_matmul
+
+    runner, p = llm.runner, (_prompts(1, seed=11)[0] * 30)[:90]
+    tables, before = [[60, 61, 62, 63, 64, 65], [70, 71, 72, 73, 74, 75]], quant_matmul.amx()
+    try:
+        on = quant_matmul.set_amx(True)
+        tiles = runner.run([SeqChunk(p, 0, tables[0], True)]).clone()
+        assert not quant_matmul.set_amx(False)
+        avx512 = runner.run([SeqChunk(p, 0, tables[1], True)]).clone()
+    finally:
+        quant_matmul.set_amx(before)
+    assert on == (cpu.isa() == "avx512" and {"amx_tile", "amx_int8"} <= cpu.cpu_flags() and amx_runs())
+    assert torch.equal(tiles, avx512)
+    for layer in (0, 15, 29):
+        kv = runner.kv_caches[layer]
+        assert torch.equal(kv[:, :, 60:66].flatten(2, 3)[:, :, :90], kv[:, :, 70:76].flatten(2, 3)[:, :, :90])
+
+
 def test_prompt_rows_take_the_per_op_path_past_the_integer_kernels_rows(llm: LLM, monkeypatch) -> None:
     """Without batch invariance the per-op forward leaves the integer kernel from some row count on
     (BLAS, bf16): a chunk of that many rows keeps it, so the native step changes no path's arithmetic."""

@@ -143,7 +143,40 @@ def check_kernels() -> str:
     tables = {"avx512_vnni": (quant.BLAS_FROM_ROWS_VNNI, quant.BLAS_FROM_ROWS_VNNI_OTHERWISE)}
     table, otherwise = tables.get(dot, (quant.BLAS_FROM_ROWS, quant.BLAS_FROM_ROWS_OTHERWISE))
     assert [quant.blas_from_rows(t) for t in TYPES] == [table.get(t, otherwise) for t in TYPES]
+    check_amx()
     return cpu.isa()
+
+
+def check_amx() -> bool:
+    """AMX tiles (kernels/quant_matmul_amx.h) run exactly where a probe built apart (benchmarks.peers.amx_runs)
+    says tiles run, at the avx512 level, unless KVSERVE_AMX=0; where they do, calls of many rows give the
+    AVX-512 kernels' bits (Q4_0, Q4_1, Q8_0, Q4_K): whole 16-row tiles, tail pairs (576 and 320 columns), rows past the last tile, one
+    and two activation levels, rows past the last 16-row activation tile. Elsewhere the switch cannot turn on."""
+    from benchmarks.peers import amx_runs
+    from kvserve.config import env_switch
+
+    runs = cpu.isa() == "avx512" and {"amx_tile", "amx_int8"} <= cpu.cpu_flags() and amx_runs()
+    expected = runs and env_switch("KVSERVE_AMX")
+    assert quant_matmul.amx() == expected
+    if not runs:
+        assert quant_matmul.set_amx(True) is False
+    if not expected:
+        return False
+    try:
+        for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K):
+            for rows, cols in ((100, 576), (48, 1536), (32, 320)) if qtype != Q.Q4_K else ((100, 512), (48, 1536)):
+                x8 = quant_matmul.pack_x8(torch.from_numpy(random_blocks(qtype, rows, cols, seed=rows)).reshape(-1),
+                                          int(qtype), rows, cols)
+                for T, levels in ((64, 1), (100, 1), (32, 2), (45, 2)):
+                    x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T))
+                    assert quant_matmul.set_amx(True)
+                    tiles = quant_matmul.matmul(x8, quant_matmul.X8 + int(qtype), rows, cols, x, levels)
+                    assert not quant_matmul.set_amx(False)
+                    avx512 = quant_matmul.matmul(x8, quant_matmul.X8 + int(qtype), rows, cols, x, levels)
+                    assert torch.equal(tiles, avx512), (qtype.name, rows, cols, T, levels)
+    finally:
+        quant_matmul.set_amx(expected)
+    return True
 
 
 def test_kernels_at_this_cpus_level() -> None:

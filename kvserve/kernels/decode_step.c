@@ -118,6 +118,8 @@ typedef struct {
     int64_t *best_idx; /* [max_threads, max_batch]: its column, -1 for none */
     float *part;       /* [max_threads, 2 max_batch, 16]: each thread's two-level products (rows_out) */
     float *cs2, *sn2;  /* [max_batch, D]: the sliding_rope layers' RoPE tables */
+    char *amx;         /* kvserve_amx_work_bytes(act_levels * max_batch, amx_cols, max_threads), 64-byte aligned, or NULL */
+    long amx_cols;     /* the widest input it is sized for */
 } kv_work;
 
 /* The quantized activations' arrays for T input rows of `cols` values at `levels` each, laid over the work buffer. */
@@ -127,10 +129,31 @@ static acts acts_for(char *buf, long T, int levels, const kv_linear *L) {
     return acts_over(buf, levels * T, L->cols / 32, x8);
 }
 
-/* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the
- * 16-row chunks of every part spread over the threads (the same chunks quant_matmul.c takes). */
-static void matmul_in_region(const kv_linear *L, const acts *A, long T, int levels, float *y, float *part, int phase) {
+/* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the parts
+ * AMX takes (quant_matmul_amx.h: their whole 16-row tiles), then the other 16-row chunks of every part spread
+ * over the threads (the same chunks quant_matmul.c takes). */
+static void matmul_in_region(const kv_linear *L, const acts *A, long T, int levels, float *y, const kv_work *ws, int phase) {
     (void)phase;
+    float *part = ws->part + (size_t)omp_get_thread_num() * 2 * ws->max_batch * 16;
+    int on_tiles[MAX_PARTS] = {0}; /* the parts whose whole tiles AMX made */
+#ifdef KV_AMX
+    if (ws->amx != NULL && L->cols <= ws->amx_cols) {
+        int any = 0;
+        for (int p = 0; p < L->nparts; p++) any |= on_tiles[p] = amx_takes(L->type[p], L->rows[p], A->nb, levels * T);
+        if (any) {
+            const long nb_max = ws->amx_cols / 32;
+            uint8_t *tiles = (uint8_t *)ws->amx + (size_t)ws->max_threads * amx_thread_bytes(nb_max);
+            uint8_t *mine = (uint8_t *)ws->amx + (size_t)omp_get_thread_num() * amx_thread_bytes(nb_max);
+            amx_pack_in_region(A, levels * T, tiles);
+            for (int p = 0, off = 0; p < L->nparts; off += L->rows[p], p++) {
+                const size_t rb = (size_t)(L->cols / block_values(L->type[p])) * block_bytes(L->type[p]);
+                if (on_tiles[p])
+                    amx_rows_in_region(L->type[p], L->w[p], rb, A->nb, L->rows[p], levels * T, levels, tiles, y + off,
+                                       L->total_rows, mine);
+            }
+        }
+    }
+#endif
     long chunks = 0;
     for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
     FOR_STATIC
@@ -146,6 +169,7 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, int leve
         const int qt = L->type[p];
         const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
         const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
+        if (on_tiles[p] && r1 - r0 == 16) continue;
         rows_out(qt, L->w[p], rb, A, T, levels, r0, r1, y + off + r0, L->total_rows, part);
     }
     PHASE(phase);
@@ -159,13 +183,12 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, int leve
 
 /* Quantize x's rows, barrier, then the matmul. (Where one operation makes a row just before, its loop
  * quantizes the row itself, sparing a barrier: see kvserve_decode_step.) */
-static void linear_in_region(const kv_linear *L, const float *x, long T, int levels, float *y, char *buf, float *part,
-                             int phase) {
-    const acts A = acts_for(buf, T, levels, L);
+static void linear_in_region(const kv_linear *L, const float *x, long T, int levels, float *y, const kv_work *ws, int phase) {
+    const acts A = acts_for(ws->acts, T, levels, L);
     FOR_STATIC
     for (long t = 0; t < T; t++) quantize_input(x + t * L->cols, &A, t, levels);
     PHASE(phase - 1); /* the quantize phase before each linear's */
-    matmul_in_region(L, &A, T, levels, y, part, phase);
+    matmul_in_region(L, &A, T, levels, y, ws, phase);
 }
 
 /* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
@@ -335,7 +358,6 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
 #pragma omp parallel num_threads(nthreads)
     {
         float *scores = ws->scores + (size_t)omp_get_thread_num() * G * ws->max_context;
-        float *part = ws->part + (size_t)omp_get_thread_num() * 2 * ws->max_batch * 16;
         const int lv = m->act_levels;
 #ifdef KV_PHASES
         phase_mark[omp_get_thread_num()] = omp_get_wtime();
@@ -365,7 +387,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 quantize_input(ws->h + (size_t)t * N, &Aqkv, t, lv);
             }
             PHASE(PH_NORM);
-            matmul_in_region(&L->qkv, &Aqkv, B, lv, ws->qkv, part, PH_QKV);
+            matmul_in_region(&L->qkv, &Aqkv, B, lv, ws->qkv, ws, PH_QKV);
             /* q, k rotated; k and v into their slots; then attention. One row (one sequence's decode step) reads
              * no other row's new keys, so each KV head's rotations go with its attention: one barrier fewer, and
              * the rotations spread over the threads. Rows of one prompt chunk read each other's: a barrier. */
@@ -389,7 +411,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 }
             }
             PHASE(PH_ATTN);
-            linear_in_region(&L->o, ws->att, B, lv, ws->o, ws->acts, part, PH_O);
+            linear_in_region(&L->o, ws->att, B, lv, ws->o, ws, PH_O);
             const acts Agu = acts_for(ws->acts, B, lv, &L->gate_up);
             FOR_STATIC
             for (int t = 0; t < B; t++) {
@@ -398,7 +420,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 quantize_input(ws->h + (size_t)t * N, &Agu, t, lv);
             }
             PHASE(PH_NORM2);
-            matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, part, PH_GATE_UP);
+            matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, ws, PH_GATE_UP);
             /* act = silu(gate) * up, or gelu(gate) * up */
             const acts Adown = acts_for(ws->acts, B, lv, &L->down);
             FOR_STATIC
@@ -410,7 +432,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 quantize_input(ws->act + (size_t)t * F, &Adown, t, lv);
             }
             PHASE(PH_SILU);
-            matmul_in_region(&L->down, &Adown, B, lv, ws->delta, part, PH_DOWN);
+            matmul_in_region(&L->down, &Adown, B, lv, ws->delta, ws, PH_DOWN);
         }
         const float *last_norm = m->layers[m->n_layers - 1].mlp_out_norm;
         FOR_STATIC
@@ -420,7 +442,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
         }
         PHASE(PH_FINAL);
         if (m->lm_head.nparts && logits) {
-            linear_in_region(&m->lm_head, hidden, B, lv, logits, ws->acts, part, PH_HEAD);
+            linear_in_region(&m->lm_head, hidden, B, lv, logits, ws, PH_HEAD);
             if (argmax) {
                 argmax_in_region(logits, m->vocab, argmax_cols, B, ws->best_val, ws->best_idx, ws->max_batch, argmax, argmax_val);
                 PHASE(PH_ARGMAX);

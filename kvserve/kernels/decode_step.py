@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 from kvserve import kernels
+from kvserve.kernels import quant_matmul
 
 MAX_PARTS = 3
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -46,12 +47,15 @@ class Work(ctypes.Structure):
         ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
         *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
         ("acts", _p), ("best_val", _p), ("best_idx", _p), ("part", _p), ("cs2", _p), ("sn2", _p),
+        ("amx", _p), ("amx_cols", _l),
     ]
 
 
 _SIGNATURES = {
     "kvserve_decode_check": [ctypes.POINTER(Model)],
     "kvserve_argmax": [_p, _i, _l, _l, _p, _p, _i],
+    "kvserve_amx": [_i],
+    "kvserve_amx_work_bytes": [_l, _l, _i],
     "kvserve_decode_step": [ctypes.POINTER(Model), ctypes.POINTER(Work), _i, _p, _p, _p, _p, _i, _p, _p, _p, _p, _p,
                             _l, _i],
 }
@@ -67,5 +71,11 @@ def library(phases: bool = False) -> ctypes.CDLL | None:
     """The compiled step (None where the kernels are off or did not build). phases: the profiling build, the same
     arithmetic, each thread timing its work and its waits phase by phase (kvserve_phase_times)."""
     if not phases:
-        return kernels.bind("decode_step", _SIGNATURES)
-    return kernels.bind("decode_step", {**_SIGNATURES, "kvserve_phase_times": [_p, _p, _i]}, defines=("KV_PHASES",))
+        lib = kernels.bind("decode_step", _SIGNATURES)
+    else:
+        lib = kernels.bind("decode_step", {**_SIGNATURES, "kvserve_phase_times": [_p, _p, _i]}, defines=("KV_PHASES",))
+    if lib is not None and not getattr(lib, "_kvserve_amx_set", False):
+        lib.kvserve_amx_work_bytes.restype = ctypes.c_long
+        quant_matmul.follow_amx(lib)  # one switch for every build of the kernels
+        lib._kvserve_amx_set = True
+    return lib

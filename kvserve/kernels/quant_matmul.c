@@ -1393,6 +1393,38 @@ static void rows_out(int t, const uint8_t *w, size_t rb, const acts *A, long T, 
         for (long i = 0; i < r1 - r0; i++) y[k * ldy + i] = part[32 * k + i] + part[32 * k + 16 + i];
 }
 
+#if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KV_AMX 1
+/* Activation rows from which a call runs on the tiles: where they overtook the AVX-512 kernels (64-96 rows
+ * on the default model's layers and the 1B shape's, Xeon, 2 threads; benchmarks/quant.py --amx). */
+#define AMX_FROM_ROWS 64
+#include "quant_matmul_amx.h"
+#endif
+
+/* Whether calls large enough run on AMX tiles: on < 0 asks, 0 turns them off, 1 on (where they run here).
+ * Returns 1 when they do. Both give the same bits (quant_matmul_amx.h). */
+int kvserve_amx(int on) {
+#ifdef KV_AMX
+    if (on == 0) amx_state = 0;
+    if (on > 0) amx_state = -1;
+    return amx_permitted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* Bytes of work buffer the native step needs for AMX calls of up to R activation rows of up to cols values
+ * on `threads` threads (each thread's scratch, then the activation tiles); 0 where this build has no AMX. */
+long kvserve_amx_work_bytes(long R, long cols, int threads) {
+#ifdef KV_AMX
+    return (long)((size_t)threads * amx_thread_bytes(cols / 32) + amx_act_bytes(R, cols / 32));
+#else
+    (void)R, (void)cols, (void)threads;
+    return 0;
+#endif
+}
+
 /* Which integer dot this build runs: 0 plain C, 1 AVX2 maddubs + madd, 2 AVX-512 VNNI dpbusd.
  * Where sgemm overtakes it depends on it (kvserve/model/quant.py's blas_from_rows). */
 int kvserve_quant_dot(void) {
@@ -1422,17 +1454,34 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     /* one allocation: q (32-byte aligned), d, s, h, qt; then each thread's two-level products (rows_out) */
     const size_t n = (size_t)(act_rows(R) * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
     const size_t part = levels == 2 ? (size_t)R * 16 : 0;
-    char *buf = aligned_alloc(32, bytes + (size_t)nthreads * part * sizeof(float));
+#ifdef KV_AMX
+    const int amx = amx_takes(qtype, rows, nb, R);
+    const size_t tiles = amx ? (amx_act_bytes(R, nb) + 63) / 64 * 64 : 0, per_thread = amx ? amx_thread_bytes(nb) : 0;
+#else
+    const size_t tiles = 0, per_thread = 0;
+#endif
+    const size_t own = (part * sizeof(float) + per_thread + 63) / 64 * 64; /* each thread's scratch */
+    char *buf = aligned_alloc(64, (bytes + 63) / 64 * 64 + tiles + (size_t)nthreads * own);
     if (buf == NULL) return -2;
     const acts A = acts_over(buf, R, nb, qtype >= X8);
     const long chunks = (rows + 15) / 16;
 #pragma omp parallel num_threads(nthreads) if (rows * nb * R >= 8192)
     {
-        float *mine = (float *)(buf + bytes) + (size_t)omp_get_thread_num() * part;
+        char *scratch = buf + (bytes + 63) / 64 * 64 + tiles + (size_t)omp_get_thread_num() * own;
+        float *mine = (float *)(scratch + per_thread);
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) quantize_input(x + t * cols, &A, t, levels);
+        long c0 = 0; /* the first chunk left to the kernels above (AMX takes the whole 16-row ones) */
+#ifdef KV_AMX
+        if (amx) {
+            uint8_t *tiles_buf = (uint8_t *)buf + (bytes + 63) / 64 * 64;
+            amx_pack_in_region(&A, R, tiles_buf);
+            amx_rows_in_region(qtype, w, rb, nb, rows, R, levels, tiles_buf, y, rows, (uint8_t *)scratch);
+            c0 = rows / 16;
+        }
+#endif
 #pragma omp for schedule(static)
-        for (long c = 0; c < chunks; c++)
+        for (long c = c0; c < chunks; c++)
             rows_out(qtype, w, rb, &A, T, levels, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y + 16 * c, rows, mine);
     }
     free(buf);

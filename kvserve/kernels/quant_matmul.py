@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from kvserve import kernels
+from kvserve.config import env_switch
 
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _SIGNATURES = {
@@ -16,6 +17,7 @@ _SIGNATURES = {
     "kvserve_quant_dot": [],
     "kvserve_x8": [_i],
     "kvserve_pack_x8": [_i, _p, _p, _l, _l, _i],
+    "kvserve_amx": [_i],
 }
 DOTS = ("portable", "avx2", "avx512_vnni")
 LEVELS = (1, 2)  # int8 levels an activation row is quantized at (quant_matmul.c's quantize_input)  # kvserve_quant_dot()'s answers, by number
@@ -30,7 +32,38 @@ BLOCKS.update({X8 + t: BLOCKS[t] for t in X8_TYPES})
 
 
 def _lib() -> ctypes.CDLL | None:
-    return kernels.bind("quant_matmul", _SIGNATURES)
+    lib = kernels.bind("quant_matmul", _SIGNATURES)
+    if lib is not None and not getattr(lib, "_kvserve_amx_set", False):
+        lib.kvserve_amx(1 if env_switch("KVSERVE_AMX") else 0)
+        lib._kvserve_amx_set = True
+    return lib
+
+
+_AMX_FOLLOWERS: list[ctypes.CDLL] = []  # other builds that include this file (decode_step.c): one switch for all
+
+
+def amx() -> bool:
+    """Whether calls of many rows run on AMX-INT8 tiles here (the same bits as the AVX-512 kernels, faster).
+    On where the CPU has AMX and Linux grants its tiles, unless KVSERVE_AMX=0."""
+    lib = _lib()
+    return lib is not None and lib.kvserve_amx(-1) == 1
+
+
+def follow_amx(lib: ctypes.CDLL) -> None:
+    """Have `lib` (a build including quant_matmul.c) follow this switch, now and on set_amx."""
+    lib.kvserve_amx(1 if amx() else 0)
+    _AMX_FOLLOWERS.append(lib)
+
+
+def set_amx(on: bool) -> bool:
+    """Turn the AMX tiles on (where they run) or off for this process; returns whether they now run."""
+    lib = _lib()
+    if lib is None:
+        return False
+    now = lib.kvserve_amx(1 if on else 0) == 1
+    for other in _AMX_FOLLOWERS:
+        other.kvserve_amx(1 if now else 0)
+    return now
 
 
 def available() -> bool:

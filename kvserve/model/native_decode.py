@@ -189,6 +189,12 @@ class NativeDecode:
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
         b["part"] = torch.zeros(threads, 2 * batch * 16)
         w.part = b["part"].data_ptr()
+        # AMX tiles (quant_matmul_amx.h): each thread's decoded weight tiles, then the activations as tiles.
+        cols = max(N, H * D, F)
+        amx = self._lib.kvserve_amx_work_bytes(levels * batch, cols, threads)
+        b["amx"] = torch.empty(amx + 64 if amx > 0 else 0, dtype=torch.uint8)
+        w.amx = b["amx"].data_ptr() + (-b["amx"].data_ptr()) % 64 if amx > 0 else None
+        w.amx_cols = cols if amx > 0 else 0
         # Each row's argmax over the logits (a greedy step's sampling, done while they are in cache):
         # the threads' partial bests, then the rows' ids and values.
         b["best_val"], b["best_idx"] = torch.zeros(threads, batch), torch.zeros(threads, batch, dtype=torch.int64)
