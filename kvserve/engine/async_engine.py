@@ -1,7 +1,7 @@
 """AsyncEngine: the server's one handle on the engine, whose loop runs on a thread of its own.
 
 The engine (LLMEngine) belongs to that thread alone. Everything else talks to this object:
-`validate` (tokenize and check, on a worker thread: reads only the tokenizer and fixed sizes),
+`inputs` (the engine's input checks, safe on a worker thread: they read only the tokenizer and fixed sizes),
 `generate` (submit, then await outputs), `abort`, `stats`, `stalled`, `timeline` (a request's
 record, through its own lock) and `state` (a snapshot of the engine taken on its thread). Requests and aborts cross
 into the thread through a queue and are applied between steps.
