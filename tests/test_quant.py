@@ -167,7 +167,7 @@ def check_amx() -> bool:
             for rows, cols in ((100, 576), (48, 1536), (32, 320)) if qtype != Q.Q4_K else ((100, 512), (48, 1536)):
                 x8 = quant_matmul.pack_x8(torch.from_numpy(random_blocks(qtype, rows, cols, seed=rows)).reshape(-1),
                                           int(qtype), rows, cols)
-                for T, levels in ((64, 1), (100, 1), (32, 2), (45, 2)):
+                for T, levels in ((96, 1), (130, 1), (48, 2), (65, 2)):
                     x = torch.randn(T, cols, generator=torch.Generator().manual_seed(T))
                     assert quant_matmul.set_amx(True)
                     tiles = quant_matmul.matmul(x8, quant_matmul.X8 + int(qtype), rows, cols, x, levels)

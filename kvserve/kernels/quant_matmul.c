@@ -1395,9 +1395,10 @@ static void rows_out(int t, const uint8_t *w, size_t rb, const acts *A, long T, 
 
 #if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KV_AMX 1
-/* Activation rows from which a call runs on the tiles: where they overtook the AVX-512 kernels (64-96 rows
- * on the default model's layers and the 1B shape's, Xeon, 2 threads; benchmarks/quant.py --amx). */
-#define AMX_FROM_ROWS 64
+/* Activation rows from which a call runs on the tiles: where they overtake the AVX-512 kernels (Xeon, 2 threads:
+ * alone, the default model's layers at 64-96 rows, the 1B shape's at 48-64; in the default model's decode step,
+ * batch 32 of two-level rows (64) 1.11x the time on the tiles, batch 48 even, batch 64 0.90-0.93x). */
+#define AMX_FROM_ROWS 96
 #include "quant_matmul_amx.h"
 #endif
 
