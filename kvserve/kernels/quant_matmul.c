@@ -1452,8 +1452,9 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     if (T <= 0 || rows <= 0) return 0;
     const long nb = cols / 32, R = levels * T; /* activation rows */
     const size_t rb = (size_t)(cols / block_values(qtype)) * bb;
-    /* one allocation: q (32-byte aligned), d, s, h, qt; then each thread's two-level products (rows_out) */
-    const size_t n = (size_t)(act_rows(R) * nb), bytes = (n * ACT_BYTES + 31) / 32 * 32;
+    /* one allocation: q (64-byte aligned), d, s, h, qt; the AMX activation tiles; then each thread's scratch
+     * (AMX tiles' and the two-level products of rows_out) */
+    const size_t n = (size_t)(act_rows(R) * nb), bytes = (n * ACT_BYTES + 63) / 64 * 64;
     const size_t part = levels == 2 ? (size_t)R * 16 : 0;
 #ifdef KV_AMX
     const int amx = amx_takes(qtype, rows, nb, R);
@@ -1462,20 +1463,20 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
     const size_t tiles = 0, per_thread = 0;
 #endif
     const size_t own = (part * sizeof(float) + per_thread + 63) / 64 * 64; /* each thread's scratch */
-    char *buf = aligned_alloc(64, (bytes + 63) / 64 * 64 + tiles + (size_t)nthreads * own);
+    char *buf = aligned_alloc(64, bytes + tiles + (size_t)nthreads * own);
     if (buf == NULL) return -2;
     const acts A = acts_over(buf, R, nb, qtype >= X8);
     const long chunks = (rows + 15) / 16;
 #pragma omp parallel num_threads(nthreads) if (rows * nb * R >= 8192)
     {
-        char *scratch = buf + (bytes + 63) / 64 * 64 + tiles + (size_t)omp_get_thread_num() * own;
+        char *scratch = buf + bytes + tiles + (size_t)omp_get_thread_num() * own;
         float *mine = (float *)(scratch + per_thread);
 #pragma omp for schedule(static)
         for (long t = 0; t < T; t++) quantize_input(x + t * cols, &A, t, levels);
         long c0 = 0; /* the first chunk left to the kernels above (AMX takes the whole 16-row ones) */
 #ifdef KV_AMX
         if (amx) {
-            uint8_t *tiles_buf = (uint8_t *)buf + (bytes + 63) / 64 * 64;
+            uint8_t *tiles_buf = (uint8_t *)buf + bytes;
             amx_pack_in_region(&A, R, tiles_buf);
             amx_rows_in_region(qtype, w, rb, nb, rows, R, levels, tiles_buf, y, rows, (uint8_t *)scratch);
             c0 = rows / 16;
