@@ -49,10 +49,12 @@ _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_v
 
 
 def source_at(rev: str, tmp: Path) -> Path:
-    """quant_matmul.c (and the header it includes) as committed at `rev`, written under tmp."""
+    """quant_matmul.c (and the headers it includes) as committed at `rev`, written under tmp."""
     where = tmp / rev
     where.mkdir()
-    for name in ("quant_matmul.c", "numerics.h"):
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "./"], check=True, capture_output=True, text=True,
+                            cwd=kernels.SOURCES).stdout.split()
+    for name in ["quant_matmul.c", *(n for n in listed if n.endswith(".h"))]:
         text = subprocess.run(["git", "show", f"{rev}:kvserve/kernels/{name}"], check=True, capture_output=True,
                               cwd=kernels.SOURCES).stdout
         (where / name).write_bytes(text)

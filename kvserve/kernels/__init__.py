@@ -4,11 +4,12 @@ paged_attention.c (decode attention over the KV pool), layer_ops.c (residual add
 RoPE + KV store) and quant_matmul.c (matmuls over GGML quantized blocks and bfloat16 weights,
 integer dot products per ISA level: AVX2, AVX-512 VNNI where compiled for it, plain C).
 
-The C sources (and numerics.h, which they share) ship with the package. On first use each is
-compiled with the system C compiler (`$CC`, else `cc`) for this CPU's ISA level (`kvserve.cpu.isa()`) into a
-cache directory keyed by the sources, the compiler and the CPU, and loaded after torch so that
-it shares torch's OpenMP runtime. Where no compiler is found or the build fails, `load()`
-returns None once, logs why, and callers keep their plain-torch path. `KVSERVE_NATIVE=0` turns native kernels off.
+The C sources and the headers they include (numerics.h, which they share; quant_matmul.c's quant_*.h) ship
+with the package. On first use each is compiled with the system C compiler (`$CC`, else `cc`) for this CPU's
+ISA level (`kvserve.cpu.isa()`) into a cache directory keyed by the sources (every .c and .h of the folder),
+the compiler and the CPU, and loaded after torch so that it shares torch's OpenMP runtime. Where no compiler is
+found or the build fails, `load()` returns None once, logs why, and callers keep their plain-torch path.
+`KVSERVE_NATIVE=0` turns native kernels off.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch  # loaded first: its libgomp is the one the kernels link against
 
@@ -117,7 +119,7 @@ def build_all() -> dict[str, str | None]:
         try:
             _compile(name)
             return None
-        except Exception as e:  # reported, not raised: load() falls back the same way
+        except Exception as e:  # noqa: BLE001 - reported, not raised: load() falls back the same way
             return str(e)
 
     names = sorted(f.stem for f in SOURCES.glob("*.c"))
@@ -125,7 +127,7 @@ def build_all() -> dict[str, str | None]:
         return dict(zip(names, pool.map(build, names)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled kernel library `name` (kvserve/kernels/<name>.c), or None where unavailable."""
     if not enabled():
@@ -134,17 +136,27 @@ def load(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_compile(name, defines)))
         log.info("native kernel %s loaded", name)
         return lib
-    except Exception as e:  # any failure means: use the torch path
+    except Exception as e:  # noqa: BLE001 - any failure means: use the torch path
         log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
         return None
 
 
-def bind(name: str, signatures: dict[str, list], defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+_TYPED: set[ctypes.CDLL] = set()  # the libraries bind() set the argument types of (load() keeps each)
+
+
+def bind(name: str, signatures: dict[str, list[Any]], defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """load(name, defines) with each exported function's argument types set (all return int)."""
     lib = load(name, defines)
-    if lib is not None and not getattr(lib, "_kvserve_typed", False):
+    if lib is not None and lib not in _TYPED:
         for fn, args in signatures.items():
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = ctypes.c_int
-        lib._kvserve_typed = True
+        _TYPED.add(lib)
+    return lib
+
+
+def loaded(lib: ctypes.CDLL | None, name: str) -> ctypes.CDLL:
+    """lib, for a caller that checked its kernels are available (an error naming them otherwise)."""
+    if lib is None:
+        raise RuntimeError(f"the native {name} kernels are unavailable: check available() first")
     return lib

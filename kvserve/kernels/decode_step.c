@@ -100,7 +100,7 @@ typedef struct {
     const float *final_norm;
     kv_linear lm_head; /* nparts 0: the caller runs the LM head */
     const kv_layer *layers;
-    int act_levels; /* int8 levels each activation row is quantized at (quant_matmul.c's quantize_input): 1 or 2 */
+    int act_levels; /* int8 levels each activation row is quantized at (quant_acts.h's quantize_input): 1 or 2 */
     const float *sliding_inv_freq; /* [D / 2]: the sliding_rope layers' frequencies, else NULL */
     float embed_scale;             /* each embedding row multiplied by it (Gemma: sqrt(hidden)), 1: none */
     int gelu;                      /* the MLP's activation: 0 SiLU, 1 tanh GELU */

@@ -6,6 +6,7 @@ model/native_decode.py fills them once per model and keeps the tensors they poin
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 from kvserve import kernels
 from kvserve.kernels import quant_matmul
@@ -51,7 +52,7 @@ class Work(ctypes.Structure):
     ]
 
 
-_SIGNATURES = {
+_SIGNATURES: dict[str, list[Any]] = {
     "kvserve_decode_check": [ctypes.POINTER(Model)],
     "kvserve_argmax": [_p, _i, _l, _l, _p, _p, _i],
     "kvserve_amx": [_i],
@@ -67,6 +68,9 @@ PHASES = ("embedding", "norm + quantize for qkv", "qkv", "RoPE + KV store", "att
           "quantize for the head", "LM head", "argmax")
 
 
+_AMX_SET: set[ctypes.CDLL] = set()  # the builds that follow quant_matmul's AMX switch
+
+
 def library(phases: bool = False) -> ctypes.CDLL | None:
     """The compiled step (None where the kernels are off or did not build). phases: the profiling build, the same
     arithmetic, each thread timing its work and its waits phase by phase (kvserve_phase_times)."""
@@ -74,8 +78,8 @@ def library(phases: bool = False) -> ctypes.CDLL | None:
         lib = kernels.bind("decode_step", _SIGNATURES)
     else:
         lib = kernels.bind("decode_step", {**_SIGNATURES, "kvserve_phase_times": [_p, _p, _i]}, defines=("KV_PHASES",))
-    if lib is not None and not getattr(lib, "_kvserve_amx_set", False):
+    if lib is not None and lib not in _AMX_SET:
         lib.kvserve_amx_work_bytes.restype = ctypes.c_long
         quant_matmul.follow_amx(lib)  # one switch for every build of the kernels
-        lib._kvserve_amx_set = True
+        _AMX_SET.add(lib)
     return lib

@@ -33,12 +33,17 @@ def available() -> bool:
     return _lib() is not None
 
 
+def _need() -> ctypes.CDLL:
+    """The library, for callers that checked supports() or available() first."""
+    return kernels.loaded(_lib(), "layer_ops")
+
+
 def supports(*tensors: torch.Tensor) -> bool:
     """CPU tensors of one dtype (float32 or bfloat16), contiguous, with the library loaded."""
     dtype = tensors[0].dtype
     if dtype not in _DTYPES or not available():
         return False
-    for t in tensors:  # a plain loop: this runs several times per layer
+    for t in tensors:  # noqa: SIM110 - a plain loop: this runs several times per layer
         if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
             return False
     return True
@@ -63,8 +68,8 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, delta {None if delta is None else tuple(delta.shape)}, "
                          f"weight {tuple(weight.shape)}, out {None if out is None else tuple(out.shape)} do not fit")
     h = torch.empty_like(x) if out is None else out
-    _lib().kvserve_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                h.data_ptr(), T, N, eps, _DTYPES[x.dtype], torch.get_num_threads())
+    _need().kvserve_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                 h.data_ptr(), T, N, eps, _DTYPES[x.dtype], torch.get_num_threads())
     return h
 
 
@@ -91,9 +96,9 @@ def rope_store(
     if slots.dtype != torch.int64 or not slots.is_contiguous():
         slots = slots.to(torch.int64).contiguous()
     scale_ptr = kernels.scales_ptr(kv_cache, kv_scale)
-    rc = _lib().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                   kv_cache.data_ptr(), scale_ptr, slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
-                                   _DTYPES[qkv.dtype], _KV_DTYPES[kv_cache.dtype], torch.get_num_threads())
+    rc = _need().kvserve_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                    kv_cache.data_ptr(), scale_ptr, slots.data_ptr(), T, num_heads, hkv, d, nb * bs,
+                                    _DTYPES[qkv.dtype], _KV_DTYPES[kv_cache.dtype], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"KV slots outside the pool of {nb * bs} slots: {slots.min().item()}..{slots.max().item()}")
     return q, k
@@ -114,7 +119,7 @@ def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
     if gu.dtype != torch.float32 or not gu.is_contiguous() or two_f % 2:
         raise ValueError(f"{act}_mul: gu must be contiguous float32 [T, 2F], got {gu.dtype} {tuple(gu.shape)}")
     f = two_f // 2
-    getattr(_lib(), f"kvserve_{act}_mul")(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
+    getattr(_need(), f"kvserve_{act}_mul")(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
     return gu.narrow(-1, 0, f)
 
 
@@ -124,6 +129,6 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dty
     inv_freq = inv_freq.to(torch.float32).contiguous()
     T, d = positions.shape[0], 2 * inv_freq.shape[0]
     cos, sin = torch.empty(T, d, dtype=dtype), torch.empty(T, d, dtype=dtype)
-    _lib().kvserve_rope_table(positions.data_ptr(), inv_freq.data_ptr(), T, d, cos.data_ptr(), sin.data_ptr(),
-                              _DTYPES[dtype])
+    _need().kvserve_rope_table(positions.data_ptr(), inv_freq.data_ptr(), T, d, cos.data_ptr(), sin.data_ptr(),
+                               _DTYPES[dtype])
     return cos, sin

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -10,7 +11,7 @@ from kvserve import kernels
 from kvserve.config import env_switch
 
 _p, _i, _l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-_SIGNATURES = {
+_SIGNATURES: dict[str, list[Any]] = {
     "kvserve_quant_matmul": [_i, _p, _l, _l, _p, _l, _p, _i, _i],
     "kvserve_dequant_rows": [_i, _p, _l, _l, _p, _l, _p, _i],
     "kvserve_bf16_matmul": [_p, _l, _l, _p, _l, _p, _i],
@@ -20,10 +21,10 @@ _SIGNATURES = {
     "kvserve_amx": [_i],
 }
 DOTS = ("portable", "avx2", "avx512_vnni")
-LEVELS = (1, 2)  # int8 levels an activation row is quantized at (quant_matmul.c's quantize_input)  # kvserve_quant_dot()'s answers, by number
+LEVELS = (1, 2)  # int8 levels an activation row is quantized at (quant_acts.h's quantize_input)  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
 BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# The x8 layout (quant_matmul.c): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows repacked 8 blocks at a time, Q4_K, Q5_K and Q6_K rows
+# The x8 layout (quant_x8.h): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows repacked 8 blocks at a time, Q4_K, Q5_K and Q6_K rows
 # a super-block's 8 sub-blocks at a time, for the kernel to advance 8 blocks' dots per instruction; its type
 # id is the GGML id + X8.
 X8 = 1000
@@ -31,12 +32,20 @@ X8_TYPES = (8, 2, 3, 6, 7, 12, 13, 14)
 BLOCKS.update({X8 + t: BLOCKS[t] for t in X8_TYPES})
 
 
+_AMX_SET: set[ctypes.CDLL] = set()  # the library once its AMX switch is set from KVSERVE_AMX
+
+
 def _lib() -> ctypes.CDLL | None:
     lib = kernels.bind("quant_matmul", _SIGNATURES)
-    if lib is not None and not getattr(lib, "_kvserve_amx_set", False):
+    if lib is not None and lib not in _AMX_SET:
         lib.kvserve_amx(1 if env_switch("KVSERVE_AMX") else 0)
-        lib._kvserve_amx_set = True
+        _AMX_SET.add(lib)
     return lib
+
+
+def _need() -> ctypes.CDLL:
+    """The library, for callers that checked available() first."""
+    return kernels.loaded(_lib(), "quant_matmul")
 
 
 _AMX_FOLLOWERS: list[ctypes.CDLL] = []  # other builds that include this file (decode_step.c): one switch for all
@@ -96,7 +105,7 @@ def prepare(blocks: torch.Tensor, qtype: int, rows: int, cols: int,
     _check(blocks, qtype, rows, cols)
     if levels not in LEVELS:
         raise ValueError(f"activation levels must be one of {LEVELS}, got {levels!r}")
-    fn, wptr = _lib().kvserve_quant_matmul, blocks.data_ptr()
+    fn, wptr = _need().kvserve_quant_matmul, blocks.data_ptr()
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != cols:
@@ -120,8 +129,8 @@ def dequantize_rows(blocks: torch.Tensor, qtype: int, rows: int, cols: int, ids:
             raise ValueError(f"row ids must be in [0, {rows})")
     n = rows if ids is None else ids.numel()
     out = torch.empty(n, cols, dtype=torch.float32)
-    _lib().kvserve_dequant_rows(qtype, blocks.data_ptr(), rows, cols, None if ids is None else ids.data_ptr(), n,
-                                out.data_ptr(), torch.get_num_threads())
+    _need().kvserve_dequant_rows(qtype, blocks.data_ptr(), rows, cols, None if ids is None else ids.data_ptr(), n,
+                                 out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -142,7 +151,7 @@ def pack_x8(blocks: torch.Tensor, qtype: int, rows: int, cols: int, unpack: bool
         out = torch.empty_like(blocks)
     elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != blocks.numel():
         raise ValueError(f"out must be {blocks.numel()} contiguous uint8 bytes, got {out.dtype} {tuple(out.shape)}")
-    rc = _lib().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack))
+    rc = _need().kvserve_pack_x8(qtype, blocks.data_ptr(), out.data_ptr(), rows, cols, int(unpack))
     if rc == -2:
         raise MemoryError(f"no memory for one {cols}-column row while repacking a weight: free memory and load again")
     if rc != 0:
@@ -159,6 +168,6 @@ def bf16_matmul(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != cols:
         raise ValueError(f"x must be [T, {cols}], got {tuple(x.shape)}")
     y = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    _lib().kvserve_bf16_matmul(weight.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
-                               torch.get_num_threads())
+    _need().kvserve_bf16_matmul(weight.data_ptr(), rows, cols, x.data_ptr(), x.shape[0], y.data_ptr(),
+                                torch.get_num_threads())
     return y

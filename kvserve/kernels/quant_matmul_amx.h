@@ -1,5 +1,6 @@
 /* The prompt GEMM on AMX-INT8 tiles: x8 Q4_0 / Q4_1 / Q8_0 / Q4_K rows against many activation rows at once.
- * Included by quant_matmul.c where it is compiled for AMX (KV_AMX); the kernels it replaces are that file's.
+ * Included by quant_matmul.c where it is compiled for AMX (KV_AMX), after quant_matmul_avx2.h and _avx512.h,
+ * whose kernels it replaces for such calls: it uses their x8_scales and sums in their order.
  *
  * One tile instruction (tdpbusd) multiplies 16 weight rows' codes (unsigned bytes, tile A: 16 x 32, one
  * block) by 16 activation rows' int8 values (tile B: 8 x 64, the same block in the dword-interleaved
@@ -85,7 +86,7 @@ static void amx_pack_acts(const acts *A, long R, long tau, uint8_t *Bt, float *d
 /* Lane j's 32 codes of an x8 group G (or tail-pair group) of type t in value order, as unsigned bytes
  * (Q8_0: q + 128), and its scale d and offset / minimum term m as x8_scales makes them. */
 static void amx_lane_codes(int t, const uint8_t *G, int j, uint8_t *out, float *d, float *m) {
-    const int codes = t == T_Q4_1 ? 32 : 16;
+    const int codes = x8_qs_at(t);
     __m256 dv, mv;
     float ds[8], ms[8];
     x8_scales(t, G, &dv, &mv);
@@ -104,7 +105,7 @@ static void amx_lane_codes(int t, const uint8_t *G, int j, uint8_t *out, float *
 /* One whole group (8 blocks) of one weight row into the A tiles of blocks 8g..8g+7 (row n of each,
  * tiles AMX_TILE_BYTES apart), two 512-bit permutes putting each block's words together. */
 static inline void amx_decode_group(int t, const uint8_t *G, uint8_t *A0, float *dw, float *mw) {
-    const int codes = t == T_Q4_1 ? 32 : 16;
+    const int codes = x8_qs_at(t);
     __m256 d, m;
     x8_scales(t, G, &d, &m); /* tile_x8's own */
     float dv[8], mv[8];
