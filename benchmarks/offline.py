@@ -21,6 +21,7 @@ import torch
 
 from kvserve import LLM, SamplingParams, SchedulerConfig
 from kvserve.llm import default_dtype, parse_dtype
+from benchmarks.router import write_section
 
 
 @dataclass
@@ -55,16 +56,6 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], out_len: int) -> Row:
     outs = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     return Row("kvserve (continuous batching)", len(prompts), sum(len(o.token_ids) for o in outs), dt)
-
-
-def _peers_section(doc: Path) -> str:
-    """The `make bench-peers` section of the file being rewritten, kept as it was."""
-    from benchmarks.report import BEGIN, END
-
-    old = doc.read_text() if doc.exists() else ""
-    if BEGIN not in old or END not in old:
-        return ""
-    return "\n" + BEGIN + old.split(BEGIN, 1)[1].split(END, 1)[0] + END + "\n"
 
 
 def single_stream(llm: LLM, prompt: list[int], out_len: int) -> float:
@@ -126,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batches", type=int, default=2, help="static batches transformers runs")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--write", type=Path, default=None, help="markdown file to (over)write")
+    ap.add_argument("--write", type=Path, default=None, help="markdown file whose `bench` section to (re)write")
     args = ap.parse_args(argv)
 
     rng = random.Random(0)
@@ -141,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {d: run_dtype(args, d, prompts) for d in dtypes}
 
     lines = [
-        "# Benchmarks",
+        "## Offline throughput against transformers (`make bench`)",
         "",
-        "Offline throughput: every system runs the same requests (random prompt token ids, greedy,",
+        "Every system runs the same requests (random prompt token ids, greedy,",
         "`ignore_eos`) on the same model and dtype, in one run. Output tokens/s counts generated tokens",
         "over wall time, prefill included. transformers runs a subset of the requests (it is slow); its",
         "tokens/s is a rate, so the ratio compares like with like.",
@@ -166,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(text + _peers_section(args.write))
+        write_section(args.write, text, "bench")
     return 0
 
 
