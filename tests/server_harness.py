@@ -105,7 +105,9 @@ class ServerProcess:
             if status == 200:
                 return seen
             time.sleep(0.02)
-        raise TimeoutError(f"the server was not ready in {timeout} s:\n{self.log()}")
+        log = self.log()
+        self.stop()  # a server that never came up is not left running after its test
+        raise TimeoutError(f"the server was not ready in {timeout} s:\n{log}")
 
     def metric(self, name: str) -> float:
         """One series' value from /metrics (0 if absent), e.g. 'kvserve_kv_cache_blocks_used' or

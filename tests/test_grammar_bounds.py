@@ -104,8 +104,8 @@ def make_pool(compiler):
     compiler.compile(Constraint("json_object"))  # xgrammar's vocabulary, loaded once here
     made: list[GrammarPool] = []
 
-    def make(workers: int = 2, max_pending: int = 8, timeout: float = 60) -> GrammarPool:
-        pool = GrammarPool(workers, max_pending, timeout=60)
+    def make(workers: int = 2, max_pending: int = 8, timeout: float = 60, memory_mib: float = 1024) -> GrammarPool:
+        pool = GrammarPool(workers, max_pending, timeout=60, memory_mib=memory_mib)
         made.append(pool)
 
         async def warm():
@@ -277,6 +277,68 @@ def test_a_schema_sent_again_while_it_compiles_waits_for_that_compile_and_leaves
     assert other.compiled and other_after < 0.5 < slow_after, (other_after, slow_after)
     assert pool.pending == 0 and pool._compiling == {}
     assert compiler.cached(Constraint("grammar", slow_value)) and len(compiler.cache) == cached + 2
+
+
+def test_a_schema_that_compiled_past_its_timeout_is_refused_at_once_when_sent_again(compiler, make_pool):
+    pool = make_pool(timeout=0.5)
+    too_slow = ("guided_grammar took longer than 0.5 s to compile, this server's limit "
+                "(--grammar-compile-timeout): make it simpler")
+
+    async def scenario():
+        gone = asyncio.Event()
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        slow = Constraint("grammar", chain(1400, "t"), "guided_grammar")
+        answers = []
+        for _ in range(2):  # its client sends it again after the 400
+            t0 = time.monotonic()
+            with pytest.raises(InvalidParam) as error:
+                await pool.compile(compiler, Constraint(slow.kind, slow.value, slow.param))
+            answers.append((str(error.value), time.monotonic() - t0, slow.key in pool._compiling))
+        # One whose client left early ran for a fraction of the timeout: sent again, it compiles again.
+        left = Constraint("grammar", chain(1400, "u"), "guided_grammar")
+        leaving = asyncio.ensure_future(pool.compile(compiler, left, receive))
+        await asyncio.sleep(0.1)
+        gone.set()
+        with pytest.raises(APIError):
+            await leaving
+        again = asyncio.ensure_future(pool.compile(compiler, Constraint(left.kind, left.value, left.param)))
+        await asyncio.sleep(0.05)
+        compiling_again = pool.pending
+        with pytest.raises(InvalidParam):
+            await again
+        return answers, compiling_again
+
+    answers, compiling_again = asyncio.run(scenario())
+    (first, first_took, _), (second, second_took, second_compiling) = answers
+    assert first == second == too_slow
+    assert first_took >= 0.5 and second_took < 0.05 and not second_compiling, answers
+    assert compiling_again == 1 and pool.timeouts == 3
+
+
+def test_a_compile_past_its_memory_cap_gets_a_400_naming_it_and_the_next_compiles_on_a_fresh_worker(
+        compiler, make_pool):
+    pool = make_pool(workers=1, memory_mib=48)  # the 4,000-property schema takes ~100 MiB
+    big = Constraint("json", json.dumps(slow_schema("m")), "response_format.json_schema.schema")
+
+    async def scenario():
+        before = live_workers()
+        with pytest.raises(InvalidParam) as error:
+            await pool.compile(compiler, big)
+        small = Constraint("json", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+        await pool.compile(compiler, small)
+        return error.value, before, small
+
+    error, before, small = asyncio.run(scenario())
+    assert error.param == big.param and str(error) == (
+        "response_format.json_schema.schema needs more than 48 MiB to compile, this server's limit "
+        "(--grammar-compile-memory-mib): make it simpler")
+    assert small.compiled and pool.pending == 0
+    assert len(before) == 1 and wait_for(lambda: gone(before), timeout=2.0) < 1.0  # the worker that ran out ended
+    assert len(live_workers() - before) == 1
 
 
 def test_the_pool_compiles_the_grammar_a_direct_compile_does(compiler, make_pool, default_gguf):

@@ -7,12 +7,13 @@ import os
 from typing import TYPE_CHECKING
 
 from kvserve.commands.options import add_quantize_arg
+from kvserve.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM
-    from kvserve.server.settings import ServerSettings
 
 log = logging.getLogger("kvserve.server")
+_S = ServerSettings  # the flags' defaults are the settings' own
 DEFAULT_DISK_GIB = 4.0  # --kv-disk-gib
 
 
@@ -30,8 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "over past ~128 rows). --no-batch-invariant on a CPU with "
                         "bfloat16 arithmetic: steps of 32 rows or more (prompts, many users) run on a packed bfloat16 "
                         "copy of the weights, ~2.4x faster prefill for 2 more bytes a weight")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=_S.host, help="address to bind (default: loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=_S.port)
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require Authorization: Bearer <key> (default: $KVSERVE_API_KEY; /health and /metrics stay open)")
     p.add_argument("--allowed-origins", default="", help="comma-separated origins for CORS (default: CORS off)")
@@ -39,40 +40,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated Host header names answered, e.g. localhost,127.0.0.1,*.internal; others "
                         "get 400 (against DNS rebinding; default: any)")
     g = p.add_argument_group("limits")
-    g.add_argument("--max-queued-requests", type=int, default=256,
-                   help="sequences that may wait beyond --max-num-seqs running ones; more get 429 (default: 256)")
-    g.add_argument("--max-n", type=int, default=8, help="most completions per request (default: 8)")
-    g.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs per token (default: 20)")
-    g.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body in MiB (default: 4)")
-    g.add_argument("--max-prompts", type=int, default=64,
-                   help="most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (default: 64)")
-    g.add_argument("--max-request-share", type=float, default=0.25,
-                   help="the largest share of running + queued capacity one request may hold (default: 0.25)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM (default: 30)")
-    g.add_argument("--stall-timeout", type=float, default=60.0,
-                   help="an engine step running longer turns /health 503 \"stalled\" (default: 60)")
-    g.add_argument("--stream-stall-timeout", type=float, default=60.0,
-                   help="a stream whose client reads nothing for this long is aborted, its KV freed (default: 60)")
+    g.add_argument("--max-queued-requests", type=int, default=_S.max_queued_requests,
+                   help="sequences that may wait beyond --max-num-seqs running ones; more get 429 (default: %(default)s)")
+    g.add_argument("--max-n", type=int, default=_S.max_n, help="most completions per request (default: %(default)s)")
+    g.add_argument("--max-logprobs", type=int, default=_S.max_logprobs, help="most top logprobs per token (default: %(default)s)")
+    g.add_argument("--max-body-mib", type=float, default=_S.max_body_bytes / (1 << 20), help="largest request body in MiB (default: %(default)g)")
+    g.add_argument("--max-prompts", type=int, default=_S.max_prompts,
+                   help="most prompts in one /v1/completions request, or inputs in one /v1/embeddings request (default: %(default)s)")
+    g.add_argument("--max-request-share", type=float, default=_S.max_request_share,
+                   help="the largest share of running + queued capacity one request may hold (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=_S.drain_timeout,
+                   help="seconds in-flight requests get to finish after SIGTERM (default: %(default)g)")
+    g.add_argument("--stall-timeout", type=float, default=_S.stall_timeout,
+                   help="an engine step running longer turns /health 503 \"stalled\" (default: %(default)g)")
+    g.add_argument("--stream-stall-timeout", type=float, default=_S.stream_stall_timeout,
+                   help="a stream whose client reads nothing for this long is aborted, its KV freed (default: %(default)g)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="stop any request running longer than this many seconds (default: no limit)")
-    g.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a client has to send a request's headers (default: 10)")
-    g.add_argument("--max-connections", type=int, default=1024,
-                   help="open HTTP connections; one more is answered 503 and closed (default: 1024)")
+    g.add_argument("--header-timeout", type=float, default=_S.header_timeout,
+                   help="seconds a client has to send a request's headers (default: %(default)g)")
+    g.add_argument("--max-connections", type=int, default=_S.max_connections,
+                   help="open HTTP connections; one more is answered 503 and closed (default: %(default)s)")
     g.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="let client text in chat requests (content, names, tools) spell control tokens such as <|im_start|> (default: it is text)")
     g.add_argument("--grammar-cache-mib", type=float, default=64.0,
                    help="memory for compiled structured-output grammars kept for reuse, least recently used "
                         "dropped first (default: 64)")
-    g.add_argument("--grammar-compile-timeout", type=float, default=10.0,
-                   help="seconds a request waits for its grammar to compile before a 400 (default: 10)")
-    g.add_argument("--responses-store-size", type=int, default=1024,
+    g.add_argument("--grammar-compile-timeout", type=float, default=_S.grammar_compile_timeout,
+                   help="seconds a request waits for its grammar to compile before a 400 (default: %(default)g)")
+    g.add_argument("--grammar-compile-memory-mib", type=float, default=_S.grammar_compile_memory_mib,
+                   help="memory one grammar compile may take in its process before its request gets a 400 "
+                        "(default: %(default)g)")
+    g.add_argument("--responses-store-size", type=int, default=_S.responses_store_size,
                    help="finished /v1/responses responses kept in memory for GET and previous_response_id, least "
-                        "recently used dropped first; 0 keeps none (default: 1024)")
-    g.add_argument("--responses-store-mib", type=float, default=256.0,
+                        "recently used dropped first; 0 keeps none (default: %(default)s)")
+    g.add_argument("--responses-store-mib", type=float, default=_S.responses_store_bytes / (1 << 20),
                    help="memory for those stored responses (their JSON), least recently used dropped first past it "
-                        "(default: 256)")
+                        "(default: %(default)g)")
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, within the KV cache)")
     e.add_argument("--threads", type=int, default=None,
@@ -144,11 +148,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ValueError("kvserve serve needs fastapi and uvicorn: pip install fastapi uvicorn prometheus-client") from None
 
-    from kvserve.server.app import build_app
-    from kvserve.web.protocols import h11_options
-    from kvserve.server.lifecycle import EngineServer, exit_now
-
     from kvserve.parallel.group import env_world
+    from kvserve.server.app import build_app
+    from kvserve.server.lifecycle import EngineServer, exit_now
+    from kvserve.web.protocols import h11_options
 
     world = env_world()
     if world is not None and world[0] > 0:  # torchrun's ranks 1..: a tensor-parallel worker, no server
@@ -192,7 +195,6 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     one line, before the model loads); sets torch's threads from --threads."""
     from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, resolve
     from kvserve.model.loader import resolve_model_path
-    from kvserve.server.settings import ServerSettings
     from kvserve.web.hosts import parse_allowed_hosts
 
     if args.model_arg and args.model and args.model_arg != args.model:
@@ -256,6 +258,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_connections=args.max_connections,
         special_tokens_in_messages=args.allow_special_tokens_in_messages,
         grammar_compile_timeout=args.grammar_compile_timeout,
+        grammar_compile_memory_mib=args.grammar_compile_memory_mib,
         sampling_defaults=defaults,
         max_tokens_default=args.max_tokens_default or MAX_TOKENS_DEFAULT,
         responses_store_size=args.responses_store_size,
@@ -276,6 +279,7 @@ def _check_limits(args: argparse.Namespace) -> None:
               "drain_timeout": (0, None), "max_prompts": (1, None), "max_request_share": (0.0001, 1),
               "stall_timeout": (0.1, None), "stream_stall_timeout": (0.1, None), "header_timeout": (0.1, None),
               "grammar_compile_timeout": (0.1, None), "grammar_cache_mib": (0, None),
+              "grammar_compile_memory_mib": (16, None),
               "max_connections": (1, None), "max_tokens_default": (1, None),
               "responses_store_size": (0, None), "responses_store_mib": (0, None), "num_speculative_tokens": (1, 16)}
     for name, (low, high) in ranges.items():

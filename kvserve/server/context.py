@@ -19,7 +19,7 @@ from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import Admission, ServerState
 from kvserve.server.logprobs import TokenTexts
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.parsing import parse
+from kvserve.server.parsing import M, parse
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
 
@@ -34,7 +34,8 @@ class ServerContext:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.state = ServerState(settings)
-        self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout)
+        self.grammars = GrammarPool(timeout=settings.grammar_compile_timeout,
+                                    memory_mib=settings.grammar_compile_memory_mib)
         self.state.on_ready.append(lambda llm: self.grammars.start(llm.engine.grammars, wait=GRAMMAR_START_WAIT))
         # The metrics read the engine through the client, which is made after them (it observes into them).
         self.metrics = ServerMetrics(lambda: self.client.stats(), lambda: self.state.num_admitted_requests,
@@ -92,7 +93,7 @@ class ServerContext:
             raise
         return admission, Job([ids], params, arrival, request_id=request_id.name(request, prefix, sep))
 
-    async def parse(self, request: Request, model: type) -> object:
+    async def parse(self, request: Request, model: type[M]) -> M:
         return await parse(request, model, self.settings.max_body_bytes, self.settings.model_name)
 
     @functools.cached_property

@@ -20,6 +20,10 @@ own, they would hold those threads for minutes after their requests left. So:
   - a request whose constraint is already compiling waits for that compile instead of starting
     another, so one slow schema sent again and again holds one worker, and other requests'
     grammars still compile on the rest;
+  - a constraint whose compile ran for (nearly: 95% of) the whole timeout in its worker without
+    ending is remembered (by digest, the last `REMEMBERED` of them, for `REMEMBER_FOR` seconds):
+    sent again, it gets its 400 at once instead of holding a worker for the timeout once more;
+  - each worker's memory is capped (`memory_mib`; compile_worker.py): past it, a 400;
   - shutdown kills the processes, waiting for none.
 The processes start with the server (`start`): the fork server's import of xgrammar (~3 s) runs
 while the model loads, its vocabulary follows once the model is loaded, before the server says
@@ -32,9 +36,11 @@ Every generation route compiles here, before its prompt is tokenized and checked
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -43,15 +49,20 @@ from starlette.types import Receive
 
 from kvserve.errors import InvalidParam
 from kvserve.server.errors import APIError, cut_off
-from kvserve.structured.compile_worker import CompileProcesses, CompileWorker, WorkerGone
+from kvserve.structured.compile_worker import MEMORY_MIB, CompileProcesses, CompileWorker, WorkerGone
 from kvserve.structured.grammar import GrammarCompiler
 from kvserve.structured.spec import Constraint
 
 log = logging.getLogger("kvserve.server")
 
+REMEMBERED = 4096  # constraints known to compile past the timeout (a 32-byte digest each)
+REMEMBER_FOR = 600.0  # seconds: a compile slowed by load gets another chance after this
+SLOW = 0.95  # of the timeout: a compile that ran so long without ending is remembered as too slow
+
 
 class GrammarPool:
-    def __init__(self, workers: int = 2, max_pending: int = 8, timeout: float = 10.0) -> None:
+    def __init__(self, workers: int = 2, max_pending: int = 8, timeout: float = 10.0,
+                 memory_mib: float = MEMORY_MIB) -> None:
         self.workers = workers
         self.max_pending = max_pending
         self.timeout = timeout
@@ -60,7 +71,8 @@ class GrammarPool:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._compiling: dict[tuple[str, str], _Job] = {}  # by constraint, on the event loop
-        self._processes = CompileProcesses()
+        self._processes = CompileProcesses(memory_mib)
+        self._slow: OrderedDict[bytes, tuple[float, float]] = OrderedDict()  # digest → (seconds it ran, when)
         self._loading = False  # the vocabulary is on its way to the fork server
         self.started = threading.Event()  # set once it arrived there (or failed to): compiles can run
 
@@ -103,6 +115,11 @@ class GrammarPool:
         if compiler.cached(c):
             return
         compiler.check(c)  # over the size limits: a 400 at once, whatever the pool is doing
+        if self._known_slow(c):
+            with self._lock:
+                self.timeouts += 1
+            log.info("a grammar (%s) that compiled past %g s before is refused at once", c.param, self.timeout)
+            raise _too_slow(c, self.timeout)
         if not self.started.is_set():  # seconds, once, as the server starts: not counted against the timeout
             self.start(compiler)
             while not self.started.is_set():
@@ -119,7 +136,8 @@ class GrammarPool:
             future.add_done_callback(self._done)  # before the loop hears of the end: a waiter sees pending counted down
             job.attach(future)
             self._compiling[c.key] = job
-            job.result.add_done_callback(lambda _, key=c.key, j=job: self._forget(key, j))
+            key, started = c.key, job
+            job.result.add_done_callback(lambda _: self._forget(key, started))
         job.waiters += 1
         job.deadline = max(job.deadline, time.monotonic() + self.timeout)
         waiting = asyncio.shield(job.result)  # a waiter that leaves cancels its own wait only
@@ -127,7 +145,7 @@ class GrammarPool:
         if tracked is not None:
             tracked.add(waiting)
         try:
-            done, _ = await asyncio.wait({waiting, left} - {None}, timeout=self.timeout,
+            done, _ = await asyncio.wait({waiting} if left is None else {waiting, left}, timeout=self.timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if waiting in done:
                 if waiting.cancelled():  # a drain past its timeout cut it off
@@ -147,7 +165,7 @@ class GrammarPool:
             if not job.waiters and not job.result.done():  # no request waits for it any more
                 self._forget(c.key, job)  # the next request for c starts a compile of its own
                 if not job.future.cancel():  # started: its process is killed, its worker free at once
-                    job.abandon()
+                    self._ran(c, job.abandon())
             if tracked is not None:
                 tracked.discard(waiting)
             if left is not None:
@@ -180,12 +198,36 @@ class GrammarPool:
         if job.abandoned:
             raise _Abandoned
         if time.monotonic() + took > job.deadline:  # compiled here too, it would end after every request left
+            self._ran(c, took)
             with self._lock:
                 self.timeouts += 1
             log.info("a grammar compile (%s) took %.1f s in its worker: compiled again here, it would end past "
                      "its requests' %g s, so they get a 400", c.param, took, self.timeout)
             raise _too_slow(c, self.timeout)
         return compiler.build(c)
+
+    def _ran(self, c: Constraint, seconds: float) -> None:
+        """c's compile ran `seconds` in its worker (without ending, or to its end): remember it if
+        that is (nearly) the timeout. (From the loop and from pool threads.)"""
+        if seconds < SLOW * self.timeout:  # (a request's wait starts a moment before its compile)
+            return
+        key = _digest(c)
+        with self._lock:
+            self._slow[key] = (seconds, time.monotonic())
+            self._slow.move_to_end(key)
+            while len(self._slow) > REMEMBERED:
+                self._slow.popitem(last=False)
+
+    def _known_slow(self, c: Constraint) -> bool:
+        if not self._slow:
+            return False
+        key = _digest(c)
+        with self._lock:
+            seen = self._slow.get(key)
+            if seen is not None and time.monotonic() - seen[1] > REMEMBER_FOR:
+                del self._slow[key]
+                return False
+        return seen is not None and seen[0] >= SLOW * self.timeout
 
     def _done(self, future: Any) -> None:
         with self._lock:
@@ -214,6 +256,7 @@ class _Job:
         self.deadline = 0.0  # time.monotonic() when its last request stops waiting
         self.abandoned = False  # no request waits for it: it never starts, or ends at once
         self.worker: CompileWorker | None = None  # while its process compiles it
+        self.began = 0.0  # time.monotonic() when its worker took it
         self._lock = threading.Lock()
 
     def attach(self, future: Future) -> None:
@@ -224,21 +267,29 @@ class _Job:
         with self._lock:
             if not self.abandoned:
                 self.worker = worker
+                self.began = time.monotonic()
             return not self.abandoned
 
     def end(self) -> None:
         with self._lock:
             self.worker = None
 
-    def abandon(self) -> None:
+    def abandon(self) -> float:
+        """Stop it: the seconds its worker had run it (0 if it had not begun, or had ended)."""
         with self._lock:
             self.abandoned = True
-            if self.worker is not None:
-                self.worker.kill()
+            if self.worker is None:
+                return 0.0
+            self.worker.kill()
+            return time.monotonic() - self.began
 
 
 class _Abandoned(Exception):
     """A compile that no request waits for any more, stopped: nobody reads this."""
+
+
+def _digest(c: Constraint) -> bytes:
+    return hashlib.sha256(repr(c.key).encode()).digest()
 
 
 def _vocabulary(compiler: GrammarCompiler) -> Callable[[], str]:

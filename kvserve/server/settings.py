@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from kvserve.generation_defaults import MAX_TOKENS_DEFAULT, SamplingDefaults
 from kvserve.sampling_params import MAX_LOGPROBS
@@ -35,6 +35,7 @@ class ServerSettings:
     max_connections: int = 1024  # open HTTP connections; more are answered 503 and closed
     special_tokens_in_messages: bool = False  # let chat content spell control tokens
     grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar (kvserve/server/grammar_pool.py)
+    grammar_compile_memory_mib: float = 1024.0  # what one compile may add to its process (structured/compile_worker.py)
     # For sampling fields a request leaves out: the model's recommendation or the server's
     # (kvserve/generation_defaults.py); None: SamplingParams' own (OpenAI's) defaults.
     sampling_defaults: SamplingDefaults | None = None
@@ -45,7 +46,7 @@ class ServerSettings:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
-    kv_events_format: str = "array"  # kvserve/kv/event_wire.py: array (llm-d) or map (vllm-router)
+    kv_events_format: Literal["array", "map"] = "array"  # kvserve/kv/event_wire.py: array (llm-d) or map (vllm-router)
     # sampling_defaults as SamplingParams keyword arguments, worked out once when the settings are
     # made (every generation request reads them) and read-only like the rest.
     defaults: Mapping[str, Any] = field(init=False, repr=False, compare=False)

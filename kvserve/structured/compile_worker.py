@@ -17,11 +17,16 @@ single-threaded, it imports xgrammar (~3 s: it imports torch) and loads the voca
 that a new worker is ready in milliseconds, and the server's process, which runs many threads, is
 never forked. The fork server ends when the server's end of its stdin or socket closes, however
 the server ended; each worker dies with the fork server (PR_SET_PDEATHSIG).
+
+A worker's memory is capped: it may add `memory_mib` to the address space it was forked with
+(RLIMIT_AS). A compile past that fails its allocation (xgrammar's std::bad_alloc), its request
+gets a 400 naming the limit, and the worker exits, so that the next compile runs in a fresh one.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import socket
 import struct
@@ -41,6 +46,7 @@ _PID = struct.Struct("!q")
 # Thread pools off: a process that runs threads must not fork (numpy's BLAS would start one at import).
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _PR_SET_PDEATHSIG = 1
+MEMORY_MIB = 1024.0  # what a compile may add to a worker's address space (the slow schemas add ~100 MiB)
 
 
 class WorkerGone(Exception):
@@ -64,9 +70,11 @@ class CompileWorker:
         raise (WorkerGone if the process ended first)."""
         try:
             self._conn.send((c.kind, c.value, c.param))
-            ok, answer = self._conn.recv()
+            ok, answer, ends = self._conn.recv()
         except (EOFError, OSError):
             raise WorkerGone(f"grammar compile process {self.pid} ended") from None
+        if ends:  # it ran out of memory and exits: the next compile needs a new one
+            self.close()
         if not ok:
             raise InvalidParam(c.param, answer)
         return answer
@@ -86,10 +94,11 @@ class ForkServer:
     """The process that forks compile workers, the vocabulary already loaded. Started at once: its
     import runs while the caller does other work (the model's load); workers come once `load`ed."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_mib: float = MEMORY_MIB) -> None:
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], stdin=subprocess.PIPE,
-                                        pass_fds=(theirs.fileno(),), env={**os.environ, **_ONE_THREAD})
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), str(memory_mib)],
+                                        stdin=subprocess.PIPE, pass_fds=(theirs.fileno(),),
+                                        env={**os.environ, **_ONE_THREAD})
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()  # one fork request at a time
@@ -102,8 +111,10 @@ class ForkServer:
     def load(self, tokenizer_info: str) -> None:
         """Hand over the vocabulary (xgrammar's TokenizerInfo as JSON, ~1.6 MB for 49,152 tokens);
         returns once the fork server has read it (after its import)."""
+        stdin = self.process.stdin
+        assert stdin is not None  # (Popen's stdin=PIPE)
         try:
-            with self.process.stdin as stdin:
+            with stdin:
                 stdin.write(tokenizer_info.encode())
         except OSError:
             raise WorkerGone("the grammar compile fork server ended") from None
@@ -137,9 +148,11 @@ class ForkServer:
 
 class CompileProcesses:
     """A fork server and one worker for each thread that asks, each started (again) when it is
-    missing or has ended. `vocabulary` gives xgrammar's TokenizerInfo as JSON, when first needed."""
+    missing or has ended. `vocabulary` gives xgrammar's TokenizerInfo as JSON, when first needed;
+    `memory_mib` caps each worker (the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory_mib: float = MEMORY_MIB) -> None:
+        self.memory_mib = memory_mib
         self._forks: ForkServer | None = None
         self._lock = threading.Lock()  # held while the fork server starts (seconds): never on an event loop
         self._local = threading.local()  # each thread's worker
@@ -186,14 +199,14 @@ class CompileProcesses:
             if self._forks is None or self._forks is ended or not self._forks.alive:
                 if self._forks is not None:
                     self._forks.kill()
-                self._forks = ForkServer()
+                self._forks = ForkServer(self.memory_mib)
             if vocabulary is not None and not self._forks.loaded:
                 self._forks.load(vocabulary())
             return self._forks
 
 
 # -- in the fork server and its workers ---------------------------------------------------------
-def _serve_forks(sock: socket.socket) -> None:
+def _serve_forks(sock: socket.socket, memory_mib: float) -> None:
     """Import xgrammar, read the vocabulary, then fork one worker per request until the server's end closes."""
     import xgrammar as xgr
 
@@ -221,7 +234,8 @@ def _serve_forks(sock: socket.socket) -> None:
             code = 1
             try:
                 sock.close()
-                code = _serve_compiles(Connection(fds[0]), lambda c: compile_constraint(compiler, c), me)
+                _cap_memory(memory_mib)
+                code = _serve_compiles(Connection(fds[0]), lambda c: compile_constraint(compiler, c), me, memory_mib)
             except BaseException:  # noqa: BLE001 - a worker never returns into the fork server's loop
                 traceback.print_exc()
             finally:
@@ -233,8 +247,19 @@ def _serve_forks(sock: socket.socket) -> None:
             return
 
 
-def _serve_compiles(conn: Connection, compile: Callable[[Constraint], object], parent: int) -> int:
-    """A worker: compile each constraint asked for and answer (True, seconds) or (False, why invalid)."""
+def _cap_memory(mib: float) -> None:
+    """Let this process's address space grow by `mib` MiB from what it is now."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[0])
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = pages * os.sysconf("SC_PAGE_SIZE") + int(mib * (1 << 20))
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+
+def _serve_compiles(conn: Connection, compile: Callable[[Constraint], object], parent: int,
+                    memory_mib: float = MEMORY_MIB) -> int:
+    """A worker: compile each constraint asked for and answer (True, seconds, False) or (False,
+    why invalid or too big, whether it ends now: after a compile that ran out of memory)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -248,19 +273,26 @@ def _serve_compiles(conn: Connection, compile: Callable[[Constraint], object], p
         except (EOFError, OSError):
             return 0  # the server's end closed
         t0 = time.perf_counter()
+        out_of_memory = False
         try:
             compile(Constraint(kind, value, param))
-            answer: tuple[bool, Any] = (True, time.perf_counter() - t0)
+            answer: tuple[bool, Any, bool] = (True, time.perf_counter() - t0, False)
         except InvalidParam as e:
-            answer = (False, str(e))
+            answer = (False, str(e), False)
+        except MemoryError:
+            out_of_memory = True
+            answer = (False, f"{param} needs more than {memory_mib:g} MiB to compile, this server's limit "
+                             "(--grammar-compile-memory-mib): make it simpler", True)
         try:
             conn.send(answer)
         except OSError:
             return 0
+        if out_of_memory:
+            return 0  # its heap may be left in pieces: the next compile gets a fresh worker
 
 
 if __name__ == "__main__":
     # Ctrl-C and a process group's SIGTERM are the server's to handle: it kills these processes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _serve_forks(socket.socket(fileno=int(sys.argv[1])))
+    _serve_forks(socket.socket(fileno=int(sys.argv[1])), float(sys.argv[2]))

@@ -62,7 +62,7 @@ def _choice_grammar(choices: list[str]) -> str:
 
 def compile_constraint(compiler: Any, c: Constraint) -> Any:
     """c compiled by an xgrammar GrammarCompiler (the size limits are the caller's), or an
-    InvalidParam that names the request field and what is wrong."""
+    InvalidParam that names the request field and what is wrong (MemoryError: out of memory)."""
     try:
         if c.kind == "json":
             # No free whitespace: small models otherwise fill the output with blank lines; and
@@ -77,6 +77,8 @@ def compile_constraint(compiler: Any, c: Constraint) -> Any:
             return compiler.compile_grammar(_choice_grammar(json.loads(c.value)))
         return compiler.compile_grammar(c.value)
     except (RuntimeError, ValueError, TypeError) as e:
+        if "bad_alloc" in str(e):  # xgrammar's form of an allocation that failed: not the constraint's fault
+            raise MemoryError(str(e)) from None
         what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}.get(c.kind, "constraint")
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
