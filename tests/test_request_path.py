@@ -10,7 +10,7 @@ see it). The client is the `openai` package. After a warm-up request, one reques
 
 What is counted:
 - The window opens as the traced request is sent (on a new connection: the protocol's guards,
-  web/guards.py and web/protocols.py, count) and closes when the event loop hands uvicorn the
+  web/protocols.py, counts) and closes when the event loop hands uvicorn the
   first body chunk whose delta carries generated text.
 - A module is on the path when one of its functions runs (or a coroutine of it resumes) for the
   request in that window. Imports do not count: everything was imported, and the kernels

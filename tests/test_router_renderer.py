@@ -22,7 +22,11 @@ from server_harness import MODEL_NAME, start_server, tiny_model_dir
 pytestmark = pytest.mark.slow  # two server processes for the module
 
 # Not the model's template: a router rendering with the model file's own would hash other tokens.
-TEMPLATE = ("{%- for m in messages -%}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor -%}"
+# It renders the tools, the calls and the thinking switch, so a router that dropped any would miss.
+TEMPLATE = ("{%- if tools -%}[TOOLS] {{ tools | tojson }}\n{% endif -%}"
+            "{%- if enable_thinking is defined and not enable_thinking -%}[NO THINKING]\n{% endif -%}"
+            "{%- for m in messages -%}[{{ m['role'] | upper }}] {{ m['content'] }}"
+            "{%- if m.tool_calls %} {{ m.tool_calls | tojson }}{% endif %}\n{% endfor -%}"
             "{%- if add_generation_prompt -%}[ASSISTANT] {% endif -%}")
 SYSTEM = " ".join(f"Rule {i}: call the weather tool before you answer about the weather." for i in range(10))
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city",
@@ -96,6 +100,86 @@ def test_the_router_renders_a_tool_conversation_to_the_replicas_own_prompt_ids(r
         with replicas[0].client() as c:
             usage = c.post("/v1/chat/completions", json=body).json()["usage"]
         assert len(ids) == usage["prompt_tokens"]
+    finally:
+        router.stop()
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "Today's weather in a city",
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]
+
+
+def responses_turns(*extra: dict) -> dict:
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "clear", "celsius": 21}'},
+             *extra]
+    return {"model": MODEL_NAME, "instructions": SYSTEM, "input": items, "max_output_tokens": 2, "temperature": 0,
+            "store": False, "tools": [{"type": "function", **{k: v for k, v in TOOLS[0]["function"].items()}}]}
+
+
+def anthropic_turns(*extra: dict) -> dict:
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": '{"sky": "clear", "celsius": 21}'}]},
+                *extra]
+    return {"model": MODEL_NAME, "system": SYSTEM, "messages": messages, "tools": ANTHROPIC_TOOLS, "max_tokens": 2,
+            "temperature": 0}
+
+
+def ollama_turns(*extra: dict) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                  "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "tool_name": "get_weather", "content": '{"sky": "clear", "celsius": 21}'},
+                *extra]
+    return {"model": MODEL_NAME, "messages": messages, "tools": TOOLS, "stream": False, "think": False,
+            "options": {"num_predict": 2, "temperature": 0}}
+
+
+# Each API: its path, a conversation with extra turns, a follow-up's turns, and from its answer
+# (prompt tokens, tokens read from the prefix cache: None where the API does not say).
+FAMILIES = {
+    "responses": ("/v1/responses", responses_turns,
+                  lambda q: [{"role": "assistant", "content": "Clear, 21 degrees."}, {"role": "user", "content": q}],
+                  lambda a: (a["usage"]["input_tokens"], a["usage"]["input_tokens_details"]["cached_tokens"])),
+    "anthropic": ("/v1/messages", anthropic_turns,
+                  lambda q: [{"role": "assistant", "content": "Clear, 21 degrees."}, {"role": "user", "content": q}],
+                  lambda a: (a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"],
+                             a["usage"]["cache_read_input_tokens"])),
+    "ollama": ("/api/chat", ollama_turns,
+               lambda q: [{"role": "assistant", "content": "Clear, 21 degrees."}, {"role": "user", "content": q}],
+               lambda a: (a["prompt_eval_count"], None)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tool_calling_conversation_over_each_api_is_rendered_as_its_replica_renders_it_and_hits_on_follow_ups(
+        replicas, family):
+    path, body_of, turn, counts = FAMILIES[family]
+    router = RouterThread([s.url for s in replicas], "cache_aware", cache_source="precise")
+    try:
+        router.wait_for(lambda: all(a.get("kv_events") == "followed" for a in router.admin().values()))
+        with router.client() as c:
+            first = c.post(path, json=body_of())
+            assert first.status_code == 200, first.text
+            home = first.headers["x-kvserve-replica"]
+            turns: list[dict] = []
+            for question in ["And in Rome?", "Should I take an umbrella?"]:
+                turns += turn(question)
+                body = body_of(*turns)
+                req = parse_request(path, json.dumps(body).encode())
+                asyncio.run(router.state.index.prepare(req))
+                (ids,) = set(map(tuple, req.token_ids.values()))
+                _synced(router, home)
+                r = c.post(path, json=body)
+                assert r.status_code == 200, r.text
+                prompt_tokens, cached = counts(r.json())
+                assert len(ids) == prompt_tokens  # token for token: the tools and calls rendered as the replica does
+                assert (r.headers["x-kvserve-replica"], r.headers["x-kvserve-route"]) == (home, "prefix_hit")
+                match = int(r.headers["x-kvserve-prefix-match"])
+                assert match > 64 and (cached is None or match == cached), (match, cached)
     finally:
         router.stop()
 

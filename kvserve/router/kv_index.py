@@ -26,6 +26,7 @@ breaks a rule is taken out (`mark_down`, with a log line) and its blocks forgott
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -40,7 +41,6 @@ from kvserve.router.kv_page import BrokenRule, apply_events, parse_page, read_bo
 from kvserve.router.kv_stream import StreamSource
 from kvserve.router.replicas import HEALTHY, Replica
 from kvserve.router.request import RoutedRequest
-from kvserve.server.openai_compat import prompt_of_body
 from kvserve.tokenizer import Tokenizer
 from kvserve.tokenizer.chat_template import ChatPrompt
 
@@ -135,7 +135,7 @@ class KVIndex:
                     self._read(replica)
                 b = self.blocks.get(replica)
                 if b is not None and b.stream is not None and b.renderer in self._renderers:  # (renderer settled)
-                    await self.streams.follow(replica, b, lambda: self._current(replica, b),
+                    await self.streams.follow(replica, b, functools.partial(self._current, replica, b),
                                               b.prune_pending)
                     b.seq = 0  # so the next answer is a full one (the stream's and the log's numbers differ)
                     wait = self.poll_interval  # then a full answer, and the stream again
@@ -147,7 +147,7 @@ class KVIndex:
                 self.mark_down(replica, f"/kv/events broke the rules: {e}")
             except (httpx.HTTPError, TimeoutError) as e:
                 log.debug("kv events of %s: %s", replica.url, e)
-            except Exception:  # noqa: BLE001 - following a replica must survive anything
+            except Exception:  # following a replica must survive anything
                 log.exception("kv events of %s failed", replica.url)
             await asyncio.sleep(wait)
 
@@ -183,7 +183,7 @@ class KVIndex:
             await self._load_renderer(b, replica)
         if page.held is not None:
             b.held = page.held
-        else:
+        elif page.events is not None:  # (parse_page: exactly one of them)
             await asyncio.to_thread(apply_events, b.held, page.events, self.max_held)
         b.seq = data["seq"]
         if "kv_events_endpoint" in data:
@@ -258,7 +258,7 @@ class KVIndex:
             await asyncio.to_thread(self._prepare, req, keys)
 
     def _prepare(self, req: RoutedRequest, keys: set[tuple[str, int]]) -> None:
-        prepare_hashes(req, {renderer: self._renderers[renderer] for renderer, _ in keys}, keys)
+        prepare_hashes(req, {renderer: r for renderer, _ in keys if (r := self._renderers[renderer]) is not None}, keys)
 
     def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
         """The prompt's block hashes for this replica's renderer (None: not prepared for it)."""
@@ -279,7 +279,7 @@ class KVIndex:
 def prepare_hashes(req: RoutedRequest, renderers: dict[str, Renderer], keys: set[tuple[str, int]]) -> None:
     """req's prompt ids per renderer and block hashes per (renderer, block size), as each replica
     will see them; what a request already has is kept (it may be routed again)."""
-    chat = req.chat_prompt or (prompt_of_body(req.chat_body) if req.chat_body is not None else None)
+    chat = req.chat_prompt()
     for renderer, block_size in keys:
         if renderer not in req.token_ids:
             req.token_ids[renderer] = encode_prompt(req, chat, renderers[renderer])

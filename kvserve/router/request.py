@@ -6,17 +6,26 @@ error; here nothing is validated, and a body that cannot be read is routed by lo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.router.response_homes import named_id
-from kvserve.server import anthropic_protocol, ollama_protocol, responses_protocol
+from kvserve.server import anthropic_protocol, ollama_protocol, openai_compat, responses_protocol
 from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.web.errors import APIError
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
                     "/api/generate")
 EMBEDDINGS_PATH = "/v1/embeddings"  # a prefill only: its input is read like a completion's prompt
+# Each chat API's raw body → its prompt, by the route's own code (None where the server refuses it).
+RENDER: dict[str, Callable[[dict[str, Any]], ChatPrompt | None]] = {
+    "/v1/chat/completions": openai_compat.prompt_of_body,
+    "/v1/responses": responses_protocol.prompt_of_body,
+    "/v1/messages": anthropic_protocol.prompt_of_body,
+    "/api/chat": ollama_protocol.chat_prompt_of_body,
+    "/api/generate": ollama_protocol.generate_prompt_of_body,
+}
 
 
 @dataclass
@@ -27,13 +36,17 @@ class RoutedRequest:
     suffix: str | None = None  # a completion's suffix: fill in the middle (kvserve/fim.py)
     messages: list[dict] | None = None  # a chat's messages, roughly: for the approximate text only
     add_generation_prompt: bool = True
-    chat_body: dict | None = None  # an OpenAI chat's whole body: the precise source renders it as a replica does
-    chat_prompt: ChatPrompt | None = None  # another API's conversation, rendered by the server's own code
+    chat_body: dict | None = None  # a chat's whole body (any API): the precise source renders it (`chat_prompt`)
     max_tokens: int | None = None
     n: int = 1
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # per replica renderer (precise source)
     hashes: dict[tuple[str, int], list[bytes]] = field(default_factory=dict)  # per (renderer, block size)
     response_id: str | None = None  # the stored response it needs (router/response_homes.py)
+
+    def chat_prompt(self) -> ChatPrompt | None:
+        """The prompt the replica's route will render from the body, tools and template switches included."""
+        render = RENDER.get(self.path)
+        return render(self.chat_body) if render is not None and self.chat_body is not None else None
 
     @property
     def routable(self) -> bool:
@@ -72,7 +85,7 @@ def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest
         return req
     if not isinstance(data, dict):
         return req
-    options = data.get("options") if isinstance(data.get("options"), dict) else {}
+    options = given if isinstance(given := data.get("options"), dict) else {}
     max_tokens = data.get("max_completion_tokens", data.get("max_tokens", options.get("num_predict")))
     if isinstance(max_tokens, int) and max_tokens >= 0:
         req.max_tokens = max_tokens
@@ -96,8 +109,8 @@ def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest
         messages = data.get("messages")
         req.chat_body = data
         if isinstance(messages, list) and messages:
-            plain = [_message_for_template(m) for m in messages]
-            if all(p is not None for p in plain):
+            plain = [p for m in messages if (p := _message_for_template(m)) is not None]
+            if len(plain) == len(messages):
                 req.messages = plain
                 req.add_generation_prompt = data.get("add_generation_prompt", True) is not False
                 # Role markers keep "system: X" and "user: X" apart in the tree.
@@ -106,8 +119,8 @@ def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest
 
 
 def _other_api(req: RoutedRequest, data: dict) -> None:
-    """Anthropic's messages and Ollama's chat and generate, rendered by the server's own code
-    (a prompt Ollama sends raw is a plain prompt)."""
+    """Responses, Anthropic's messages and Ollama's chat and generate: the body kept for the precise
+    source, their messages' text for the approximate one (a prompt Ollama sends raw is a plain prompt)."""
     try:
         if req.path == "/v1/responses":
             if data.get("previous_response_id") is not None:  # the start of the conversation is stored on one replica
@@ -130,8 +143,8 @@ def _other_api(req: RoutedRequest, data: dict) -> None:
             messages = ollama_protocol.generate_messages(data["prompt"], data.get("system"))
     except (KeyError, TypeError, ValueError, AttributeError, APIError):
         return  # the replica will say what is wrong with it; routed by load meanwhile
-    plain = [_message_for_template(m) for m in messages]
-    if messages and all(p is not None for p in plain):
+    plain = [p for m in messages if (p := _message_for_template(m)) is not None]
+    if messages and len(plain) == len(messages):
         req.messages = messages
-        req.chat_prompt = ChatPrompt(messages)  # (their tools are not rendered here: such a prompt may miss)
+        req.chat_body = data
         req.text = "".join(f"<{p['role']}>{p['content']}" for p in plain)

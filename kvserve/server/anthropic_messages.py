@@ -33,8 +33,7 @@ from kvserve.errors import InvalidParam
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from kvserve.tokenizer.chat_template import ChatPrompt
-from kvserve.server.errors import ANTHROPIC, APIError, from_invalid
+from kvserve.server.errors import ANTHROPIC, from_invalid
 from kvserve.server.generation import Job
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
 from kvserve.server.serving import Serving
@@ -57,7 +56,7 @@ def _constraint(req: CountTokensRequest) -> Constraint | None:
     """A forced tool call's grammar, or output_config.format's schema (not both)."""
     tools, choice = req.openai_tools(), req.openai_tool_choice()
     forced = None
-    if tools and choice not in ("auto", "none"):
+    if tools and choice not in ("auto", "none") and req.tool_choice is not None:  # (None is "auto")
         parallel = req.tool_choice.disable_parallel_tool_use is False  # one call unless asked for more
         forced = forced_call_constraint(tools, choice, parallel)
     fmt = req.output_config.format if req.output_config is not None else None
@@ -75,12 +74,6 @@ def _tool_mode(req: CountTokensRequest) -> str | None:
     return "auto" if req.openai_tool_choice() == "auto" else "forced"
 
 
-def _prompt(req: CountTokensRequest) -> ChatPrompt:
-    # Without `thinking` asked for, a thinking template's switch is off, as Anthropic's models do not think then.
-    return ChatPrompt(req.template_messages(), True, req.openai_tools() or None,
-                      None if req.thinking_on else {"enable_thinking": False})
-
-
 async def count_tokens(request: Request, ctx: ServerContext) -> dict:
     ctx.state.require_ready()
     req = await ctx.parse(request, CountTokensRequest)
@@ -88,7 +81,7 @@ async def count_tokens(request: Request, ctx: ServerContext) -> dict:
     try:
         req.checked()
         _constraint(req)  # a bad tool_choice name or schema is refused here as in /v1/messages
-        ids = await ctx.client.encode_chat(_prompt(req))
+        ids = await ctx.client.encode_chat(req.chat_prompt())
     except ValueError as e:
         raise from_invalid(e, Message.FIELDS) from None
     return {"input_tokens": len(ids)}
@@ -111,10 +104,10 @@ class Message(Serving):
         params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
                                 constraint=_constraint(req), speculative=req.speculative,
                                 **{**ctx.settings.defaults, **given})
-        return await self.start_job(params, lambda: ctx.client.encode_chat_now(_prompt(req)), prefix="msg",
+        return await self.start_job(params, lambda: ctx.client.encode_chat_now(req.chat_prompt()), prefix="msg",
                                     fit_within=ctx.client.max_model_len)
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
+    def events(self, job: Job) -> AsyncIterator[dict]:
         return _stream(self.ctx, job, self.req)
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
@@ -162,11 +155,6 @@ def _message(ctx: ServerContext, job: Job, req: MessagesRequest, final: RequestO
             "usage": _usage(final)}
 
 
-def event(data: dict[str, Any]) -> bytes:
-    """One of Anthropic's server-sent events: named by its type, which the data carries too."""
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-
 class BlockEvents:
     """Chat deltas (reasoning_content, content, or tool_calls as openai_compat.ChoiceDeltas gives
     them) in, Anthropic's content block events out: a thinking block while reasoning comes (when the
@@ -178,65 +166,62 @@ class BlockEvents:
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.call: int | None = None  # the OpenAI index of the open tool call
 
-    def feed(self, delta: dict[str, Any]) -> list[bytes]:
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
         if (thought := delta.get("reasoning_content")) and self.thinking:
             if self.open != "thinking":
                 out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-            out.append(event({"type": "content_block_delta", "index": self.index,
-                              "delta": {"type": "thinking_delta", "thinking": thought}}))
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "thinking_delta", "thinking": thought}})
         if text := delta.get("content"):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""})
-            out.append(event({"type": "content_block_delta", "index": self.index,
-                              "delta": {"type": "text_delta", "text": text}}))
+            out.append({"type": "content_block_delta", "index": self.index,
+                        "delta": {"type": "text_delta", "text": text}})
         for call in delta.get("tool_calls") or []:
             fn = call.get("function") or {}
             if call.get("id") is not None or self.open != "tool_use" or call.get("index") != self.call:
                 out += self._start({**_tool_use({**call, "function": {"name": fn.get("name")}})})
                 self.call = call.get("index")
             if fn.get("arguments"):
-                out.append(event({"type": "content_block_delta", "index": self.index,
-                                  "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
+                out.append({"type": "content_block_delta", "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
         return out
 
-    def _start(self, block: dict[str, Any]) -> list[bytes]:
+    def _start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.close()
         self.index += 1
         self.open = block["type"]
-        out.append(event({"type": "content_block_start", "index": self.index, "content_block": block}))
+        out.append({"type": "content_block_start", "index": self.index, "content_block": block})
         if self.index == 0:
-            out.append(event({"type": "ping"}))  # where Anthropic sends its first
+            out.append({"type": "ping"})  # where Anthropic sends its first
         return out
 
-    def close(self) -> list[bytes]:
+    def close(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
         self.open = None
-        return [event({"type": "content_block_stop", "index": self.index})]
+        return [{"type": "content_block_stop", "index": self.index}]
 
 
-async def _stream(ctx: ServerContext, job: Job, req: MessagesRequest) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, job: Job, req: MessagesRequest) -> AsyncIterator[dict]:
     deltas, blocks = ChoiceDeltas(_tool_mode(req), ctx.client.reasoning(job)), BlockEvents(req.thinking_on)
     prompt = len(job.prompts[0])
-    yield event({"type": "message_start", "message": {
+    yield {"type": "message_start", "message": {
         **_head(ctx, job), "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt, "output_tokens": 0}}})
-    try:
-        async with aclosing(ctx.client.outputs(job)) as outputs:
-            async for _, out in outputs:
-                c = out.outputs[0]
-                for delta in deltas.feed(c.delta_text):
-                    for e in blocks.feed(delta):
-                        yield e
-                if not c.finished:
-                    continue
-                rest, finish_reason = deltas.finish(c.finish_reason)
-                for e in [e for delta in rest for e in blocks.feed(delta)] + blocks.close():
+        "usage": {"input_tokens": prompt, "output_tokens": 0}}}
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for _, out in outputs:
+            c = out.outputs[0]
+            for delta in deltas.feed(c.delta_text):
+                for e in blocks.feed(delta):
                     yield e
-                stop_reason, stop_sequence = _stop(c, finish_reason, req.max_tokens)
-                yield event({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                             "usage": _usage(out)})
-                yield event({"type": "message_stop"})
-    except APIError as e:
-        yield ANTHROPIC.stream_error(e)
+            if not c.finished:
+                continue
+            rest, finish_reason = deltas.finish(c.finish_reason)
+            for e in [e for delta in rest for e in blocks.feed(delta)] + blocks.close():
+                yield e
+            stop_reason, stop_sequence = _stop(c, finish_reason, req.max_tokens)
+            yield {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                   "usage": _usage(out)}
+            yield {"type": "message_stop"}

@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from kvserve.errors import InvalidParam
 from kvserve.server.protocol import KVServeOptions, _Echoed, _Strict
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 # Fields of Anthropic's API that change nothing kvserve does: accepted, logged.
 IGNORED = ("metadata", "service_tier", "cache_control", "container", "inference_geo", "speed",
@@ -174,6 +175,12 @@ class CountTokensRequest(_Strict):
     def template_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.model_dump(include={"system", "messages"}, exclude_none=True))
 
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation and its tools as the chat template takes them. Without `thinking` asked
+        for, a thinking template's switch is off, as Anthropic's models do not think then."""
+        return ChatPrompt(self.template_messages(), True, self.openai_tools() or None,
+                          None if self.thinking_on else {"enable_thinking": False})
+
     def openai_tools(self) -> list[dict[str, Any]] | None:
         """The tools in the form kvserve's template and grammar code take; None when tool_choice is none."""
         if not self.tools or (self.tool_choice is not None and self.tool_choice.type == "none"):
@@ -210,6 +217,15 @@ class MessagesRequest(CountTokensRequest):
     workspace_id: Any = None
     kvserve: KVServeOptions | None = None
     IGNORED: ClassVar[tuple[str, ...]] = IGNORED
+
+
+def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The prompt of a raw /v1/messages body as the route renders it, or None where the server
+    would refuse the body: a router's rendering of it."""
+    try:
+        return MessagesRequest.model_validate(body).checked().chat_prompt()
+    except (ValidationError, ValueError):
+        return None
 
 
 def _text(blocks: Any) -> str:

@@ -8,13 +8,12 @@ from typing import TYPE_CHECKING
 
 from kvserve.outputs import RequestOutput
 from kvserve.server import openai_compat
-from kvserve.server.errors import APIError
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import ChatCompletionRequest
-from kvserve.server.serving import Serving, sse
+from kvserve.server.serving import Serving
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -47,7 +46,7 @@ class ChatCompletion(Serving):
                                     # a default the client never sent must not be the reason its request is refused
                                     fit_within=ctx.client.max_model_len if defaulted else None)
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
+    def events(self, job: Job) -> AsyncIterator[dict]:
         return _stream(self.ctx, job, self.req)
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
@@ -72,7 +71,7 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
     return {**_head(job, ctx, "chat.completion"), "choices": choices, "usage": usage([final])}
 
 
-async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[dict]:
     head = _head(job, ctx, "chat.completion.chunk")
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
@@ -80,45 +79,46 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     legacy = openai_compat.LegacyDeltas() if req.functions is not None else None
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
-              extra: dict | None = None) -> bytes | None:
+              extra: dict | None = None) -> dict | None:
         """One choice's chunk; None for what the legacy function_call shape has no room for."""
         if legacy is not None:
-            delta, finish_reason = legacy.delta(delta), legacy.finish_reason(finish_reason)
-            if delta is None:
+            shaped, finish_reason = legacy.delta(delta), legacy.finish_reason(finish_reason)
+            if shaped is None:
                 return None
-        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish_reason}], **(extra or {})})
+            delta = shaped
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}], **(extra or {})}
 
     final = None
     done: set[int] = set()
     inside = ctx.client.reasoning(job)
     deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req), inside) for _ in range(job.params.n)]
-    try:
-        for i in range(job.params.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        async with aclosing(ctx.client.outputs(job)) as outputs:
-            async for _, out in outputs:
-                final = out
-                for c in out.outputs:
-                    if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
-                        continue
-                    lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
-                    out_deltas = deltas[c.index].feed(c.delta_text)
-                    if lp and not out_deltas:
-                        out_deltas = [{"content": ""}]
-                    for j, delta in enumerate(out_deltas):
-                        if event := chunk(c.index, delta, lp if j == 0 else None):
+    for i in range(job.params.n):
+        if event := chunk(i, {"role": "assistant", "content": ""}):  # (always: no tool calls in it)
+            yield event
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for _, out in outputs:
+            final = out
+            for c in out.outputs:
+                if c.index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                    continue
+                lp = chat_logprobs(c.delta_logprobs, ctx.texts) if c.delta_logprobs is not None else None
+                out_deltas = deltas[c.index].feed(c.delta_text)
+                if lp and not out_deltas:
+                    out_deltas = [{"content": ""}]
+                for j, delta in enumerate(out_deltas):
+                    if event := chunk(c.index, delta, lp if j == 0 else None):
+                        yield event
+                if c.finished:
+                    done.add(c.index)
+                    rest, finish_reason = deltas[c.index].finish(c.finish_reason)
+                    for delta in rest:
+                        if event := chunk(c.index, delta):
                             yield event
-                    if c.finished:
-                        done.add(c.index)
-                        rest, finish_reason = deltas[c.index].finish(c.finish_reason)
-                        for delta in rest:
-                            if event := chunk(c.index, delta):
-                                yield event
-                        last = len(done) == job.params.n  # the final chunk carries the timeline if asked
-                        yield chunk(c.index, {}, None, finish_reason, timeline_extension(ctx, job, req.kvserve) if last else None)
-        if req.include_usage:
-            yield sse({**head, "choices": [], "usage": usage([final])})
-    except APIError as e:
-        yield sse(e.body())
-    yield sse("[DONE]")
+                    last = len(done) == job.params.n  # the final chunk carries the timeline if asked
+                    extension = timeline_extension(ctx, job, req.kvserve) if last else None
+                    if event := chunk(c.index, {}, None, finish_reason, extension):  # (always: an empty delta)
+                        yield event
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": usage([final])}
+

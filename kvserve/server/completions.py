@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
 from kvserve.server.protocol import CompletionRequest
-from kvserve.server.serving import Serving, sse
+from kvserve.server.serving import Serving
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -54,16 +54,17 @@ class Completion(Serving):
         admission = ctx.state.admit(len(prompts), params.n)  # before any tokenizing: 400 or 429 at once
         try:
             given = prompts  # echoed as the client sent them (not as FIM markers), once they are known valid
-            if fim:
-                prompts = await ctx.client.encode_fim(prompts, req.suffix)
-            ids = await ctx.client.tokenize(prompts, params, request.receive)
+            batch: Sequence[str | list[int]] = prompts
+            if fim:  # (every prompt is text: checked above)
+                batch = await ctx.client.encode_fim([p for p in prompts if isinstance(p, str)], req.suffix)
+            ids = await ctx.client.tokenize(batch, params, request.receive)
             self.echoes = await _echo_texts(ctx, given, req) if req.echo else None
         except BaseException:  # (Serving answers an InvalidParam)
             admission.release()
             raise
         return admission, Job(ids, params, self.arrival, request_id=request_id.name(request, "cmpl"))
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
+    def events(self, job: Job) -> AsyncIterator[dict]:
         return _stream(self.ctx, job, self.req, self.echoes)
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
@@ -123,7 +124,7 @@ def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list
     return {**_head(job, ctx), "choices": choices, "usage": usage(finals)}
 
 
-async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest, echoes: list[str] | None) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest, echoes: list[str] | None) -> AsyncIterator[dict]:
     head = _head(job, ctx)
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
@@ -131,32 +132,29 @@ async def _stream(ctx: ServerContext, job: Job, req: CompletionRequest, echoes: 
     offsets: dict[int, int] = {}
     done: set[int] = set()
     echoed: set[int] = set()  # prompts whose echo went out: first, once its logprobs (if asked) are in
-    try:
-        async with aclosing(ctx.client.outputs(job)) as outputs:
-            async for i, out in outputs:
-                finals[i] = out
-                if echoes is not None and i not in echoed and (req.logprobs is None or out.prompt_logprobs is not None):
-                    echoed.add(i)
-                    lp = _echo_logprobs(ctx, out, req.skip_special_tokens) if req.logprobs is not None else None
-                    for k in range(job.params.n):
-                        offsets[i * job.params.n + k] = len(echoes[i])
-                        yield sse({**head, "choices": [{"index": i * job.params.n + k, "text": echoes[i], "logprobs": lp,
-                                                        "finish_reason": None}]})
-                for c in out.outputs:
-                    index = i * job.params.n + c.index
-                    if index in done or not (c.delta_text or c.delta_logprobs or c.finished):
-                        continue
-                    lp = None
-                    if c.delta_logprobs is not None:
-                        lp, offsets[index] = _logprobs(ctx, c.delta_logprobs, offsets.get(index, 0),
-                                                       req.skip_special_tokens)
-                    if c.finished:
-                        done.add(index)
-                    choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
-                    last = len(done) == job.num_seqs  # the final chunk carries the timeline if asked
-                    yield sse({**head, "choices": [choice], **(timeline_extension(ctx, job, req.kvserve) if last else {})})
-        if req.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(finals)})
-    except APIError as e:
-        yield sse(e.body())
-    yield sse("[DONE]")
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for i, out in outputs:
+            finals[i] = out
+            if echoes is not None and i not in echoed and (req.logprobs is None or out.prompt_logprobs is not None):
+                echoed.add(i)
+                lp = _echo_logprobs(ctx, out, req.skip_special_tokens) if req.logprobs is not None else None
+                for k in range(job.params.n):
+                    offsets[i * job.params.n + k] = len(echoes[i])
+                    yield {**head, "choices": [{"index": i * job.params.n + k, "text": echoes[i], "logprobs": lp,
+                                                "finish_reason": None}]}
+            for c in out.outputs:
+                index = i * job.params.n + c.index
+                if index in done or not (c.delta_text or c.delta_logprobs or c.finished):
+                    continue
+                lp = None
+                if c.delta_logprobs is not None:
+                    lp, offsets[index] = _logprobs(ctx, c.delta_logprobs, offsets.get(index, 0),
+                                                   req.skip_special_tokens)
+                if c.finished:
+                    done.add(index)
+                choice = {"index": index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+                last = len(done) == job.num_seqs  # the final chunk carries the timeline if asked
+                yield {**head, "choices": [choice], **(timeline_extension(ctx, job, req.kvserve) if last else {})}
+    if req.include_usage:
+        yield {**head, "choices": [], "usage": usage(finals)}
+

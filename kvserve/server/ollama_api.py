@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -32,12 +32,11 @@ from fastapi.responses import JSONResponse, Response
 
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.tokenizer.chat_template import ChatPrompt
+from kvserve.server import ollama_embed, ollama_models
 from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
-from kvserve.server import ollama_embed, ollama_models
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest, chat_messages, generate_messages
+from kvserve.server.ollama_protocol import ChatRequest, GenerateRequest
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
 from kvserve.server.parsing import check_limits
 from kvserve.server.serving import Serving
@@ -52,7 +51,7 @@ log = logging.getLogger("kvserve.server")
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
@@ -91,7 +90,7 @@ def _loaded(req: _Generation, key: str, stream: bool) -> Response:
     body = {"model": req._name, "created_at": _now(), key: {"role": "assistant", "content": ""} if key == "message"
             else "", "done": True, "done_reason": "load"}
     if stream:
-        return Response(json.dumps(body) + "\n", media_type=OLLAMA.stream_media_type)
+        return Response(json.dumps(body) + "\n", media_type=OLLAMA.framing.media_type)
     return JSONResponse(body)
 
 
@@ -107,7 +106,10 @@ class OllamaGeneration(Serving):
               "min_p": "options.min_p", "seed": "options.seed", "repetition_penalty": "options.repeat_penalty",
               "presence_penalty": "options.presence_penalty", "frequency_penalty": "options.frequency_penalty",
               "speculative": "options.speculative", "logprobs": "top_logprobs"}
-    mode: str | None = None  # tool calls read from the answer ("auto") or not (None)
+    @property
+    def mode(self) -> str | None:
+        """Tool calls read from the answer ("auto") or not (None)."""
+        return None
 
     async def start(self) -> tuple[Admission, Job] | Response:
         params, context = _params(self.ctx, self.req)
@@ -124,7 +126,7 @@ class OllamaGeneration(Serving):
         """The prompt's token ids, on a worker thread (ServerContext.start_job's)."""
         raise NotImplementedError
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
+    def events(self, job: Job) -> AsyncIterator[dict]:
         return _stream(self.ctx, job, self.req, self.KEY, self.mode)
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
@@ -145,10 +147,7 @@ class Chat(OllamaGeneration):
         return not self.req.messages
 
     def prompt_ids(self) -> list[int]:
-        req = self.req
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        messages = chat_messages([m.model_dump(exclude_none=True) for m in req.messages])
-        return self.ctx.client.encode_chat_now(ChatPrompt(messages, True, tools or None, req.template_variables))
+        return self.ctx.client.encode_chat_now(self.req.chat_prompt())
 
 
 class Generate(OllamaGeneration):
@@ -163,8 +162,8 @@ class Generate(OllamaGeneration):
 
     def prompt_ids(self) -> list[int]:
         req, client = self.req, self.ctx.client
-        ids = client.encode_now(req.prompt) if req.raw else client.encode_chat_now(
-            ChatPrompt(generate_messages(req.prompt, req.system), variables=req.template_variables))
+        chat = req.chat_prompt()
+        ids = client.encode_now(req.prompt) if chat is None else client.encode_chat_now(chat)
         return list(req.context or []) + ids
 
 
@@ -229,15 +228,14 @@ def _tail(final: RequestOutput, job: Job, key: str) -> dict[str, Any]:
     return {**_stats(final, job.arrival), **context}
 
 
-async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode: str | None) -> AsyncIterator[bytes]:
+async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode: str | None) -> AsyncIterator[dict]:
     deltas = ChoiceDeltas(mode if key == "message" else None, _inside(ctx, job, req))
 
-    def line(piece: dict[str, Any], done: bool = False, **extra: Any) -> bytes:
+    def line(piece: dict[str, Any], done: bool = False, **extra: Any) -> dict[str, Any]:
         thinking = {"thinking": piece["thinking"]} if "thinking" in piece else {}
         value = {"role": "assistant", "content": piece["content"], **piece} if key == "message" else piece["content"]
-        body = {"model": req._name, "created_at": _now(), key: value, **(thinking if key == "response" else {}),
+        return {"model": req._name, "created_at": _now(), key: value, **(thinking if key == "response" else {}),
                 "done": done, **extra}
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
     calls = WholeCalls()
 
@@ -252,27 +250,25 @@ async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode
     def gathered() -> dict[str, Any]:
         return {"content": "", "tool_calls": calls.whole()}
 
-    try:
-        async with aclosing(ctx.client.outputs(job)) as outputs:
-            async for _, out in outputs:
-                c = out.outputs[0]
-                out_deltas = deltas.feed(c.delta_text)
-                lp = chat_logprobs(c.delta_logprobs, ctx.texts)["content"] if c.delta_logprobs else None
-                if lp and not out_deltas:
-                    out_deltas = [{"content": ""}]
-                for j, delta in enumerate(out_deltas):
+    async with aclosing(ctx.client.outputs(job)) as outputs:
+        async for _, out in outputs:
+            c = out.outputs[0]
+            out_deltas = deltas.feed(c.delta_text)
+            lp = chat_logprobs(c.delta_logprobs, ctx.texts)["content"] if c.delta_logprobs else None
+            if lp and not out_deltas:
+                out_deltas = [{"content": ""}]
+            for j, delta in enumerate(out_deltas):
+                if (piece := pieces(delta)) is not None:
+                    yield line(piece, **({"logprobs": lp} if lp and j == 0 else {}))
+            if c.finished:
+                rest, _ = deltas.finish(c.finish_reason)
+                for delta in rest:
                     if (piece := pieces(delta)) is not None:
-                        yield line(piece, **({"logprobs": lp} if lp and j == 0 else {}))
-                if c.finished:
-                    rest, _ = deltas.finish(c.finish_reason)
-                    for delta in rest:
-                        if (piece := pieces(delta)) is not None:
-                            yield line(piece)
-                    if calls.by_index:
-                        yield line(gathered())
-                    yield line(pieces({}), True, done_reason=c.finish_reason, **_tail(out, job, key))
-    except APIError as e:
-        yield OLLAMA.stream_error(e)
+                        yield line(piece)
+                if calls.by_index:
+                    yield line(gathered())
+                if (piece := pieces({})) is not None:  # (always: an empty delta)
+                    yield line(piece, True, done_reason=c.finish_reason, **_tail(out, job, key))
 
 
 def add_routes(app: FastAPI, ctx: ServerContext) -> None:

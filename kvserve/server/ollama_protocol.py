@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import PrivateAttr, model_validator
+from pydantic import PrivateAttr, ValidationError, model_validator
 
 from kvserve.errors import InvalidParam
 from kvserve.server.protocol import FunctionDef, _Strict, legacy_call_id
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 # Off values of the samplers kvserve lacks: anything else is refused.
 _OFF = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
@@ -169,6 +170,12 @@ class ChatRequest(_Generation):
             if m.images:
                 raise InvalidParam(f"messages[{i}].images", f"messages[{i}].images: kvserve serves a text-only model")
 
+    def chat_prompt(self) -> ChatPrompt:
+        """The conversation and its tools as the chat template takes them."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        messages = chat_messages([m.model_dump(exclude_none=True) for m in self.messages])
+        return ChatPrompt(messages, True, tools or None, self.template_variables)
+
 
 class GenerateRequest(_Generation):
     prompt: str = ""
@@ -188,6 +195,12 @@ class GenerateRequest(_Generation):
         if self.template:
             raise InvalidParam("template", "template is not supported: kvserve renders prompts with the model's own "
                                "chat template (or none, with raw: true)")
+
+    def chat_prompt(self) -> ChatPrompt | None:
+        """The prompt as one templated user turn; None when it is sent raw (its text is the prompt)."""
+        if self.raw:
+            return None
+        return ChatPrompt(generate_messages(self.prompt, self.system), variables=self.template_variables)
 
 
 class EmbedRequest(_Named):
@@ -213,6 +226,25 @@ class ShowRequest(_Strict):
     def _tagless(self) -> ShowRequest:
         self.model = self.model.removesuffix(":latest") if self.model is not None else None
         return self
+
+
+def chat_prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The prompt of a raw /api/chat body as the route renders it, or None where the server would
+    refuse it: a router's rendering of it."""
+    try:
+        req = ChatRequest.model_validate(body)
+        return req.chat_prompt() if req.messages else None
+    except (ValidationError, ValueError, KeyError):
+        return None
+
+
+def generate_prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The same for /api/generate (None also for a raw prompt, or one that continues a context)."""
+    try:
+        req = GenerateRequest.model_validate(body)
+        return req.chat_prompt() if req.prompt and not req.context else None
+    except (ValidationError, ValueError):
+        return None
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

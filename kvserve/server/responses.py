@@ -20,7 +20,7 @@ unless the request said `store: false`.
 """
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import time
 import uuid
@@ -29,7 +29,6 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import RequestOutput
-from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import APIError, from_invalid
 from kvserve.server.generation import Job
 from kvserve.server.logprobs import chat_logprobs
@@ -39,9 +38,9 @@ from kvserve.server.protocol import ResponsesRequest
 from kvserve.server.response_store import StoredResponse
 from kvserve.server.responses_protocol import (
     LOGPROBS_INCLUDE,
-    chat_messages,
-    chat_tool,
+    chat_prompt,
     function_tools,
+    input_items,
     output_constraint,
     plain_items,
     refuse_unsupported,
@@ -51,6 +50,7 @@ from kvserve.server.responses_protocol import (
     tool_mode,
 )
 from kvserve.server.serving import Serving
+from kvserve.web.framing import NAMED_SSE
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -67,6 +67,11 @@ class ModelResponse(Serving):
 
     request_model = ResponsesRequest
     FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+    # A stream's state, for the events that end it if it fails (`failed`).
+    _job: Job
+    _event: _Events
+    _out: _Output | None
+    _final: RequestOutput | None
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req
@@ -83,8 +88,7 @@ class ModelResponse(Serving):
         want_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
         self.logprobs = (lambda lps: chat_logprobs(lps, ctx.texts)["content"]) if want_logprobs else None
         check_limits(1, req.top_logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
-        items = plain_items(req.input) if isinstance(req.input, list) else [
-            {"type": "message", "role": "user", "content": req.input}]
+        items = input_items(req)
         if req.previous_response_id is not None:
             previous = ctx.responses.get(req.previous_response_id)
             if previous is None:
@@ -93,24 +97,33 @@ class ModelResponse(Serving):
                                f"server: {why}", param="previous_response_id", code="previous_response_not_found")
             items = [*previous.items(), *items]
         self.items = items
-        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
-        reject(not messages, "input", "must not be empty")
+        prompt = chat_prompt(req, items, self.tools, self.mode)
+        reject(not prompt.messages, "input", "must not be empty")
         reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
         defaulted = req.max_output_tokens is None
         max_tokens = ctx.settings.max_tokens_default if defaulted else req.max_output_tokens
         logprobs = (req.top_logprobs or 0) if want_logprobs else None
         params = sampling_params(req, max_tokens, logprobs, ctx.settings.defaults, constraint)
-        chat_tools = [chat_tool(t) for t in self.tools] if self.mode is not None else None
-        prompt = ChatPrompt(messages, True, chat_tools or None)
         started = await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="resp", sep="_",
                                        # a default the client never sent must not be why it is refused
                                        fit_within=ctx.client.max_model_len if defaulted else None)
         self.created_at = int(time.time())
         self.store = req.store and ctx.responses.keeps
+        self._job, self._event, self._out, self._final = started[1], _Events(), None, None  # (a stream's state)
         return started
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
+    framing = NAMED_SSE  # (OpenAI's error bodies, its own events: no [DONE])
+
+    def events(self, job: Job) -> AsyncIterator[dict]:
         return self._events(job)
+
+    def failed(self, e: APIError) -> list[dict]:
+        """An error event, then the response as it stood, failed."""
+        event, out = self._event, self._out
+        return [event("error", code=e.code, message=e.message, param=e.param),
+                event("response.failed", response=self._object(
+                    self._job, "failed", out.items if out else [], self._final,
+                    error={"code": "server_error", "message": e.message}))]
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
         final = finals[0]
@@ -147,7 +160,7 @@ class ModelResponse(Serving):
             "usage": usage if done else None, "user": req.user, "metadata": req.metadata or {},
         }
 
-    def _finished(self, job: Job, out: _Output, final: RequestOutput) -> dict[str, Any]:
+    def _finished(self, job: Job, out: _Output, final: RequestOutput | None) -> dict[str, Any]:
         body = self._object(job, out.status, out.items, final)
         if self.req.store:  # (a store of size 0 keeps none, and remembers why)
             conversation = (*self.items, *plain_items(body["output"], "output"))
@@ -156,28 +169,22 @@ class ModelResponse(Serving):
             self.ctx.responses.not_stored(body["id"])
         return body
 
-    async def _events(self, job: Job) -> AsyncIterator[bytes]:
-        event = _Events()
+    async def _events(self, job: Job) -> AsyncIterator[dict]:
+        event = self._event
         yield event("response.created", response=self._object(job, "in_progress", []))
         yield event("response.in_progress", response=self._object(job, "in_progress", []))
-        out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job))
-        final = None
-        try:
-            async with aclosing(self.ctx.client.outputs(job)) as outputs:
-                async for _, final in outputs:
-                    choice = final.outputs[0]
-                    if choice.delta_text or choice.delta_logprobs:
-                        for e in out.feed(choice.delta_text, choice.delta_logprobs):
-                            yield e
-                    if choice.finished:
-                        for e in out.finish(choice.finish_reason):
-                            yield e
-            body = self._finished(job, out, final)
-            yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
-        except APIError as e:
-            yield event("error", code=e.code, message=e.message, param=e.param)
-            yield event("response.failed", response=self._object(job, "failed", out.items, final,
-                                                                 error={"code": "server_error", "message": e.message}))
+        out = self._out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job))
+        async with aclosing(self.ctx.client.outputs(job)) as outputs:
+            async for _, self._final in outputs:
+                choice = self._final.outputs[0]
+                if choice.delta_text or choice.delta_logprobs:
+                    for e in out.feed(choice.delta_text, choice.delta_logprobs):
+                        yield e
+                if choice.finished:
+                    for e in out.finish(choice.finish_reason):
+                        yield e
+        body = self._finished(job, out, self._final)
+        yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
 
 
 def get_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
@@ -204,17 +211,23 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _opened(item: dict[str, Any] | None) -> dict[str, Any]:
+    """An output item that was just opened, or open already."""
+    if item is None:
+        raise RuntimeError("no open output item")
+    return item
+
+
 class _Events:
-    """One typed server-sent event per call, numbered from 0 (sequence_number)."""
+    """One typed event per call, numbered from 0 (sequence_number)."""
 
     def __init__(self) -> None:
         self.sequence = 0
 
-    def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = json.dumps({"type": kind, "sequence_number": self.sequence, **fields}, ensure_ascii=False,
-                          separators=(",", ":"))
+    def __call__(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        # A copy: the items an event carries grow as the next events are made, before it is framed.
+        return {"type": kind, "sequence_number": self.sequence - 1, **copy.deepcopy(fields)}
 
 
 class _Output:
@@ -237,19 +250,19 @@ class _Output:
         self.call: dict[str, Any] | None = None  # the open function_call item
         self.status = "in_progress"
 
-    def _event(self, kind: str, **fields: Any) -> list[bytes]:
+    def _event(self, kind: str, **fields: Any) -> list[dict[str, Any]]:
         return [self.emit(kind, **fields)] if self.emit is not None else []
 
-    def feed(self, text: str, lps: list | None) -> list[bytes]:
+    def feed(self, text: str, lps: list | None) -> list[dict[str, Any]]:
         entries = self.logprobs(lps) if self.logprobs is not None and lps else []
-        out: list[bytes] = []
+        out: list[dict[str, Any]] = []
         for j, delta in enumerate(self.deltas.feed(text)):
             out += self._delta(delta, entries if j == 0 else [])
         return out
 
-    def finish(self, finish_reason: str | None) -> list[bytes]:
+    def finish(self, finish_reason: str | None) -> list[dict[str, Any]]:
         rest, finish_reason = self.deltas.finish(finish_reason)
-        out: list[bytes] = []
+        out: list[dict[str, Any]] = []
         for delta in rest:
             out += self._delta(delta, [])
         cut = finish_reason == "length"
@@ -260,24 +273,26 @@ class _Output:
         self.status = "incomplete" if cut else "completed"
         return out
 
-    def _delta(self, delta: dict[str, Any], entries: list) -> list[bytes]:
-        out: list[bytes] = []
+    def _delta(self, delta: dict[str, Any], entries: list) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         if thought := delta.get("reasoning_content"):
             if self.reasoning is None:
                 out += self._open_reasoning()
-            part = self.reasoning["content"][0]
+            reasoning = _opened(self.reasoning)
+            part = reasoning["content"][0]
             part["text"] += thought
-            out += self._event("response.reasoning_text.delta", item_id=self.reasoning["id"],
+            out += self._event("response.reasoning_text.delta", item_id=reasoning["id"],
                                output_index=len(self.items) - 1, content_index=0, delta=thought)
         if delta.get("content") or delta.get("tool_calls"):
             out += self._close_reasoning()
         if delta.get("content"):
             if self.message is None:
                 out += self._open_message()
-            part = self.message["content"][0]
+            message = _opened(self.message)
+            part = message["content"][0]
             part["text"] += delta["content"]
             part["logprobs"] += entries
-            out += self._event("response.output_text.delta", item_id=self.message["id"], output_index=len(self.items) - 1,
+            out += self._event("response.output_text.delta", item_id=message["id"], output_index=len(self.items) - 1,
                                content_index=0, delta=delta["content"], logprobs=entries)
         for call in delta.get("tool_calls") or []:
             fn = call.get("function") or {}
@@ -294,7 +309,7 @@ class _Output:
                                    output_index=len(self.items) - 1, delta=piece)
         return out
 
-    def _close_call(self) -> list[bytes]:
+    def _close_call(self) -> list[dict[str, Any]]:
         call, self.call = self.call, None
         if call is None:
             return []
@@ -304,7 +319,7 @@ class _Output:
                             arguments=call["arguments"])
                 + self._event("response.output_item.done", output_index=index, item=call))
 
-    def _open_reasoning(self) -> list[bytes]:
+    def _open_reasoning(self) -> list[dict[str, Any]]:
         self.reasoning = {"id": _item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
         index = len(self.items)
         self.items.append(self.reasoning)
@@ -314,7 +329,7 @@ class _Output:
         return out + self._event("response.content_part.added", item_id=self.reasoning["id"], output_index=index,
                                  content_index=0, part=part)
 
-    def _close_reasoning(self) -> list[bytes]:
+    def _close_reasoning(self) -> list[dict[str, Any]]:
         item, self.reasoning = self.reasoning, None
         if item is None:
             return []
@@ -326,7 +341,7 @@ class _Output:
                               part=part)
                 + self._event("response.output_item.done", output_index=index, item=item))
 
-    def _open_message(self) -> list[bytes]:
+    def _open_message(self) -> list[dict[str, Any]]:
         self.message = {"id": _item_id("msg"), "type": "message", "status": "in_progress", "content": [], "role": "assistant"}
         index = len(self.items)
         self.items.append(self.message)
@@ -336,7 +351,7 @@ class _Output:
         return out + self._event("response.content_part.added", item_id=self.message["id"], output_index=index,
                                  content_index=0, part=part)
 
-    def _close_message(self, status: str) -> list[bytes]:
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
         message, self.message = self.message, None
         if message is None:
             return []

@@ -2,8 +2,8 @@
 kvserve's chat sees them (messages for the chat template, OpenAI-form tools, one output
 constraint) and its sampling. Each kind of item or tool kvserve does not serve is refused by name.
 
-`plain_items` and `chat_messages` work on plain JSON so that the router renders exactly what the
-server renders (kvserve/router/request.py).
+`prompt_of_body` renders a raw body with the route's own code, so that the router renders exactly
+what the server renders (kvserve/router/request.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.structured.spec import Constraint, json_schema
 from kvserve.structured.tools import forced_call_constraint
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -110,6 +111,35 @@ def plain_items(raw: list[dict[str, Any]], where: str = "input") -> list[dict[st
             raise APIError(400, f"{here}.type: {kind!r} items are not supported: kvserve takes message, function_call "
                            "and function_call_output items", param=f"{here}.type")
     return out
+
+
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's own input as plain items (a string is one user message)."""
+    if isinstance(req.input, list):
+        return plain_items(req.input)
+    return [{"type": "message", "role": "user", "content": req.input}]
+
+
+def chat_prompt(req: ResponsesRequest, items: list[dict[str, Any]], tools: list[ResponsesFunctionTool],
+                mode: str | None) -> ChatPrompt:
+    """The conversation (instructions, then the items) and, when tool calls are read (`mode`), the tools."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + chat_messages(items)
+    return ChatPrompt(messages, True, [chat_tool(t) for t in tools] if mode is not None and tools else None)
+
+
+def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
+    """The prompt of a raw /v1/responses body as the route renders it, or None where the server
+    would refuse it or where it continues a stored response: a router's rendering of it."""
+    try:
+        req = ResponsesRequest.model_validate(body)
+        if req.previous_response_id is not None:
+            return None
+        tools = function_tools(req.tools)
+        choice = tool_choice(req.tool_choice, tools)
+        prompt = chat_prompt(req, input_items(req), tools, tool_mode(tools, choice, output_constraint(req, tools, choice)))
+    except (ValidationError, ValueError, APIError):
+        return None
+    return prompt if prompt.messages else None
 
 
 def chat_messages(items: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:

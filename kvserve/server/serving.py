@@ -1,9 +1,11 @@
 """The shape every generation route shares: parse the body, start its job (admitted, encoded and
 checked in one worker hop: `ServerContext.start_job`), then answer it streamed or whole. A
 subclass per API says only what differs: how a body becomes a job (`start`), its stream's events
-(`events`) and its whole answer (`body`), `FIELDS`, its names for the engine's words, so that a
-check made by the engine names the field as the client sent it, and `dialect`, the error shape
-of its stream. A route with no stream (embeddings) says so in `streams`.
+as plain dicts (`events`) and its whole answer (`body`), `FIELDS`, its names for the engine's
+words, so that a check made by the engine names the field as the client sent it, and `dialect`,
+its error shape, whose framing writes its stream (kvserve/web/framing.py: SSE, named SSE or
+NDJSON). One runner (`EventStream`) frames every API's events and ends a stream that fails with
+the route's `failed` events. A route with no stream (embeddings) says so in `streams`.
 
 One instance serves one HTTP request, so what `start` learns (the parsed body, per-prompt
 extras such as echoed texts) is kept on it for `events` and `body`.
@@ -19,7 +21,6 @@ byte.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -32,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import OPENAI, APIError, Dialect, cut_off, from_invalid
 from kvserve.server.generation import Job
+from kvserve.web.framing import Framing
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
@@ -46,7 +48,8 @@ class Serving:
     # The engine's words (SamplingParams' fields, "prompt") that this API spells otherwise:
     # an InvalidParam about "max_tokens" is reported as, say, "max_output_tokens".
     FIELDS: ClassVar[Mapping[str, str]] = {}
-    dialect: ClassVar[Dialect] = OPENAI  # how an error is said once a stream has begun
+    dialect: ClassVar[Dialect] = OPENAI  # how an error is said, in a body and once a stream has begun
+    framing: ClassVar[Framing | None] = None  # how its stream is written, if not as its dialect's
 
     def __init__(self, ctx: ServerContext, request: Request) -> None:
         self.ctx = ctx
@@ -74,7 +77,8 @@ class Serving:
         is ready gets nothing, and its work is dropped."""
         state = self.ctx.state
         if self.streams():
-            return EventStream(self.events(job), admission.release, state.work, self.dialect)
+            return EventStream(self.events(job), self.framing or self.dialect.framing, self.failed, admission.release,
+                               state.work)
         try:
             result = await run_until_disconnect(self.request, self.collect(job), state.work)
         except ClientDisconnected:
@@ -97,9 +101,13 @@ class Serving:
         InvalidParam is one). A ready Response instead when the engine has nothing to do."""
         raise NotImplementedError
 
-    def events(self, job: Job) -> AsyncIterator[bytes]:
-        """The streamed answer's events, ready to send."""
+    def events(self, job: Job) -> AsyncIterator[dict]:
+        """The streamed answer's events, as the API names them (framed by `framing`)."""
         raise NotImplementedError
+
+    def failed(self, e: APIError) -> list[dict]:
+        """The events that end a stream that failed after it began (by default the dialect's error)."""
+        return self.dialect.error_events(e)
 
     async def collect(self, job: Job) -> Any:
         """What a whole answer is made from: each prompt's final output."""
@@ -144,23 +152,19 @@ async def run_until_disconnect(request: Request, work: Awaitable[T], tracked: se
     return task.result()
 
 
-def sse(data: dict | str) -> bytes:
-    """One Server-Sent Event: `data: <json>` and a blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
-
-
 class EventStream(Response):
-    """A stream of ready-made events (SSE, or NDJSON for Ollama's API); a failure after the head
-    was sent ends it with the dialect's error event."""
+    """A stream of events, each framed as it comes; an error from the events (an APIError: the
+    engine's), a cut-off or a failure ends it with `failed`'s events, and every stream ends with
+    the framing's end."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None], tracked: set[asyncio.Future],
-                 dialect: Dialect = OPENAI) -> None:
+    def __init__(self, events: AsyncIterator[dict], framing: Framing, failed: Callable[[APIError], list[dict]],
+                 on_close: Callable[[], None], tracked: set[asyncio.Future]) -> None:
         self.events = events
+        self.framing = framing
+        self.failed = failed
         self.on_close = on_close
         self.tracked = tracked
-        self.dialect = dialect
-        self.media_type = dialect.stream_media_type
+        self.media_type = framing.media_type
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -173,10 +177,10 @@ class EventStream(Response):
                 return  # the client left; nobody to tell
             if pump.cancelled():  # cut off by the server (drain timeout, or a client that reads nothing)
                 if self._started:
-                    last = {"type": "http.response.body", "body": self.dialect.stream_error(cut_off()), "more_body": False}
+                    last = {"type": "http.response.body", "body": self._last(cut_off()), "more_body": False}
                     try:  # bounded: a client that reads nothing cannot hold this task
                         await asyncio.wait_for(send(last), 1.0)
-                    except (asyncio.TimeoutError, OSError):
+                    except (TimeoutError, OSError):
                         log.info("a stream was cut off without its last event: its client is not reading")
                 else:
                     await cut_off().response(scope["path"])(scope, receive, send)
@@ -184,19 +188,24 @@ class EventStream(Response):
                 log.error("a stream failed", exc_info=pump.exception())
                 if self._started:
                     error = APIError(500, "internal server error (see the server log)")
-                    await send({"type": "http.response.body", "body": self.dialect.stream_error(error),
-                                "more_body": False})
+                    await send({"type": "http.response.body", "body": self._last(error), "more_body": False})
         finally:
             self.on_close()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self._started = True
+        end = self.framing.end
         try:
             async for event in self.events:
-                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": self.framing.frame(event), "more_body": True})
+        except APIError as e:  # the engine's refusal mid-stream: said in the API's words
+            end = self._last(e)
         finally:
             aclose = getattr(self.events, "aclose", None)
             if aclose is not None:
                 await aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": end, "more_body": False})
+
+    def _last(self, e: APIError) -> bytes:
+        return self.framing.close(self.failed(e))

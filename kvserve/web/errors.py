@@ -7,7 +7,7 @@ Every error answers in the shape of the API its path belongs to (`dialect(path)`
 Bad input is a 4xx naming the parameter, its message cut short if it quotes too much of the
 client's input; anything unforeseen is a 500 whose body says nothing about the service's insides
 (the traceback goes to the log only). A stream that fails after its head was sent ends with the
-dialect's error event instead (`Dialect.stream_error`).
+dialect's error events instead (`Dialect.error_events`, framed as its streams are: kvserve/web/framing.py).
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+
+from kvserve.web.framing import NAMED_SSE, NDJSON, SSE, Framing
 
 log = logging.getLogger("kvserve.server")
 
@@ -58,7 +60,7 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, path: str = "") -> JSONResponse:
+    def response(self, path: str = "") -> ErrorResponse:
         """The answer in the shape of the API `path` belongs to (OpenAI's without one)."""
         return ErrorResponse(dialect(path).body(self), status_code=self.status, headers=self.headers)
 
@@ -87,15 +89,19 @@ def _dumps(body: object) -> bytes:
 
 
 class Dialect:
-    """How one API family words an error: as a body, and as the last event of a stream."""
+    """How one API family words an error: as a body, and as the last events of a stream."""
 
-    stream_media_type = "text/event-stream"
+    framing: Framing = SSE  # how its streams are written
 
-    def body(self, e: APIError) -> object:
+    def body(self, e: APIError) -> dict:
         return e.body()
 
+    def error_events(self, e: APIError) -> list[dict]:
+        return [self.body(e)]
+
     def stream_error(self, e: APIError) -> bytes:
-        return b"data: " + _dumps(self.body(e)) + b"\n\ndata: [DONE]\n\n"
+        """The end of a stream that failed, ready to send."""
+        return self.framing.close(self.error_events(e))
 
 
 # Anthropic's error types (anthropic/types/shared/error_type.py) by status.
@@ -104,22 +110,18 @@ ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 4
 
 
 class Anthropic(Dialect):
-    def body(self, e: APIError) -> object:
+    framing = NAMED_SSE  # its error event is named "error", by the body's type
+
+    def body(self, e: APIError) -> dict:
         kind = ANTHROPIC_ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
         return {"type": "error", "error": {"type": kind, "message": e.body()["error"]["message"]}}
 
-    def stream_error(self, e: APIError) -> bytes:
-        return b"event: error\ndata: " + _dumps(self.body(e)) + b"\n\n"
-
 
 class Ollama(Dialect):
-    stream_media_type = "application/x-ndjson"
+    framing = NDJSON  # one line, which the ollama client raises
 
-    def body(self, e: APIError) -> object:
+    def body(self, e: APIError) -> dict:
         return {"error": e.body()["error"]["message"]}
-
-    def stream_error(self, e: APIError) -> bytes:
-        return _dumps(self.body(e)) + b"\n"  # one NDJSON line, which the ollama client raises
 
 
 OPENAI, ANTHROPIC, OLLAMA = Dialect(), Anthropic(), Ollama()

@@ -191,7 +191,7 @@ def _read_all(sock: socket.socket, timeout: float = 5) -> bytes:
 
 
 def test_malformed_http_gets_the_openai_error_body(server):
-    """uvicorn's H11Protocol.send_400_response, overridden by kvserve/web/guards.py."""
+    """uvicorn's H11Protocol.send_400_response, overridden by kvserve/web/protocols.py."""
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}")
         head, _, body = _read_all(s).partition(b"\r\n\r\n")
