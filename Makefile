@@ -15,7 +15,7 @@ FLOORS_PIP_FLAGS ?= --no-compile
 
 BENCH_STAMP := $(VENV)/.kvserve-bench-installed
 
-.PHONY: setup serve chat generate test test-isa test-fast test-floors bench bench-peers bench-formats bench-prompts bench-speculative bench-router soak clean
+.PHONY: setup serve chat generate lint test test-isa test-fast test-floors bench bench-peers bench-formats bench-prompts bench-speculative bench-router soak clean
 
 setup: $(STAMP)
 
@@ -50,7 +50,13 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 # that first needs them (on a cold cache both workers would compile the same ones).
 BUILD_KERNELS = $(PY) -c "from kvserve import kernels; [print('kernel', n, 'failed:', e) for n, e in kernels.build_all().items() if e]"
 
-test: setup  ## the whole suite, slow tests included, then the kernels on every slower ISA path
+# ruff and mypy over the package, as pyproject.toml configures them ([tool.ruff], [tool.mypy]): lint
+# errors, import order, bare excepts without a reason, and types where code meets code.
+lint: setup  ## ruff and mypy over kvserve/ (make test runs it first)
+	$(PY) -m ruff check kvserve
+	$(PY) -m mypy
+
+test: setup lint  ## lint, the whole suite, slow tests included, then the kernels on every slower ISA path
 	$(BUILD_KERNELS)
 	$(PY) -m pytest -q $(XDIST) --durations=25 $(ARGS)
 	$(MAKE) --no-print-directory test-isa
@@ -105,7 +111,7 @@ bench-peers: $(BENCH_STAMP)  ## kvserve vs llama.cpp, vLLM, transformers under s
 	$(PY) -m benchmarks.compare --write docs/benchmarks.md $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(FLOORS_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # kvserve beside llama-server on Q4_1 / Q4_0 / Q8_0 / Q4_K_M files of the default model and a
 # random-weight Llama-3.2-1B-shaped Q4_0 (made with llama.cpp's llama-quantize, cached); three

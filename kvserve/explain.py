@@ -171,8 +171,8 @@ def explain(
         e.ram_blocks_used = llm.manager.pool.num_used_blocks
         e.ram_blocks_cached = llm.manager.pool.num_cached_free_blocks
         if llm.manager.disk is not None:
-            d = llm.manager.disk.stats()
-            e.disk_blocks, e.disk_bytes = d.blocks, d.bytes_used
+            disk = llm.manager.disk.stats()
+            e.disk_blocks, e.disk_bytes = disk.blocks, disk.bytes_used
         if on_step is not None:
             on_step(e.steps[-1], cache)
         for i in range(1, max_tokens):

@@ -33,9 +33,9 @@ SPELLINGS = (
 def fim_token_ids(tokenizer: Tokenizer) -> tuple[int, int, int] | None:
     """The vocabulary's (prefix, suffix, middle) marker ids, or None if it has no full set."""
     for spelling in SPELLINGS:
-        ids = [tokenizer.token_to_id(s) for s in spelling]
-        if all(i is not None for i in ids):
-            return ids[0], ids[1], ids[2]  # type: ignore[return-value]
+        pre, suf, mid = (tokenizer.token_to_id(s) for s in spelling)
+        if pre is not None and suf is not None and mid is not None:
+            return pre, suf, mid
     return None
 
 
@@ -54,6 +54,6 @@ def encode_fim(tokenizer: Tokenizer, prefix: str, suffix: str, max_tokens: int |
     if ids is None:
         raise no_fim_error()
     pre, suf, mid = ids
-    head = [tokenizer.bos_token_id] if tokenizer.adds_bos else []
+    head = [tokenizer.bos_token_id] if tokenizer.adds_bos and tokenizer.bos_token_id is not None else []
     return [*head, pre, *tokenizer.encode_plain(prefix, max_tokens), suf,
             *tokenizer.encode_plain(suffix, max_tokens), mid]

@@ -70,6 +70,7 @@ SERVER_DEFAULTS = SamplingDefaults(temperature=0.2, top_p=0.9, source="server de
 def from_checkpoint(model_path: Path, model: str | None = None) -> SamplingDefaults | None:
     """The checkpoint's recommended sampling, or None when it carries none. `model`: the name it
     was loaded by (an Ollama model's sampling is in its params layer, beside the GGUF)."""
+    found: dict[str, Any]  # SamplingDefaults' fields: numbers as the checkpoint gives them
     if model is not None and model.startswith(stores.OLLAMA_PREFIX):
         found = stores.ollama_sampling(model)
         source = "Ollama's params"
@@ -96,7 +97,7 @@ def from_checkpoint(model_path: Path, model: str | None = None) -> SamplingDefau
         return None
     if "top_k" in found:
         found["top_k"] = int(found["top_k"]) if found["top_k"] > 0 else -1
-    return SamplingDefaults(**{k: v for k, v in found.items()}, source=source)
+    return SamplingDefaults(**found, source=source)
 
 
 def resolve(model_path: Path, generation_config: str = "auto", override: str | None = None,

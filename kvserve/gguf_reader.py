@@ -59,7 +59,7 @@ def forget() -> None:
     touch. So resident memory counts each weight once."""
     for reader in list(_READERS.values()):
         with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise: pages just stay
-            reader.data._mmap.madvise(mmap.MADV_DONTNEED)
+            reader.data._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap there
     _READERS.clear()
     _open_gguf.cache_clear()
 
@@ -81,7 +81,7 @@ def _open_gguf(path: Path, size: int, mtime_ns: int) -> GGUFReader:
         # "c" (copy-on-write) maps the file writable in-process, so torch can wrap it warning-free.
         reader = _READERS[path] = _Reader(path, "c")
         return reader
-    except Exception as e:  # gguf/numpy raise ValueError, IndexError, KeyError... on damage
+    except Exception as e:  # noqa: BLE001 - gguf/numpy raise ValueError, IndexError, KeyError... on damage
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelFormatError(
             f"{path}: truncated or corrupt GGUF file ({detail}); download or convert it again"

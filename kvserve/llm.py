@@ -47,6 +47,7 @@ import logging
 import time
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -67,9 +68,19 @@ from kvserve.outputs import OutputKind, RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from kvserve.parallel.model import TensorParallelModel
+
 log = logging.getLogger("kvserve")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+def _as_batch(prompts: str | list[int] | Sequence[str | list[int]]) -> Sequence[str | list[int]]:
+    """A prompt (text, or token ids) as a batch of one; a batch as it is (the check is at run time)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast("str | list[int]", prompts)]
+    return cast("Sequence[str | list[int]]", prompts)
 
 
 def default_dtype() -> torch.dtype:
@@ -196,6 +207,7 @@ class LLM:
             if unsupported:
                 raise ValueError(f"tensor parallel (size {tensor_parallel_size}) does not support {' or '.join(unsupported)} "
                                  "yet: leave them out, or run one process")
+        self.model: LlamaModel | TensorParallelModel  # (the latter stands in for a LlamaModel: its __getattr__)
         if tensor_parallel_size == 1:
             self.model = LlamaModel(self.config, ckpt.tensors, self.dtype)
             self.kv_sizing = size_kv_pool(self.config, cache, self.kv_dtype)
@@ -274,7 +286,8 @@ class LLM:
                     tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's own chat template; `tools` (OpenAI's
         list of functions) reach the template, or the system message if the template ignores them."""
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **({"tools": tools} if tools else {}))
+        extra: dict[str, Any] = {"tools": tools} if tools else {}  # (no tools: the template sees none defined)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     # -- the seed's API -------------------------------------------------------------------
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> tuple[KVCache, int]:
@@ -361,8 +374,7 @@ class LLM:
 
         Raises EngineStalledError, naming the open prefill() caches, when the blocks they hold
         leave no room for the next request (rather than waiting for a close that cannot come)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _as_batch(prompts)
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
@@ -373,8 +385,7 @@ class LLM:
         (normed) hidden states over the prompt's tokens, L2-normalised (a list of hidden_size
         floats). Through the engine, batched with anything else it runs; the prompt's KV blocks
         return to the pool (full ones stay in the prefix cache, as after any request)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _as_batch(prompts)
         return self._run(prompts, [SamplingParams(max_tokens=0)] * len(prompts), use_tqdm, "embed", pooling=True)
 
     def _run(self, prompts: Sequence[str | list[int]], plist: list[SamplingParams], use_tqdm: bool, what: str,

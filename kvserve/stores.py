@@ -52,10 +52,10 @@ def hf_model(name: str) -> Path:
     patterns = [f"*{tag}*.gguf", f"*{tag.upper()}*.gguf", f"*{tag.lower()}*.gguf"] if tag else _HF_FILES
     try:
         snapshot = Path(snapshot_download(repo, local_files_only=True, allow_patterns=patterns))
-    except Exception:  # not in the cache (huggingface_hub's error types differ between its versions)
+    except Exception:  # noqa: BLE001 - not in the cache (huggingface_hub's error types differ between its versions)
         try:
             snapshot = Path(snapshot_download(repo, allow_patterns=patterns))
-        except Exception as e:  # offline, unknown, gated: the reason, in one line
+        except Exception as e:  # noqa: BLE001 - offline, unknown, gated: the reason, in one line
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ModelNotFoundError(
                 f"model {name!r}: not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and not downloaded "
@@ -172,7 +172,7 @@ def _hf_cached() -> list[Found]:
         from huggingface_hub import scan_cache_dir
 
         repos = scan_cache_dir().repos
-    except Exception:  # no cache yet (huggingface_hub raises its own CacheNotFound), or no huggingface_hub
+    except Exception:  # noqa: BLE001 - no cache yet (huggingface_hub raises its own CacheNotFound), or no huggingface_hub
         return []
     out = []
     for repo in sorted(repos, key=lambda r: r.repo_id):

@@ -118,7 +118,7 @@ def copy_samples(cfg: DatasetConfig, tokenizer: Any) -> list[Sample]:
     """Passages of about input_len tokens from the copy corpus, each with a word to change."""
     files = copy_files()
     rng = random.Random(cfg.seed)
-    out = []
+    out: list[Sample] = []
     while len(out) < cfg.num_prompts:
         lines = rng.choice(files)
         start = rng.randrange(len(lines))

@@ -63,7 +63,7 @@ class BenchResult:
     outputs: list[RequestOutput]
 
     def to_dict(self, detailed: bool = False) -> dict[str, Any]:
-        d = {"date": self.date, "model": self.model, "config": dataclasses.asdict(self.config),
+        d: dict[str, Any] = {"date": self.date, "model": self.model, "config": dataclasses.asdict(self.config),
              "metrics": dataclasses.asdict(self.metrics), "unfinished": self.unfinished,
              "not_sent": self.not_sent, "max_in_flight": self.max_in_flight}
         d["config"]["request_rate"] = str(self.config.request_rate)  # JSON has no inf
@@ -163,7 +163,8 @@ class _Runner:
                     await asyncio.sleep(wait)
                 tasks.append(asyncio.create_task(self._one(client, spec, sem, bar)))
             remaining = deadline - time.perf_counter()
-            done, pending = set(), set()
+            done: set[asyncio.Task] = set()
+            pending: set[asyncio.Task] = set()
             if tasks:
                 done, pending = await asyncio.wait(tasks, timeout=None if math.isinf(remaining) else max(remaining, 0))
             unfinished = self.in_flight  # sent and not answered; the rest of `pending` still wait for a slot
@@ -196,7 +197,7 @@ def run(cfg: BenchConfig, samples: list[Sample] | None = None) -> BenchResult:
     runner = _Runner(cfg, model, samples)
     outputs, duration, unfinished, not_sent = asyncio.run(runner.run())
     m = bench_metrics.compute(outputs, duration, cfg.goodput, cfg.percentiles)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return BenchResult(cfg, model, date, m, unfinished, not_sent, runner.max_in_flight, outputs)
 
 

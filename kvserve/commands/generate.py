@@ -29,7 +29,7 @@ def _read_jsonl(path, defaults: dict) -> tuple[list[SamplingParams], list[dict]]
     fails in a second, not after the load."""
     params, records = [], []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the `with` below, outside this try
     except OSError as e:
         raise ValueError(f"cannot read --input {path}: {e.strerror}") from None
     with f:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = _prompts(args.input, llm, records)
     outs = llm.generate(prompts, plist)
-    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    sink = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115 - closed below
     try:
         for rec, out in zip(records, outs):
             row = {"id": rec.get("id"), "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

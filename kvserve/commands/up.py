@@ -120,8 +120,8 @@ class Replicas:
                 p.wait()
 
 
-def _prefix_lines(proc: subprocess.Popen, prefix: str) -> None:
-    for line in proc.stdout:
+def _prefix_lines(proc: subprocess.Popen[str], prefix: str) -> None:
+    for line in proc.stdout or ():  # (started with stdout=PIPE)
         sys.stderr.write(prefix + line)
     sys.stderr.flush()
 

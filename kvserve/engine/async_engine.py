@@ -23,8 +23,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.input_processor import InputProcessor
@@ -207,7 +208,7 @@ class AsyncEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         pooling: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's output after every step that changed it; the last is finished.
 
         `prompt_token_ids` come from `inputs.process`. Leaving the iteration early (the client went
@@ -289,9 +290,10 @@ class AsyncEngine:
         elif isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)
         elif isinstance(cmd, _Snapshot):
+            state: dict[str, Any] | Exception
             try:
                 state = engine_state(self.engine)
-            except Exception as e:  # noqa: BLE001 - a picture of the engine must not stop it
+            except Exception as e:  # a picture of the engine must not stop it
                 log.exception("engine snapshot failed")
                 state = e
             try:
@@ -339,7 +341,7 @@ class AsyncEngine:
                     self._abort_stalled_readers()
                 self._stats = self.engine.stats()
                 self._busy_since = None
-        except BaseException as e:  # noqa: BLE001 - any failure kills the loop; consumers must learn
+        except BaseException as e:  # any failure kills the loop; consumers must learn
             log.exception("engine loop failed")
             self.error = e
             dead = EngineDeadError(f"the engine stopped after an internal error ({type(e).__name__}: {e})")

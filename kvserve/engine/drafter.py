@@ -15,7 +15,7 @@ extended with each step's new tokens (microseconds for thousands of tokens).
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,8 +23,52 @@ from kvserve.engine.request import Sequence
 
 
 class Drafter(Protocol):
+    """What every drafter does. A drafter may also offer any of the protocols below; the speculator
+    (engine/speculative.py) uses each one it has and does without the others."""
+
     def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each (sequence, k): at most k tokens to follow its token_ids, in order."""
+        ...
+
+
+@runtime_checkable
+class Peeks(Protocol):
+    """Shows its drafts before the plan, with the length of the match each continues (prompt lookup,
+    whose lookups cost microseconds): the speculator weighs each draft by its match and drafts those."""
+
+    def peek(self, requests: list[tuple[Sequence, int]]) -> list[tuple[int, list[int]]]: ...
+
+
+@runtime_checkable
+class FallsBehind(Protocol):
+    """Reads a sequence's tokens before it can draft for it (a draft model's catch-up)."""
+
+    def behind(self, seq: Sequence) -> int:
+        """Tokens of seq it has yet to read."""
+        ...
+
+
+@runtime_checkable
+class TimesForwards(Protocol):
+    """Runs forwards of its own (a draft model); its last propose() timed them."""
+
+    forward_times: list[tuple[int, float]]  # (rows, seconds) per forward of the last propose()
+
+
+@runtime_checkable
+class TimesCatchUp(Protocol):
+    """Caught up in its last propose(): how many tokens it read, in how long."""
+
+    prefill_tokens: int
+    prefill_seconds: float
+
+
+@runtime_checkable
+class Forgets(Protocol):
+    """Keeps something per sequence (a lookup's tokens, a draft model's KV blocks)."""
+
+    def forget(self, seq: Sequence) -> None:
+        """seq finished or was preempted: drop what was kept for it."""
         ...
 
 

@@ -196,7 +196,8 @@ class LLMEngine:
                 self._finish(seq)
                 touched.setdefault(req.request_id, {})[seq] = 0
         for seq, v in zip(result.spec_seqs, result.verified):
-            self.speculator.observe(seq, len(sched.drafts[seq]), v.num_accepted)
+            if self.speculator is not None:  # (drafts come from it)
+                self.speculator.observe(seq, len(sched.drafts[seq]), v.num_accepted)
             got = 0
             for token, lp in zip(v.token_ids, v.logprobs):  # one at a time: a stop ends the run there
                 append_token(seq, token, lp, self.eos_token_ids, self.max_model_len, now)

@@ -25,7 +25,7 @@ from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.verify import Verified, rows_for, verify
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.llama import LlamaModel
+from kvserve.model.llama import StepModel
 from kvserve.model.native_decode import Best, NativeDecode
 from kvserve.outputs import TokenLogprob
 from kvserve.structured import grammar
@@ -74,7 +74,7 @@ PROMPT_LOGITS_ROWS = 256
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: StepModel,
         kv_caches: list[torch.Tensor],
         block_size: int,
         sampler: Sampler | None = None,
@@ -98,7 +98,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Compute the scheduled tokens and sample a token for each sequence that reached its end
         (and generates: a max_tokens=0 request samples nothing)."""
-        chunks, sampling, wanting = [], [], []
+        chunks: list[SeqChunk] = []
+        sampling: list[Sequence] = []
+        wanting: list[int] = []  # chunks whose sequence wants prompt outputs
         drafted: list[Sequence] = []
         spec_rows: list[int] = []  # logits rows of the drafting sequences (in the order of `drafted`)
         for (seq, n), table in zip(sched.scheduled, sched.block_tables):
@@ -121,7 +123,7 @@ class ModelRunner:
         # the logits are in its threads' caches: read afterwards they come from the other core's cache.
         greedy = bool(sampling) and not drafted and all(s.params.greedy and s.matcher is None for s in sampling)
         logits, hidden, best = self._run(chunks, keep_hidden=bool(wanting), argmax=greedy)
-        prompt_outputs = self._prompt_outputs(sched, chunks, wanting, hidden) if wanting else []
+        prompt_outputs = self._prompt_outputs(sched, chunks, wanting, hidden) if hidden is not None else []  # (kept for wanting)
         verified: list[Verified] = []
         if drafted:
             verified = self._verify(logits[spec_rows], drafted, [sched.drafts[s] for s in drafted])
@@ -150,6 +152,7 @@ class ModelRunner:
         under the logits at the position before it (prompt_logprobs), with the k best."""
         offsets = _starts(chunks)
         outs: list[PromptOutputs] = []
+        scored_counts: list[int] = []  # per out, the prompt tokens scored (its logprobs to come)
         rows: list[int] = []  # rows of `hidden` whose logits score a prompt token
         targets: list[int] = []  # the prompt token each of those rows scores
         for i in wanting:
@@ -159,20 +162,22 @@ class ModelRunner:
             hidden_sum = None
             if seq.request.pooling:
                 hidden_sum = hidden[base + c.start_pos : base + p_end].float().sum(dim=0)
-            logprobs = None
+            logprobs: list[TokenLogprob] | None = None
+            scored = range(0)
             if seq.params.prompt_logprobs is not None:
                 scored = range(c.start_pos, min(p_end, seq.num_prompt_tokens - 1))  # the last has no next prompt token
                 rows.extend(base + p for p in scored)
                 targets.extend(seq.token_ids[p + 1] for p in scored)
-                logprobs = [None] * len(scored)  # filled below
+                logprobs = []  # filled below
             outs.append(PromptOutputs(seq, logprobs, hidden_sum))
+            scored_counts.append(len(scored))
         if rows:
             k_max = max(o.seq.params.prompt_logprobs or 0 for o in outs)
             results = iter(self._token_logprobs(hidden, rows, targets, k_max))  # in the order of `rows`
-            for o in outs:
+            for o, n in zip(outs, scored_counts):
                 if o.logprobs is not None:
                     k = o.seq.params.prompt_logprobs
-                    o.logprobs = [TokenLogprob(t, lp, top[:k]) for t, lp, top in (next(results) for _ in o.logprobs)]
+                    o.logprobs = [TokenLogprob(t, lp, top[:k]) for t, lp, top in (next(results) for _ in range(n))]
         return outs
 
     def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], targets: list[int],
@@ -180,7 +185,7 @@ class ModelRunner:
         """(target, its logprob, the k best (id, logprob)) under the logits of each row of hidden, of
         the raw distribution as the sampler reports it; the LM head PROMPT_LOGITS_ROWS rows at a time."""
         vocab = self.sampler.vocab_size
-        out = []
+        out: list[tuple[int, float, list[tuple[int, float]]]] = []
         for a in range(0, len(rows), PROMPT_LOGITS_ROWS):
             idx = torch.tensor(rows[a : a + PROMPT_LOGITS_ROWS], dtype=torch.long)
             lp = self.model.logits(hidden[idx])[:, :vocab].log_softmax(dim=-1)  # [r, V] float32
@@ -269,6 +274,8 @@ class ModelRunner:
         take the per-op forward's attention, whose work grows less with the context, in a second pass.
         Which path a row takes depends on its position alone, so its bits do not depend on its batch or
         its chunking, and a prompt row's K/V and logits are the ones decoding it would give."""
+        if (native := self.native) is None:
+            raise RuntimeError("prompt rows through the native decode step, which this model has not")
         # each chunk's rows below the cutoff (a decode row: always), the head; the rest, its tail
         head = [1 if len(c.token_ids) == 1 else min(len(c.token_ids), max(0, NATIVE_PROMPT_CONTEXT - c.start_pos))
                 for c in chunks]
@@ -276,7 +283,7 @@ class ModelRunner:
         T, rows = len(ids), [r for h, r0 in zip(head, starts) for r in range(r0, r0 + h)]
         hidden = None
         if rows:
-            native_hidden, _, _ = self.native([ids[r] for r in rows], [positions[r] for r in rows], [slots[r] for r in rows],
+            native_hidden, _, _ = native([ids[r] for r in rows], [positions[r] for r in rows], [slots[r] for r in rows],
                                            [c.block_ids for c, h in zip(chunks, head) if h], False, [h for h in head if h])
             if len(rows) == T:
                 return native_hidden

@@ -269,22 +269,22 @@ class Sampler:
         hot = all(r.params.greedy and r.params.logprobs is None and not r.has_penalties
                   and not r.banned_token_ids and not r.params.logit_bias for r in rows)
         if hot and best is not None:
-            tokens, values = best
-            if not all(map(math.isfinite, values)):
-                tokens = [t if math.isfinite(v) else NO_TOKEN for t, v in zip(tokens, values)]
-            return SamplerOutput(tokens, [None] * len(rows))
+            best_ids, best_values = best
+            if not all(map(math.isfinite, best_values)):
+                best_ids = [t if math.isfinite(v) else NO_TOKEN for t, v in zip(best_ids, best_values)]
+            return SamplerOutput(best_ids, [None] * len(rows))
         logits = logits[:, : self.vocab_size]
         if hot:
             # On the CPU in numpy: a torch reduction over the row would start the OpenMP threads,
             # which costs more than the work while the cores serve other threads.
             picked = argmax(logits)
-            tokens = picked.tolist()
-            rows_idx = torch.arange(len(tokens))
-            values = logits[rows_idx, picked]
-            finite = values.numpy() if values.device.type == "cpu" and values.dtype == torch.float32 else values.float().cpu().numpy()
-            if not np.isfinite(finite).all():
-                tokens = [t if np.isfinite(v) else NO_TOKEN for t, v in zip(tokens, finite.tolist())]
-            return SamplerOutput(tokens, [None] * len(rows))
+            ids = picked.tolist()
+            rows_idx = torch.arange(len(ids))
+            at = logits[rows_idx, picked]
+            picked_values = at.numpy() if at.device.type == "cpu" and at.dtype == torch.float32 else at.float().cpu().numpy()
+            if not np.isfinite(picked_values).all():
+                ids = [t if np.isfinite(v) else NO_TOKEN for t, v in zip(ids, picked_values.tolist())]
+            return SamplerOutput(ids, [None] * len(rows))
 
         raw = logits.float()  # [B, V]; the caller's tensor when it is already float32
         finite = raw.amax(dim=-1).isfinite()  # [B]; NaN, +inf or all -inf: no token
@@ -344,9 +344,9 @@ class Sampler:
         logprobs = _take(raw, wanted).log_softmax(dim=-1)  # [w, V]
         chosen = torch.tensor([token_ids[i] for i in wanted], device=raw.device)
         chosen_lp = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-        k_max = min(max(rows[i].params.logprobs for i in wanted), raw.shape[1])
-        top_vals, top_ids = logprobs.topk(k_max, dim=-1)  # [w, k_max], best first
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        k_max = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
+        best_vals, best_ids = logprobs.topk(k_max, dim=-1)  # [w, k_max], best first
+        top_vals, top_ids = best_vals.tolist(), best_ids.tolist()
         for j, i in enumerate(wanted):
             k = rows[i].params.logprobs
             top = list(zip(top_ids[j][:k], top_vals[j][:k]))

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
-from kvserve.engine.request import Sequence, SeqStatus
+from kvserve.engine.request import SeqStatus, Sequence
 from kvserve.engine.speculative import Speculator
 from kvserve.kv.manager import KVCacheManager
 

@@ -56,9 +56,9 @@ def engine_state(engine: LLMEngine) -> dict[str, Any]:
             owners[b.block_id] = CACHED
     for seq_id, table in manager.tables.items():
         code = code_of.get(seq_id.rsplit("#", 1)[0], 2 + MAX_REQUESTS)  # beyond the list: "other"
-        for b in table:
-            if b is not None and owners[b.block_id] < 2:  # a shared prefix block shows its first holder
-                owners[b.block_id] = code
+        for block in table:
+            if block is not None and owners[block.block_id] < 2:  # a shared prefix block shows its first holder
+                owners[block.block_id] = code
     cell = -(-pool.num_blocks // MAX_CELLS)
     cells = owners if cell == 1 else [max(owners[i : i + cell]) for i in range(0, pool.num_blocks, cell)]
     stats = engine.stats()

@@ -61,10 +61,11 @@ prefill-only requests never draft; a request opts out with SamplingParams(specul
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.config import SpeculativeConfig
-from kvserve.engine.drafter import Drafter, NgramDrafter
+from kvserve.engine.drafter import Drafter, FallsBehind, Forgets, NgramDrafter, Peeks, TimesCatchUp, TimesForwards
 from kvserve.engine.request import Sequence
 
 MIN_GAIN = 0.2
@@ -247,8 +248,11 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: Drafter | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-        self._peek = getattr(self.drafter, "peek", None)  # drafts shown before the plan, with their match
+        self.drafter: Drafter = drafter or NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+        # The drafter's optional parts (engine/drafter.py), looked up once: its methods do not change.
+        self._peek = self.drafter.peek if isinstance(self.drafter, Peeks) else None  # drafts before the plan
+        self._behind = self.drafter.behind if isinstance(self.drafter, FallsBehind) else None
+        self._forget = self.drafter.forget if isinstance(self.drafter, Forgets) else None
         self._state: dict[str, SpecState] = {}
         self.matches = MatchAcceptance()
         self._matched: dict[str, tuple[int, float]] = {}  # planned drafts' match lengths and expected accepts
@@ -352,17 +356,17 @@ class Speculator:
             return {seq: peeked[seq][1][:k] for seq, k in asks}
         drafts = self.drafter.propose(asks)
         self._draft_seconds = 0.0
-        for n, t in getattr(self.drafter, "forward_times", ()):
-            self.draft_times.record(n, t)
-            self._draft_seconds += t
-        tokens = getattr(self.drafter, "prefill_tokens", 0)
-        if tokens:
+        if isinstance(self.drafter, TimesForwards):
+            for n, t in self.drafter.forward_times:
+                self.draft_times.record(n, t)
+                self._draft_seconds += t
+        if isinstance(self.drafter, TimesCatchUp) and (read := self.drafter.prefill_tokens):
             self._draft_seconds += self.drafter.prefill_seconds
-            self.catch_up.record(tokens, self.drafter.prefill_seconds)
-            self.num_catch_up_tokens += tokens
+            self.catch_up.record(read, self.drafter.prefill_seconds)
+            self.num_catch_up_tokens += read
         return {seq: d[:k] for (seq, k), d in zip(asks, drafts) if d}
 
-    def _idle(self, eligible: dict[Sequence, object], drafting: dict[Sequence, int]) -> None:
+    def _idle(self, eligible: Iterable[Sequence], drafting: dict[Sequence, int]) -> None:
         """Eligible sequences that draft nothing this step let their own record fade (peeking only:
         the other drafters' records count idle steps towards a probe instead)."""
         if self._peek is not None:
@@ -374,8 +378,7 @@ class Speculator:
         """Whether seq's drafts save more than its catch-up costs (the module docstring's rule):
         `left` tokens to emit, `gains` its drafted tokens', `per_token` seconds a token is worth,
         `row` seconds a drafted row costs."""
-        behind = getattr(self.drafter, "behind", None)
-        lag = behind(seq) if behind is not None else 0
+        lag = self._behind(seq) if self._behind is not None else 0
         if lag == 0:
             return True
         if not (self.step_times.measured and self.catch_up.measured):  # nothing to weigh it with yet:
@@ -413,6 +416,5 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         """What the drafter keeps for seq goes (a draft model's KV blocks); its record stays. Called
         on preemption too."""
-        forget = getattr(self.drafter, "forget", None)
-        if forget is not None:
-            forget(seq)
+        if self._forget is not None:
+            self._forget(seq)

@@ -232,7 +232,7 @@ def _allocated(st: os.stat_result) -> int:
     return st.st_blocks * 512
 
 
-def _entries(path: str | os.PathLike) -> list[os.DirEntry]:
+def _entries(path: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as entries:
             return list(entries)

@@ -143,7 +143,7 @@ class DiskTier:
     def read_run(self, chain: Iterable[tuple[bytes, Sequence[int]]], limit: int) -> list[tuple[bytes, Sequence[int], memoryview]]:
         """(hash, tokens, payload) of the chain's blocks from its start while the disk has them
         whole, at most `limit`."""
-        out = []
+        out: list[tuple[bytes, Sequence[int], memoryview]] = []
         for h, ids in chain:
             if len(out) >= limit or h not in self.store:
                 break

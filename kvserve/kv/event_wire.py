@@ -63,6 +63,9 @@ class AllBlocksCleared(_Event):
     pass
 
 
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float  # time.time() when published
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
@@ -125,10 +128,10 @@ def decode(payload: bytes) -> KVEventBatch:
     return KVEventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
-def to_vllm(events: Sequence[BlockEvent], block_size: int, snapshot: bool = False) -> list[_Event]:
+def to_vllm(events: Sequence[BlockEvent], block_size: int, snapshot: bool = False) -> list[Event]:
     """The log's events as vLLM's: runs of stored blocks that chain one onto the next become one
     BlockStored, runs of evictions one BlockRemoved. A snapshot starts with AllBlocksCleared."""
-    out: list[_Event] = [AllBlocksCleared()] if snapshot else []
+    out: list[Event] = [AllBlocksCleared()] if snapshot else []
     for e in events:
         last = out[-1] if out else None
         if e.kind == STORED:
@@ -145,9 +148,9 @@ def to_vllm(events: Sequence[BlockEvent], block_size: int, snapshot: bool = Fals
     return out
 
 
-def batches(events: list[_Event], rank: int = 0) -> Iterator[KVEventBatch]:
+def batches(events: list[Event], rank: int = 0) -> Iterator[KVEventBatch]:
     """Events split into batches of at most MAX_BLOCKS_PER_BATCH blocks (vLLM sends one per step)."""
-    chunk: list[_Event] = []
+    chunk: list[Event] = []
     blocks = 0
     for e in events:
         n = len(getattr(e, "block_hashes", ()))

@@ -68,9 +68,9 @@ class BlockEventLog:
     def since(self, seq: int) -> EventsPage:
         """Events numbered above seq, or a snapshot when some of them were already dropped."""
         page = self.blocks_since(seq, snapshot_order=False)
-        if page.events is None:
-            return EventsPage(page.seq, None, [e.block_hash for e in page.held])
-        return EventsPage(page.seq, [(e.seq, e.kind, e.block_hash) for e in page.events], None)
+        if page.events is not None:
+            return EventsPage(page.seq, [(e.seq, e.kind, e.block_hash) for e in page.events], None)
+        return EventsPage(page.seq, None, [e.block_hash for e in page.held or ()])
 
     def blocks_since(self, seq: int, snapshot_order: bool = True) -> BlocksPage:
         """since(), with each stored block's parent and tokens; a snapshot lists parents first
@@ -102,8 +102,9 @@ def _parents_first(blocks: list[BlockEvent], held: dict[bytes, BlockEvent]) -> l
     again is newer than its child in the log)."""
     out: list[BlockEvent] = []
     done: set[bytes] = set()
-    for block in blocks:
+    for first in blocks:
         chain = []
+        block: BlockEvent | None = first
         while block is not None and block.block_hash not in done:
             chain.append(block)
             done.add(block.block_hash)

@@ -307,7 +307,7 @@ def format_report(s: KVSize) -> str:
             f"{s.max_tokens_in_memory:,} tokens of KV cache"
             + (f" ({s.max_tokens_in_memory / s.context:.3g} sequences of {s.context:,})" if s.context else "")
         )
-    if s.disk_bytes is not None:
+    if s.disk_bytes is not None and s.disk_block_file_bytes is not None:  # (set together)
         lines += [
             "",
             f"Disk tier (kvserve serve --kv-disk-gib): {human(s.disk_bytes)} holds {s.disk_tokens:,} tokens of KV cache "

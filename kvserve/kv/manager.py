@@ -183,8 +183,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             h = hash_block(parent, ids)
             hashes.append(h)
-            if table[i] is not None:
-                self.pool.cache(table[i], h, ids, parent)
+            if (block := table[i]) is not None:
+                self.pool.cache(block, h, ids, parent)
 
     def slide(self, seq_id: str, num_computed: int) -> int:
         """Under a sliding window, free seq_id's blocks that no later query can see: the next

@@ -84,6 +84,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     _, hkv, nb, bs, d = kv_cache.shape
     flat = kv_cache.view(2, hkv, nb * bs, d)
     if kv_cache.dtype == torch.int8:
+        if kv_scale is None:
+            raise ValueError("an int8 KV pool needs its row scales (kv_scale)")
         flat_scale = kv_scale.view(2, hkv, nb * bs)
         for i, x in enumerate((k, v)):
             q, s = kv_int8.quantize(x.transpose(0, 1))  # [Hkv, T, D], [Hkv, T]

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as np_dequantize
 
 QK_K = 256  # elements in one K-quant super-block

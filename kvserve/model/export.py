@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError
 from kvserve.model.loader import load_checkpoint, resolve_model_path
+from kvserve.model.quant import QuantizedWeight
 from kvserve.tokenizer import Tokenizer
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -90,7 +91,9 @@ def export_hf(model: str | Path, out: str | Path, dtype: torch.dtype = torch.flo
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # safetensors refuses tensors that share memory; the loader hands out views of mapped data.
-    tensors = {k: v.contiguous().clone() for k, v in ckpt.tensors.items()}
+    # (loaded with quantization "none": every tensor is dense)
+    tensors = {k: (v.dequantize().to(dtype) if isinstance(v, QuantizedWeight) else v).contiguous().clone()
+               for k, v in ckpt.tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": path.name})
     (out / "config.json").write_text(json.dumps(hf_config(ckpt.config, dtype), indent=2) + "\n")
     eos = list(ckpt.config.eos_token_ids)

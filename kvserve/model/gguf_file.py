@@ -151,10 +151,10 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         )
     for t in reader.tensors:
         if t.tensor_type not in SUPPORTED_TYPES:
-            names = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
             raise ModelFormatError(
                 f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvserve cannot decode "
-                f"(supported: {names}); use a file quantized to one of these"
+                f"(supported: {supported}); use a file quantized to one of these"
             )
 
     def key(template: str, default: Any = None) -> Any:
@@ -284,12 +284,13 @@ def read_tensors(
             if len(shape) == 3:  # a mixture of experts' weights, [experts, rows, cols]: one matrix per expert
                 tensors.update(_experts(t, name, shape, dtype, keep_quantized))
                 continue
-            keep = keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2
+            # A matrix the kernels multiply stays quantized: its [rows, cols]
+            kept = (shape[0], shape[1]) if keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2 else None
             # Rows stay whole in either form, so the q/k row order is undone the same way.
-            w = from_gguf(torch.from_numpy(t.data), t.tensor_type, shape).blocks if keep else dequantize(t.data, t.tensor_type, shape)
+            w = from_gguf(torch.from_numpy(t.data), t.tensor_type, kept).blocks if kept else dequantize(t.data, t.tensor_type, shape)
             if config.architecture == "llama" and ".attn_q." in t.name:
                 w = _unpermute(w, config.num_attention_heads)
             elif config.architecture == "llama" and ".attn_k." in t.name:
                 w = _unpermute(w, config.num_key_value_heads)
-            tensors[name] = QuantizedWeight(w.contiguous(), t.tensor_type, shape) if keep else w.to(dtype)
+            tensors[name] = QuantizedWeight(w.contiguous(), t.tensor_type, kept) if kept else w.to(dtype)
     return tensors

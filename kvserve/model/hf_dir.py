@@ -243,7 +243,7 @@ def read_tensors(
     for file in _weight_files(directory):
         try:
             with safe_open(file, framework="pt") as f:
-                for stored in f.keys():
+                for stored in f.keys():  # noqa: SIM118 - safe_open's handle is not a dict: keys() is all it has
                     name = _text_name(stored)
                     if name is not None and config.architecture == "mixtral":
                         for old, new in _MIXTRAL_NAMES.items():

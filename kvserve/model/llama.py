@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,8 +30,9 @@ from kvserve.config import ModelConfig, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
-from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
+from kvserve.model.linear import LinearLayer
 from kvserve.model.ops import LayerOps, head_norms
+from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
 
 
 def rope_inv_freq(config: ModelConfig, context: int | None = None) -> torch.Tensor:
@@ -86,8 +88,8 @@ class Experts:
     read once per step however many rows chose it."""
 
     router: torch.Tensor  # [E, hidden]
-    gate_up: list[Callable[[torch.Tensor], torch.Tensor]]  # per expert: hidden -> 2 * ffn (gate rows, then up)
-    down: list[Callable[[torch.Tensor], torch.Tensor]]  # per expert: ffn -> hidden
+    gate_up: list[LinearLayer]  # per expert: hidden -> 2 * ffn (gate rows, then up)
+    down: list[LinearLayer]  # per expert: ffn -> hidden
     top_k: int
     renormalize: bool
 
@@ -104,7 +106,7 @@ class Experts:
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
-    def linears(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    def linears(self) -> list[LinearLayer]:
         return [*self.gate_up, *self.down]
 
 
@@ -112,11 +114,11 @@ class Experts:
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     # Linear layers (model/linear.py, or model/quant.py's for weights kept quantized)
-    qkv: Callable[[torch.Tensor], torch.Tensor]  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
-    o: Callable[[torch.Tensor], torch.Tensor]  # H * D -> hidden, with Llama's attention_bias
+    qkv: LinearLayer  # hidden -> (H + 2 Hkv) * D, with Qwen2's q/k/v bias
+    o: LinearLayer  # H * D -> hidden, with Llama's attention_bias
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> 2 * ffn: gate rows then up rows
-    down: Callable[[torch.Tensor], torch.Tensor] | None  # ffn -> hidden (both None in a mixture of experts' layer)
+    gate_up: LinearLayer | None  # hidden -> 2 * ffn: gate rows then up rows
+    down: LinearLayer | None  # ffn -> hidden (both None in a mixture of experts' layer)
     q_norm: torch.Tensor | None = None  # [D]: Qwen3's norm of each query head, before RoPE
     k_norm: torch.Tensor | None = None  # [D]: and of each key head
     attn_out_norm: torch.Tensor | None = None  # [hidden]: Gemma's norm of the attention output, before its add
@@ -124,6 +126,24 @@ class LayerWeights:
     experts: Experts | None = None  # the MLP of a mixture of experts' sparse layer
     window: int = 0  # keys each query sees (0: the whole context)
     sliding_rope: bool = False  # turned at the windowed layers' RoPE base (Gemma 3)
+
+
+class StepModel(Protocol):
+    """What runs an engine step (engine/runner.py) and what LLM asks of it: a LlamaModel, or under
+    tensor parallelism rank 0's TensorParallelModel (parallel/model.py) in its place."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def set_batch_invariant(self, on: bool) -> None: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class LlamaModel:
@@ -155,15 +175,18 @@ class LlamaModel:
         def take_opt(name: str) -> Weight | None:
             return take(name) if name in tensors else None
 
+        def dense(name: str) -> torch.Tensor:  # norms, biases, the router: float, however the file stores them
+            w = take(name)
+            return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
+
+        def dense_opt(name: str) -> torch.Tensor | None:
+            return dense(name) if name in tensors else None
+
         # The repacked weights, one after another on huge pages where the OS gives them (hugepages.py):
         # a decode step streams through them all.
         arena = hugepages.Arena()
 
-        def router(name: str) -> torch.Tensor:  # float, however the file stores it (llama.cpp: F32)
-            w = take(name)
-            return w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) else w
-
-        def linear(names: list[str], bias: torch.Tensor | None = None):
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> LinearLayer:
             return make_linear([take(n) for n in names], bias, dtype, arena)
 
         self.embed = take("model.embed_tokens.weight")  # [V, hidden] (or its blocks)
@@ -172,42 +195,39 @@ class LlamaModel:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            biases = [take_opt(a + f"{n}_proj.bias") for n in "qkv"]
+            biases = [b for n in "qkv" if (b := dense_opt(a + f"{n}_proj.bias")) is not None]
             window = config.window(i)
             self.layers.append(
                 LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight"),
-                    qkv=linear(
-                        [a + f"{n}_proj.weight" for n in "qkv"],
-                        torch.cat(biases) if all(b is not None for b in biases) else None,
-                    ),
-                    o=linear([a + "o_proj.weight"], take_opt(a + "o_proj.bias")),
+                    input_norm=dense(p + "input_layernorm.weight"),
+                    qkv=linear([a + f"{n}_proj.weight" for n in "qkv"], torch.cat(biases) if len(biases) == 3 else None),
+                    o=linear([a + "o_proj.weight"], dense_opt(a + "o_proj.bias")),
                     # the norm before the MLP: Gemma names it pre_feedforward, its post_attention is after attention
-                    post_norm=take(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+                    post_norm=dense(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                     gate_up=None if config.sparse(i) else linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=None if config.sparse(i) else linear([p + "mlp.down_proj.weight"]),
                     experts=Experts(
-                        router(p + "mlp.gate.weight"),
+                        dense(p + "mlp.gate.weight"),  # the router (llama.cpp: F32)
                         [linear([p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"])
                          for e in range(config.num_experts)],
                         [linear([p + f"mlp.experts.{e}.down_proj.weight"]) for e in range(config.num_experts)],
                         config.num_experts_per_tok, config.norm_topk_prob) if config.sparse(i) else None,
-                    q_norm=take(a + "q_norm.weight") if config.qk_norm else None,
-                    k_norm=take(a + "k_norm.weight") if config.qk_norm else None,
-                    attn_out_norm=take(p + "post_attention_layernorm.weight") if sandwich else None,
-                    mlp_out_norm=take(p + "post_feedforward_layernorm.weight") if sandwich else None,
+                    q_norm=dense(a + "q_norm.weight") if config.qk_norm else None,
+                    k_norm=dense(a + "k_norm.weight") if config.qk_norm else None,
+                    attn_out_norm=dense(p + "post_attention_layernorm.weight") if sandwich else None,
+                    mlp_out_norm=dense(p + "post_feedforward_layernorm.weight") if sandwich else None,
                     window=window,
                     sliding_rope=bool(window) and self.sliding_inv_freq is not None,
                 )
             )
-        self.norm = take("model.norm.weight")
+        self.norm = dense("model.norm.weight")
         lm_head = take_opt("lm_head.weight")
         self.tied = config.tie_word_embeddings or lm_head is None
         if self.tied and isinstance(self.embed, QuantizedWeight):
             # One table for the lookup and the LM head: the kernels' layout serves both (a lookup
             # unpacks its few rows; the head is the step's largest matmul).
             self.embed = self.embed.packed(arena)
-        self.lm_head = make_linear([self.embed if self.tied else lm_head], None, dtype, arena)
+        self.lm_head = make_linear([self.embed if self.tied or lm_head is None else lm_head], None, dtype, arena)
         # Fused CPU kernels for the elementwise steps where they compiled (None: if available); for
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].o))
@@ -234,10 +254,10 @@ class LlamaModel:
         return self.nbytes - (idle * (c.num_experts - c.num_experts_per_tok) // c.num_experts if c.num_experts else 0)
 
     @staticmethod
-    def _mlp(lw: LayerWeights) -> list[Callable[[torch.Tensor], torch.Tensor]]:
-        return lw.experts.linears() if lw.experts else [lw.gate_up, lw.down]
+    def _mlp(lw: LayerWeights) -> list[LinearLayer]:
+        return lw.experts.linears() if lw.experts else [lin for lin in (lw.gate_up, lw.down) if lin is not None]
 
-    def _linears(self) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    def _linears(self) -> list[LinearLayer]:
         return [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, *self._mlp(layer)))]
 
     def set_batch_invariant(self, on: bool) -> None:
@@ -261,7 +281,10 @@ class LlamaModel:
 
     def rope(self, positions: torch.Tensor, sliding: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] each, in the model dtype (sliding: the windowed layers' own, Gemma 3)."""
-        return self.ops.rope_tables(positions, self.sliding_inv_freq if sliding else self.inv_freq, self.dtype)
+        inv_freq = self.sliding_inv_freq if sliding else self.inv_freq
+        if inv_freq is None:
+            raise ValueError(f"{self.config.architecture}: no sliding-window layers of their own RoPE")
+        return self.ops.rope_tables(positions, inv_freq, self.dtype)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the rows, times Gemma's sqrt(hidden) (a float32 scalar in the model
@@ -291,10 +314,11 @@ class LlamaModel:
         h_buf = torch.empty_like(x)
         qk_buf = (torch.empty(T, H, D, dtype=x.dtype), torch.empty(T, c.num_key_value_heads, D, dtype=x.dtype))
         delta = None  # the previous layer's MLP output, added to x with the next norm
-        for lw, kv_cache, kv_scale in zip(self.layers, kv_caches, kv_scales or [None] * len(kv_caches)):
+        scales: list[torch.Tensor | None] = [*kv_scales] if kv_scales else [None] * len(kv_caches)
+        for lw, kv_cache, kv_scale in zip(self.layers, kv_caches, scales):
             x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
             qkv = lw.qkv(h)
-            if lw.q_norm is not None:
+            if lw.q_norm is not None and lw.k_norm is not None:  # (both or neither)
                 head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
             cos, sin = tables[lw.sliding_rope]
             q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
@@ -303,7 +327,11 @@ class LlamaModel:
             if lw.attn_out_norm is not None:
                 o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
             x, h = ops.add_rms_norm(x, o, lw.post_norm, eps, h_buf)
-            delta = lw.experts(h, ops.glu, c.hidden_act) if lw.experts else lw.down(ops.glu(lw.gate_up(h), c.hidden_act))
+            if lw.experts:
+                delta = lw.experts(h, ops.glu, c.hidden_act)
+            else:
+                assert lw.gate_up is not None and lw.down is not None  # a dense layer has both
+                delta = lw.down(ops.glu(lw.gate_up(h), c.hidden_act))
             if lw.mlp_out_norm is not None:
                 delta = ops.add_rms_norm(delta, None, lw.mlp_out_norm, eps)[1]
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from kvserve import stores
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.gguf_reader import open_gguf
-from kvserve import stores
 from kvserve.model import gguf_file, hf_dir
 from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
@@ -129,7 +129,7 @@ def _unfuse(config: ModelConfig, tensors: dict[str, Weight]) -> None:
             tensors[p + "mlp.up_proj.weight"] = _rows(gate_up, slice(ffn, 2 * ffn))
 
 
-def shift_norms(config: ModelConfig, tensors: dict[str, Weight]) -> None:
+def shift_norms(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Gemma's RMSNorm multiplies by 1 + w: a Hugging Face checkpoint's norm weights get their 1 here,
     once (a GGUF has it already: llama.cpp's converter adds it), in place."""
     if config.architecture not in ("gemma2", "gemma3"):
@@ -271,10 +271,12 @@ def load_checkpoint(
     as `quantization` says, see the module docstring), and check them."""
     check_quantization(quantization)
     path = resolve_model_path(model)
+    tensors: dict[str, Weight]
     if path.is_dir():
         config = _named(hf_dir.read_config(path), model)
-        tensors = hf_dir.read_tensors(path, config, dtype)
-        shift_norms(config, tensors)
+        dense = hf_dir.read_tensors(path, config, dtype)
+        shift_norms(config, dense)
+        tensors = dict(dense)
         fmt = "hf"
     else:
         reader = open_gguf(path)

@@ -28,7 +28,8 @@ from kvserve import kernels
 from kvserve.config import env_switch
 from kvserve.kernels import KV_DTYPES, decode_step
 from kvserve.model.attention import CpuPagedAttention
-from kvserve.model.llama import LlamaModel
+from kvserve.model.linear import LinearLayer
+from kvserve.model.llama import LlamaModel, StepModel
 from kvserve.model.quant import KERNEL_TYPES, ConcatLinear, QuantizedLinear, QuantizedWeight
 
 Best = tuple[list[int], list[float]]  # each row's argmax (its token id) and the logit there
@@ -46,9 +47,13 @@ class Unsupported(Exception):
     """Why a model keeps the per-op decode path."""
 
 
-def _linear(lin: object, keep: list[torch.Tensor]) -> decode_step.Linear:
-    parts = lin.parts if isinstance(lin, ConcatLinear) else [lin]
-    if not all(isinstance(p, QuantizedLinear) for p in parts):
+def _parts(lin: LinearLayer | None) -> list[LinearLayer | None]:
+    return [*lin.parts] if isinstance(lin, ConcatLinear) else [lin]
+
+
+def _linear(lin: LinearLayer | None, keep: list[torch.Tensor]) -> decode_step.Linear:
+    parts = [p for p in _parts(lin) if isinstance(p, QuantizedLinear)]
+    if len(parts) < len(_parts(lin)):
         raise Unsupported("a linear layer holds float weights")
     if len(parts) > decode_step.MAX_PARTS:
         raise Unsupported(f"a linear layer of {len(parts)} parts")
@@ -101,10 +106,11 @@ class NativeDecode:
         if pool.device.type != "cpu" or pool.dtype not in KV_DTYPES or \
                 any(kv.shape != pool.shape or kv.dtype != pool.dtype or not kv.is_contiguous() for kv in kv_caches):
             raise Unsupported("the KV pool is not a contiguous CPU pool of one format")
-        scales = kv_scales or [None] * len(kv_caches)
+        scales: list[torch.Tensor | None] = [*kv_scales] if kv_scales else [None] * len(kv_caches)
         if pool.dtype == torch.int8 and kv_scales is None:
             raise Unsupported("an int8 KV pool without its row scales")
-        self._lib, self._keep = lib, []  # _keep: every tensor the structs point into
+        self._lib = lib
+        self._keep: list[torch.Tensor] = []  # every tensor the structs point into
         self.model, self.kv_caches, self.kv_scales = model, kv_caches, kv_scales
         m = decode_step.Model()
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -141,15 +147,15 @@ class NativeDecode:
                                                      _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep))
             out.kv = kv.data_ptr()
             out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
-            if lw.q_norm is not None:
+            if lw.q_norm is not None and lw.k_norm is not None:  # (both or neither)
                 out.q_norm, out.k_norm = _f32(lw.q_norm, self._keep), _f32(lw.k_norm, self._keep)
-            if lw.attn_out_norm is not None:
+            if lw.attn_out_norm is not None and lw.mlp_out_norm is not None:  # (both or neither)
                 out.attn_out_norm, out.mlp_out_norm = _f32(lw.attn_out_norm, self._keep), _f32(lw.mlp_out_norm, self._keep)
             out.window, out.sliding_rope = lw.window, lw.sliding_rope
         m.layers = layers
         self._layers, self._model = layers, m
         self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
-                         for p in (lin.parts if isinstance(lin, ConcatLinear) else [lin])]
+                         for p in _parts(lin) if isinstance(p, QuantizedLinear)]  # (all are: _linear checked)
         if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
             raise Unsupported("shapes the native step does not take")
         self._block_size = block_size
@@ -158,10 +164,12 @@ class NativeDecode:
         self._grow(1, 256, torch.get_num_threads())
 
     @classmethod
-    def build(cls, model: LlamaModel, kv_caches: list[torch.Tensor], block_size: int,
+    def build(cls, model: StepModel, kv_caches: list[torch.Tensor], block_size: int,
               kv_scales: list[torch.Tensor] | None = None) -> NativeDecode | None:
         """The native step for this model, or None (with the reason logged) where it does not apply."""
         try:
+            if not isinstance(model, LlamaModel):  # tensor parallel's rank 0 (parallel/model.py)
+                raise Unsupported("tensor parallel: the step has no all-reduce between layers")
             return cls(model, kv_caches, block_size, kv_scales)
         except Unsupported as e:
             log.debug("decode keeps the per-op path: %s", e)
@@ -180,7 +188,7 @@ class NativeDecode:
             setattr(w, name, b[name].data_ptr())
         b["scores"] = torch.zeros(threads, H // Hkv * context)
         w.scores = b["scores"].data_ptr()
-        # Quantized activations: 84 bytes per 32 values of the widest input (quant_matmul.c's ACT_BYTES) for
+        # Quantized activations: 84 bytes per 32 values of the widest input (kernels/quant_acts.h's ACT_BYTES) for
         # levels x batch + 1 rows (an odd count's last row is stored twice, act_rows), 32-byte aligned; with two
         # levels, each thread's products of both for a 16-row chunk (rows_out).
         levels = self.model.act_levels
@@ -264,4 +272,4 @@ class NativeDecode:
             raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
                                "outside the model's vocabulary or the KV pool")
         picked = (ids_out[:B].tolist(), vals_out[:B].tolist()) if best else None
-        return hidden[:B], (self.model.softcap_logits(out[:B]) if head else None), picked
+        return hidden[:B], (self.model.softcap_logits(out[:B]) if out is not None else None), picked

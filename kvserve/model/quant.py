@@ -15,7 +15,7 @@ VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM 
 with the same blocks.
 
 make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights into the kernels' x8 layout (8 blocks of
-a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, quant_matmul.c; the Q4 / Q5 / K types'
+a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, kernels/quant_x8.h; the Q4 / Q5 / K types'
 rows, and Q8_0's on AVX-512 builds,
 in slabs of four interleaved group by group, their blocks past the last group two at a time as one more group of
 the four rows, so a 4-row tile reads one stream of memory) where the build multiplies it: the same
@@ -32,11 +32,12 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from kvserve import hugepages
 from kvserve.config import ModelConfig, env_switch
@@ -55,7 +56,7 @@ QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
 # sgemm instead of the integer kernel: the crossover is where dequantizing the whole weight once
 # (a fixed cost) is repaid by sgemm's lower cost per activation row. It depends on the integer
 # dot the kernel was built with, so it was measured on each (`python -m benchmarks.quant`,
-# docs/benchmarks.md, "A tighter AVX2 kernel" and "On AVX-512 VNNI"):
+# 2026-11-30, on the two CPUs named below):
 # - AVX2 (maddubs + madd), Zen 3, one thread: the Q4_1 layers (576→1536, 1536→576, 576→960)
 #   stay ahead up to ~128 rows (B=64: 1.2-1.4x faster), 4-bit blocks being slow to expand; the
 #   Q8_0 LM head (49152 rows) expands cheaply and its dot needs sign fix-ups, so sgemm wins from
@@ -92,7 +93,7 @@ def batch_invariant_by_default() -> bool:
     return quant_matmul.integer_dot() in ("avx512_vnni", "avx2")
 
 
-# How the integer kernels quantize activations, by name → int8 levels per value (quant_matmul.c's
+# How the integer kernels quantize activations, by name → int8 levels per value (kernels/quant_acts.h's
 # quantize_input; docs/quality.md has the figures). "int8x2": int8 per 32 values, then what that left
 # quantized again; the two products add up to the exact float path's to within ~2e-6 KL divergence, for
 # twice the integer dots: ~1.1x a one-sequence step, ~1.3x at 4 sequences, ~1.7-2x in large batches and
@@ -133,7 +134,7 @@ def check_quantization(quantization: str) -> str:
 @dataclass
 class QuantizedWeight:
     """A [out, in] weight as GGML blocks: `blocks` is uint8 [out, in / block values * block bytes].
-    `x8`: the rows are in the kernels' x8 layout (quant_matmul.c: each row's blocks 8 at a time, and
+    `x8`: the rows are in the kernels' x8 layout (kernels/quant_x8.h: each row's blocks 8 at a time, and
     rows in fours interleaved group by group; same bytes per row, but rows no longer slice: unpack
     first, as `rows` does)."""
 
@@ -279,7 +280,7 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.weight.shape
         xf = x if x.dtype is torch.float32 else x.float()
-        if x.shape[0] < self.blas_from:
+        if self._matmul is not None and x.shape[0] < self.blas_from:  # (blas_from is 0 without the kernels)
             y = self._matmul(xf)
         elif self._bf16 is not None:
             y = self._bf16(x.to(torch.bfloat16)).float()
@@ -322,7 +323,7 @@ class ConcatLinear:
 Weight = torch.Tensor | QuantizedWeight
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_dequantizing(dtype: torch.dtype) -> None:
     """Once a process (a model makes ~200 linears)."""
     log.warning("quantized weights are dequantized to %s: the native kernels are unavailable", dtype)
@@ -337,19 +338,21 @@ def make_linear(weights: list[Weight], bias: torch.Tensor | None, dtype: torch.d
     if not kernels and any(isinstance(w, QuantizedWeight) for w in weights):
         _warn_dequantizing(dtype)
     weights = [w.dequantize().to(dtype) if isinstance(w, QuantizedWeight) and not kernels else w for w in weights]
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        return Linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
-    qtypes = {w.qtype if isinstance(w, QuantizedWeight) else None for w in weights}
-    if len(qtypes) == 1:
-        if len(weights) == 1:
-            return QuantizedLinear(weights[0].packed(arena), bias)
-        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
-        fused = QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].qtype, shape)
+    tensors = [w for w in weights if isinstance(w, torch.Tensor)]
+    if len(tensors) == len(weights):
+        return Linear(torch.cat(tensors) if len(tensors) > 1 else tensors[0], bias)
+    quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+    if len(quantized) == len(weights) and len({w.qtype for w in quantized}) == 1:
+        if len(quantized) == 1:
+            return QuantizedLinear(quantized[0].packed(arena), bias)
+        shape = (sum(w.shape[0] for w in quantized), quantized[0].shape[1])
+        fused = QuantizedWeight(torch.cat([w.blocks for w in quantized]), quantized[0].qtype, shape)
         return QuantizedLinear(fused.packed(arena), bias)
-    parts, start = [], 0
-    for w in weights:
+    parts: list[Linear | QuantizedLinear] = []
+    start = 0
+    for w in weights:  # each part alone: make_linear([w], ...)
         b = None if bias is None else bias[start : start + w.shape[0]]
-        parts.append(make_linear([w], b, dtype, arena))
+        parts.append(Linear(w, b) if isinstance(w, torch.Tensor) else QuantizedLinear(w.packed(arena), b))
         start += w.shape[0]
     return ConcatLinear(parts)
 

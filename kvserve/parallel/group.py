@@ -22,6 +22,7 @@ import threading
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -93,16 +94,17 @@ class TPGroup:
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place."""
-        self.pg.allreduce([t]).wait()
+        # torch's stubs declare the collectives on ProcessGroup only; Gloo's Backend has them at runtime
+        self.pg.allreduce([t]).wait()  # type: ignore[attr-defined]
         return t
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([t], opts).wait()
+        self.pg.broadcast([t], opts).wait()  # type: ignore[attr-defined]  # (as in all_reduce)
         return t
 
-    def broadcast_json(self, obj: object | None = None) -> object:
+    def broadcast_json(self, obj: object | None = None) -> Any:
         """Rank 0's `obj` on every rank (small things, once: the load spec, a status)."""
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if self.rank == 0 else None
         n = self._broadcast(torch.tensor([0 if data is None else data.numel()], dtype=torch.int64))

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.kv.sizing import KVSizing, size_kv_pool
 from kvserve.model.attention import AttentionMetadata
+from kvserve.model.linear import LinearLayer
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import Checkpoint
 from kvserve.parallel.group import OP_BATCH_INVARIANT, LoadSpec, TPGroup, connect, env_world
@@ -34,7 +34,7 @@ class AllReduced:
     """A linear layer split by input columns: each rank's product is a partial sum of the output;
     the all-reduce completes it on every rank."""
 
-    def __init__(self, lin: Callable[[torch.Tensor], torch.Tensor], group: TPGroup) -> None:
+    def __init__(self, lin: LinearLayer, group: TPGroup) -> None:
         self.lin, self.group = lin, group
 
     @property
@@ -67,7 +67,8 @@ def build_shard(ckpt: Checkpoint, p: ShardPlan, rank: int, dtype: torch.dtype, g
     local = p.local_config(ckpt.config, rank)
     model = LlamaModel(local, shard_tensors(ckpt.tensors, ckpt.config, p, rank, keep_lm_head=rank == 0), dtype)
     for lw in model.layers:
-        lw.o, lw.down = AllReduced(lw.o, group), AllReduced(lw.down, group)
+        lw.o = AllReduced(lw.o, group)
+        lw.down = AllReduced(lw.down, group) if lw.down is not None else None  # (plan() refuses experts)
     return model
 
 

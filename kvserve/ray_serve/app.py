@@ -9,7 +9,7 @@ replica counts, autoscaling, CPUs, the router's options.
 from __future__ import annotations
 
 from ray import serve
-from ray.serve import Application
+from ray.serve import Application, Deployment
 from ray.serve.config import RequestRouterConfig
 
 from kvserve.ray_serve.ingress import IngressSettings, KvserveIngress
@@ -28,14 +28,17 @@ def build(args: dict) -> Application:
     retries = int(args.get("retries", IngressSettings.retries))
     if retries < 0:
         raise ValueError(f"retries must be at least 0, got {retries}")
-    replica = serve.deployment(
+    # Ray's annotations are wrong twice here: serve.deployment(cls) is a Deployment (annotated as the
+    # decorator it returns without one), and RequestRouterConfig's **kwargs as `dict[str, Any]` each.
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS, request_routing_stats_period_s=1.0)  # type: ignore[arg-type]
+    replica: Deployment = serve.deployment(  # type: ignore[assignment]
         KvserveReplica, name="KvserveReplica",
         # A replica's queue is its engine's: let Serve send it as many as the engine batches.
         max_ongoing_requests=parsed.max_num_seqs,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                                  request_routing_stats_period_s=1.0),
+        request_router_config=router,
     )
-    ingress = serve.deployment(KvserveIngress, name="KvserveIngress", ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=4 * parsed.max_num_seqs)
+    ingress: Deployment = serve.deployment(  # type: ignore[assignment]
+        KvserveIngress, name="KvserveIngress", ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=4 * parsed.max_num_seqs)
     settings = IngressSettings(max_body_bytes=int(parsed.max_body_mib * (1 << 20)), retries=retries)
     return ingress.bind(replica.bind(serve_args), settings)

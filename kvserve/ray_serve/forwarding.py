@@ -83,8 +83,8 @@ async def call_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Res
                     yield message["body"]
                 if not message.get("more_body", False):
                     break
-        if task.done() and task.exception() is not None:
-            raise task.exception()
+        if task.done() and (error := task.exception()) is not None:
+            raise error
     finally:
         left.set()  # the app sees the client gone (a stream is aborted, its blocks freed)
         while not task.done():  # let it finish: drain what it still sends

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -65,7 +66,8 @@ class KvserveIngress:
         for attempt in range(self.settings.retries + 1):
             if attempt:
                 await asyncio.sleep(self.settings.retry_backoff * 2 ** (attempt - 1))
-            gen: DeploymentResponseGenerator = self.replicas.remote(fwd)
+            # (Ray types remote() as either kind; a handle with stream=True gives the generator)
+            gen = cast(DeploymentResponseGenerator, self.replicas.remote(fwd))
             try:
                 head: ResponseHead = await gen.__anext__()
                 headers = [(k, v) for k, v in head.headers if k.lower() not in _DROPPED]
@@ -81,7 +83,7 @@ class KvserveIngress:
                 log.warning("%s %s: the replica died before answering (%s); %s", fwd.method, fwd.path, why,
                             "sending it again" if attempt < self.settings.retries else "giving up")
                 continue
-            except Exception as e:  # noqa: BLE001 - the replica raised: an error body, not a traceback
+            except Exception as e:  # the replica raised: an error body, not a traceback
                 gen.cancel()
                 log.exception("%s %s: the replica failed", fwd.method, fwd.path)
                 return APIError(500, f"the replica failed ({type(e).__name__}): retry the request",

@@ -10,9 +10,10 @@ prefix hit against the stored tokens).
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import shlex
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from kvserve.ray_serve.forwarding import ForwardedRequest, ResponseHead, call_app
 
@@ -27,7 +28,7 @@ REFUSED_FLAGS = ("--host", "--port", "--join", "--advertise-url", "--join-key", 
                  "-tp")
 
 
-def parse_serve_args(serve_args: str | list[str]) -> object:
+def parse_serve_args(serve_args: str | Sequence[str]) -> argparse.Namespace:
     """`kvserve serve`'s arguments (a string or a list) as its parser reads them."""
     from kvserve.commands import build_parser
 
@@ -40,11 +41,11 @@ def parse_serve_args(serve_args: str | list[str]) -> object:
 
 
 class KvserveReplica:
-    def __init__(self, serve_args: str | list[str] = ()) -> None:
+    def __init__(self, serve_args: str | Sequence[str] = ()) -> None:
         from ray import serve
 
-        from kvserve.server.app import build_app
         from kvserve.commands.serve import load_llm, settings_from_args
+        from kvserve.server.app import build_app
 
         args = parse_serve_args(serve_args)
         settings = settings_from_args(args)  # (sets torch's threads from --threads)

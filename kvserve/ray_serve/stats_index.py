@@ -1,8 +1,9 @@
 """The precise source of the cache-aware policy under Ray Serve: the KV blocks each replica's
 routing stats say it holds (replica.py), and the renderers to hash a prompt as each replica will.
 
-The same contract as the HTTP router's KVIndex (kvserve/router/kv_index.py), which the policy
-reads (`usable`, `hashes`, `mark_pending`, `unmark_pending`): prompts are rendered with the
+The same contract as the HTTP router's KVIndex (kvserve/router/kv_index.py): the policy's
+BlockIndex (kvserve/router/policies.py: `prepare`, `usable`, `hashes`, `prompt_tokens`,
+`mark_pending`, `unmark_pending`). Prompts are rendered with the
 server's own ChatPrompt and hashed with the KV manager's own walk, once the router's rendering has
 the replica's fingerprint. Stats arrive every `request_routing_stats_period_s` or so; a prompt
 routed meanwhile counts as pending on its replica (kvserve/router/kv_blocks.py) so a burst
@@ -78,7 +79,8 @@ class StatsIndex:
     async def prepare(self, req: RoutedRequest) -> None:
         keys = {(b.renderer, b.block_size) for b in self.blocks.values() if self._renderers.get(b.renderer)}
         if keys and req.routable:
-            await asyncio.to_thread(prepare_hashes, req, {r: self._renderers[r] for r, _ in keys}, keys)
+            renderers = {name: r for name, _ in keys if (r := self._renderers[name]) is not None}
+            await asyncio.to_thread(prepare_hashes, req, renderers, keys)
 
     def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
         full = req.hashes.get((b.renderer, b.block_size))

@@ -29,8 +29,8 @@ from kvserve.router.proxy import handle
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
 from kvserve.web.body import FramingCheck
-from kvserve.web.errors import APIError, install_handlers
 from kvserve.web.draining import DrainingServer
+from kvserve.web.errors import APIError, install_handlers
 from kvserve.web.hosts import host_error
 
 log = logging.getLogger("kvserve.router")
@@ -135,7 +135,8 @@ class RouterServer(DrainingServer):
             log.warning("drain timeout: %d request(s) still in flight are cut off", self.router.active)
             return
         self._draining = True
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        if self._loop is not None:  # (set when the server started, before any signal)
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
         self.router.draining = True

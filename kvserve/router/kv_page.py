@@ -17,7 +17,7 @@ import httpx
 
 HASH_HEX = 64  # a chained SHA-256 (kvserve/kv/block_pool.py), as hex
 _SPACE = re.compile(r"[ \t\n\r]*")
-_HEX = re.compile(r"[0-9a-f]{%d}" % HASH_HEX)
+_HEX = re.compile(f"[0-9a-f]{{{HASH_HEX}}}")
 _SCALARS = {"model": str, "block_size": int, "caching": bool, "instance": str, "seq": int, "renderer": str,
             "kv_events_endpoint": str, "kv_events_replay_endpoint": str, "kv_events_topic": str, "kv_events_seq": int}
 _SCALAR_CHARS = 4096  # the longest a scalar field (a model path) may be
@@ -104,7 +104,8 @@ def apply_events(held: set[bytes], events: list[tuple[bool, bytes]], max_held: i
 
 
 def _skip(text: str, pos: int) -> int:
-    return _SPACE.match(text, pos).end()
+    m = _SPACE.match(text, pos)
+    return m.end() if m else pos  # (it always matches: zero or more spaces)
 
 
 def _expect(text: str, pos: int, char: str) -> int:

@@ -51,6 +51,8 @@ class StreamSource:
                      each_tick: Callable[[], None]) -> None:
         """Apply the replica's batches after the answer just read (b.stream) to b.held until a
         Resync or until alive() turns false; each_tick runs after every batch and idle tick."""
+        if b.stream is None:
+            raise ValueError(f"{replica.url} advertised no KV event stream to follow")
         endpoint, replay, topic, seq = b.stream
         pub = replica_endpoint(endpoint, replica.url)
         rep = replica_endpoint(replay, replica.url) if replay is not None else None

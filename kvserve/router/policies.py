@@ -26,14 +26,46 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvserve.router.kv_index import KVIndex
+from kvserve.router.kv_blocks import ReplicaBlocks
 from kvserve.router.prefix_tree import PrefixTree
 from kvserve.router.replicas import Replica
 from kvserve.router.request import RoutedRequest
 from kvserve.router.settings import PolicySettings
 
 APPROX_CHARS_PER_TOKEN = 4  # to compare the text tree's characters with tokens
+
+
+class BlockIndex(Protocol):
+    """cache_aware's precise source: the KV blocks each replica holds, and the prompt's block hashes
+    as each replica's renderer makes them. The HTTP router's KVIndex (router/kv_index.py, from the
+    replicas' /kv/events) and Ray Serve's StatsIndex (ray_serve/stats_index.py, from their routing
+    stats) are the two."""
+
+    async def prepare(self, req: RoutedRequest) -> None:
+        """Tokenize and hash req's prompt for every renderer the replicas use (before choose)."""
+        ...
+
+    def usable(self, replica: Replica) -> ReplicaBlocks | None:
+        """The replica's blocks, where its prompts can be hashed here as it hashes them."""
+        ...
+
+    def hashes(self, req: RoutedRequest, b: ReplicaBlocks) -> list[bytes] | None:
+        """req's block hashes for b's renderer and block size (None: not prepared for them)."""
+        ...
+
+    def prompt_tokens(self, req: RoutedRequest) -> int | None:
+        """req's prompt length in tokens, where prepare() tokenized it."""
+        ...
+
+    def mark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
+        """A request with these blocks was routed to replica: count them held while it runs."""
+        ...
+
+    def unmark_pending(self, replica: Replica, hashes: list[bytes]) -> None:
+        """Its answer ended: they stay held a little longer (until the replica's own word)."""
+        ...
 
 
 @dataclass
@@ -106,7 +138,7 @@ class PowerOfTwo(Policy):
 class CacheAware(Policy):
     name = "cache_aware"
 
-    def __init__(self, settings: PolicySettings, index: KVIndex | None) -> None:
+    def __init__(self, settings: PolicySettings, index: BlockIndex | None) -> None:
         self.settings = settings
         self.index = index if settings.cache_source != "approximate" else None
         self.trees: dict[Replica, PrefixTree] = {}
@@ -129,9 +161,8 @@ class CacheAware(Policy):
 
     def match(self, r: Replica, req: RoutedRequest) -> tuple[int, str | None, list[bytes] | None]:
         """Tokens of req's prompt that r holds, by which source, and the prompt's block hashes."""
-        if self.index is not None:
-            b = self.index.usable(r)
-            hashes = self.index.hashes(req, b) if b is not None else None
+        if self.index is not None and (b := self.index.usable(r)) is not None:
+            hashes = self.index.hashes(req, b)
             if hashes is not None:
                 return b.match(hashes), "precise", hashes
         if self.settings.cache_source == "precise":
@@ -180,7 +211,7 @@ class CacheAware(Policy):
         self.trees.pop(replica, None)
 
 
-def make_policy(settings: PolicySettings, index: KVIndex | None) -> Policy:
+def make_policy(settings: PolicySettings, index: BlockIndex | None) -> Policy:
     if settings.name == "round_robin":
         return RoundRobin()
     if settings.name == "least_load":

@@ -139,6 +139,8 @@ async def proxy(scope: Scope, receive: Receive, state: RouterState) -> Response:
 async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: bytes, arrival: float) -> Response:
     """Try replicas until one answers (or the retries run out); state.end() once the answer ends."""
     s = state.settings
+    if (connections := state.upstream) is None:
+        raise RuntimeError("RouterState.start() first: it opens the upstream connections")
     state.budget.on_request()
     prompt_tokens = (state.index.prompt_tokens(req) if state.index else None) or req.estimated_prompt_tokens()
     max_tokens = (req.max_tokens if req.max_tokens is not None else s.default_max_tokens) * req.n
@@ -158,10 +160,10 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
     gave_up: str | None = None  # why waiting for a replica ended without one
     while True:
         candidates = state.replicas.eligible(tried)
-        if not candidates and last is None and s.replica_wait > 0 and not state.replicas.up(tried):
-            # Nothing answered yet and no replica is up: wait for one rather than fail.
-            if (gave_up := await state.wait_for_replica(tried, deadline)) is None:
-                candidates = state.replicas.eligible(tried)
+        # Nothing answered yet and no replica is up: wait for one rather than fail.
+        if (not candidates and last is None and s.replica_wait > 0 and not state.replicas.up(tried)
+                and (gave_up := await state.wait_for_replica(tried, deadline)) is None):
+            candidates = state.replicas.eligible(tried)
         if not candidates:
             break
         if retry is not None:
@@ -180,7 +182,7 @@ async def _send(scope: Scope, state: RouterState, req: RoutedRequest, body: byte
         replica = attempt.replica
         tried[replica] = replica.ups
         try:
-            upstream = await state.upstream.request(replica.url, method, target, headers, body)
+            upstream = await connections.request(replica.url, method, target, headers, body)
             if upstream.status not in _RETRY_STATUS and not _streams(upstream):
                 # Nothing has reached the client until the body's first bytes: a replica that dies
                 # between a whole answer's head and body is tried no differently from one that died before.
@@ -363,7 +365,8 @@ class RelayResponse(Response):
             except asyncio.CancelledError:
                 if self._task is not None:
                     raise  # not by _stop(): cancelled from elsewhere (the server stopping)
-                asyncio.current_task().uncancel()
+                if (task := asyncio.current_task()) is not None:
+                    task.uncancel()
             except OSError as e:  # a whole answer cut short: the client sees the connection cut, not a false ending
                 if not self.started:  # nothing sent yet: an error answer says why
                     error = APIError(503, f"{e}: retry the request", code="replica_failed")

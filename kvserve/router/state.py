@@ -15,11 +15,11 @@ from collections import deque
 
 import httpx
 
-from kvserve.router.response_homes import ResponseHomes
 from kvserve.router.kv_index import KVIndex
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policies import Policy, make_policy
 from kvserve.router.replicas import HEALTHY, UNHEALTHY, Replica, ReplicaSet, Tried
+from kvserve.router.response_homes import ResponseHomes
 from kvserve.router.settings import RouterSettings
 from kvserve.router.upstream import Upstream, is_refusal, make_client
 
@@ -191,6 +191,8 @@ class RouterState:
 
     async def check(self, replica: Replica) -> None:
         reachable, refused = True, False
+        if self.client is None:
+            raise RuntimeError("RouterState.start() first: it makes the client")
         try:
             r = await self.client.get(replica.url + "/health", timeout=self.settings.health_timeout)
             ok, why = r.status_code == 200, f"/health answered {r.status_code}"
@@ -229,5 +231,5 @@ class RouterState:
             t0 = time.monotonic()
             try:
                 await self.check_all()
-            except Exception:  # noqa: BLE001 - the loop must survive anything
+            except Exception:  # the loop must survive anything
                 log.exception("health checks failed")

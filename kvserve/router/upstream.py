@@ -34,7 +34,7 @@ import httpx
 try:
     import httptools
 except ImportError:  # pragma: no cover - a dependency; a clear error if an install lost it
-    httptools = None
+    httptools = None  # type: ignore[assignment]  # Upstream() says what is missing
 
 MAX_HEAD_BYTES = 64 << 10  # an answer's status line and headers
 HIGH_WATER = 64 << 10  # body bytes queued before the connection stops reading
@@ -57,7 +57,7 @@ class ConnectRefused(ConnectError):
     """The replica's host refused the connection: nothing listens on its port (it died or stopped)."""
 
 
-def is_refusal(exc: BaseException) -> bool:
+def is_refusal(exc: BaseException | None) -> bool:
     """Whether a connect error (ours, asyncio's or httpx's) was a refused connection: the first
     OS error along its causes decides; asyncio's "Multiple exceptions" (one per address of a host
     name) counts when every address refused."""
@@ -188,7 +188,7 @@ class Response:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._queued += len(data)
-        if self._queued > HIGH_WATER and self._queued - len(data) <= HIGH_WATER:
+        if self._queued > HIGH_WATER and self._queued - len(data) <= HIGH_WATER and self._conn is not None:
             self._conn.transport.pause_reading()
         self._wake()
 
@@ -217,7 +217,7 @@ class Connection(asyncio.Protocol):
         self.loop = pool.loop
         self.origin = pool.origin
         self.read_timeout = pool.read_timeout
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before create_connection returns it
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.lost = False
@@ -240,7 +240,7 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # a stream connection's is an asyncio.Transport
 
     def data_received(self, data: bytes) -> None:
         response = self.response
@@ -275,11 +275,17 @@ class Connection(asyncio.Protocol):
         self.pool.gone(self)
 
     # -- httptools callbacks ------------------------------------------------------------------
+    def _answer(self) -> Response:
+        """The answer being parsed (bytes after one's end are not an answer: the parser's error)."""
+        if self.response is None:
+            raise ConnectionLost(f"{self.origin} sent bytes after its answer")
+        return self.response
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.response.headers.append((name, value))
+        self._answer().headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        response = self.response
+        response = self._answer()
         response.status = status = self.parser.get_status_code()
         response._head = True
         framed = status < 200 or status in (204, 304) or any(
@@ -288,7 +294,7 @@ class Connection(asyncio.Protocol):
         response._wake()
 
     def on_body(self, body: bytes) -> None:
-        self.response._feed(body)
+        self._answer()._feed(body)
 
     def on_message_complete(self) -> None:
         self._message_done(self.parser.should_keep_alive())

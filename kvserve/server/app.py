@@ -32,7 +32,6 @@ from kvserve.server import (
     responses,
 )
 from kvserve.server.chat_completions import ChatCompletion
-from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.completions import Completion
 from kvserve.server.context import ServerContext
 from kvserve.server.embeddings import Embedding
@@ -49,6 +48,7 @@ from kvserve.server.protocol import (
 from kvserve.server.render import add_render_routes
 from kvserve.server.request_id import RequestIdMiddleware
 from kvserve.server.settings import ServerSettings
+from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.web.body import FramingCheck
 from kvserve.web.errors import install_handlers
 from kvserve.web.hosts import HostAllowList
@@ -187,15 +187,15 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
         return {"id": settings.model_name, "object": "model", "created": state.started, "owned_by": "kvserve",
                 "max_model_len": ctx.client.max_model_len}
 
-    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
-                        ("/v1/chat/completions/render", ChatCompletionRequest),
-                        ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
-                        ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
-                        ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
-                        ("/api/show", ollama_protocol.ShowRequest), ("/api/embed", ollama_protocol.EmbedRequest),
-                        ("/api/embeddings", ollama_protocol.EmbeddingsRequest),
-                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
-        api_docs.document_body(app, path, model)
+    for path, body_model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest),
+                             ("/v1/chat/completions/render", ChatCompletionRequest),
+                             ("/v1/responses", ResponsesRequest), ("/v1/embeddings", EmbeddingRequest), ("/v1/messages", anthropic_protocol.MessagesRequest),
+                             ("/v1/messages/count_tokens", anthropic_protocol.CountTokensRequest),
+                             ("/api/chat", ollama_protocol.ChatRequest), ("/api/generate", ollama_protocol.GenerateRequest),
+                             ("/api/show", ollama_protocol.ShowRequest), ("/api/embed", ollama_protocol.EmbedRequest),
+                             ("/api/embeddings", ollama_protocol.EmbeddingsRequest),
+                             ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
+        api_docs.document_body(app, path, body_model)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -229,7 +229,7 @@ def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
                 ids = await ctx.client.encode_chat(
                     ChatPrompt([m.for_template() for m in req.messages], req.add_generation_prompt))
             else:
-                ids = await ctx.client.encode(req.prompt, req.add_special_tokens)
+                ids = await ctx.client.encode(req.prompt or "", req.add_special_tokens)  # (given: checked above)
         except ValueError as e:
             raise from_invalid(e, {"prompt": "messages"} if req.messages is not None else None) from None
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 from starlette.responses import Response
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 class Embedding(Serving):
     """POST /v1/embeddings: whole only (OpenAI's API has no stream of vectors)."""
 
-    request_model = EmbeddingRequest
+    request_model: ClassVar[type] = EmbeddingRequest
     FIELDS = {"prompt": "input"}  # the engine speaks of prompts
 
     def streams(self) -> bool:

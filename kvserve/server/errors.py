@@ -36,7 +36,7 @@ def from_invalid(e: ValueError, renames: Mapping[str, str] | None = None) -> API
     param = getattr(e, "param", None)
     if isinstance(e, ChatTemplateError):
         param = "messages"
-    if renames and param in renames:  # say the name the client used
+    if renames and param is not None and param in renames:  # say the name the client used
         message = re.sub(rf"\b{param}\b", renames[param], message)
         param = renames[param]
     return APIError(400, message, param=param)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -23,16 +23,15 @@ from kvserve.fim import encode_fim
 from kvserve.kv.events import BlockEventLog
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-from kvserve.structured import reasoning
-from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.server.errors import APIError
 from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import ServerState
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.vllm_metrics import CacheInfo
+from kvserve.structured import reasoning
 from kvserve.structured.grammar_cache import GrammarCache
 from kvserve.tokenizer import PromptTooLong, Tokenizer
-
+from kvserve.tokenizer.chat_template import ChatPrompt
 
 
 def engine_dead() -> APIError:
@@ -69,24 +68,24 @@ class EngineClient:
     # -- what the model is (valid once the server is ready) ---------------------------------
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.state.llm.tokenizer
+        return self.state.loaded.tokenizer
 
     @property
     def model_config(self) -> ModelConfig:
-        return self.state.llm.config
+        return self.state.loaded.config
 
     @property
     def max_model_len(self) -> int:
-        return self.state.llm.max_model_len
+        return self.state.loaded.max_model_len
 
     @property
     def model_path(self) -> str:
-        return str(self.state.llm.model_path)
+        return str(self.state.loaded.model_path)
 
     @property
     def quantization(self) -> str:
         """How the weights are held: none, or the kernel format of quantized matrices."""
-        return str(self.state.llm.quantization)
+        return str(self.state.loaded.quantization)
 
     def cache_info(self) -> CacheInfo | None:
         """The KV pool's shape (None before the model is loaded)."""
@@ -113,11 +112,11 @@ class EngineClient:
 
     async def engine_state(self) -> dict:
         """The engine as JSON for the live page (a snapshot taken on the engine thread)."""
-        return await self.state.engine.state()
+        return await self.state.running.state()
 
     def validate(self, ids: list[int], params: SamplingParams) -> list[int]:
         """The engine's checks of a prompt's ids and its parameters (on the calling thread)."""
-        return self.state.engine.inputs.check(ids, params)
+        return self.state.running.inputs.check(ids, params)
 
     async def tokenize(self, prompts: Sequence[str | list[int]], params: SamplingParams,
                        receive: Receive | None = None) -> list[list[int]]:
@@ -125,7 +124,7 @@ class EngineClient:
         not). On a worker thread; a long prompt is refused after about a context's worth of it.
         A constraint is compiled first (`compile`), so the check only reads it."""
         await self.compile(params, receive)
-        inputs = self.state.engine.inputs
+        inputs = self.state.running.inputs
         return await asyncio.to_thread(lambda: [inputs.check(inputs.encode(p), params) for p in prompts])
 
     def encode_chat_now(self, prompt: ChatPrompt) -> list[int]:
@@ -163,7 +162,7 @@ class EngineClient:
         given up if the client leaves (`receive`: the request's, its body read) or a drain cuts
         it off: the one place the server compiles."""
         if params.constraint is not None:
-            await self.grammars.compile(self.state.llm.engine.grammars, params.constraint, receive, self.state.work)
+            await self.grammars.compile(self.state.loaded.engine.grammars, params.constraint, receive, self.state.work)
 
     async def encode_fim(self, prompts: Sequence[str], suffix: str) -> list[list[int]]:
         """Each prompt with the suffix as a fill-in-the-middle prompt (kvserve/fim.py), off the loop."""
@@ -184,7 +183,7 @@ class EngineClient:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await asyncio.to_thread(self.encode_now, text, add_special_tokens)
 
-    async def outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self, job: Job) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(prompt index, snapshot) after every engine step that changed one of the job's requests."""
         if len(job.prompts) == 1:
             async with aclosing(self._one(job, 0)) as it:
@@ -225,10 +224,10 @@ class EngineClient:
         async with aclosing(self.outputs(job)) as outputs:
             async for i, out in outputs:
                 finals[i] = out
-        return finals  # type: ignore[return-value]
+        return finals  # type: ignore[return-value]  # one for each prompt: outputs() raises otherwise
 
-    async def _one(self, job: Job, i: int) -> AsyncIterator[RequestOutput]:
-        engine = self.state.engine
+    async def _one(self, job: Job, i: int) -> AsyncGenerator[RequestOutput, None]:
+        engine = self.state.running
         out: RequestOutput | None = None
         reasons = ["abort"] * job.params.n  # unless it finishes
         last = None
@@ -242,7 +241,8 @@ class EngineClient:
                             self.metrics.inter_token_latency.observe(now - last)
                         last = now
                     yield out
-            reasons = [c.finish_reason or "abort" for c in out.outputs]
+            if out is not None:
+                reasons = [c.finish_reason or "abort" for c in out.outputs]
         except EngineDeadError:
             reasons = ["error"] * job.params.n
             raise engine_dead() from None

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def timeline(ctx: ServerContext, request_id: str) -> dict[str, Any] | None:
     """Every prompt's timeline of one HTTP request (engine ids are `<id>-<prompt index>`)."""
-    prompts = []
+    prompts: list[dict] = []
     while (tl := ctx.client.timeline(f"{request_id}-{len(prompts)}")) is not None:
         prompts.append(tl)
     return {"id": request_id, "object": "kvserve.timeline", "prompts": prompts} if prompts else None

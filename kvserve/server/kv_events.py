@@ -42,6 +42,8 @@ def add_kv_event_routes(app: FastAPI, ctx: ServerContext) -> None:
         publisher = ctx.kv_publisher
         zmq_seq = publisher.last_seq() if publisher is not None else None  # read before the log: see above
         log, cache = ctx.client.kv_events(), ctx.client.cache_info()
+        if log is None or cache is None:  # (the model is loaded once ready)
+            raise RuntimeError("the model is not loaded yet")
         page = EventsPage(log.seq, None, None) if head else log.since(since)  # head: the fields only
         out = {"model": ctx.client.model_path, "block_size": cache.block_size,
                "caching": cache.prefix_caching, "instance": log.instance,

@@ -62,7 +62,7 @@ class KVEventPublisher:
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.form = form  # event_wire's array or map form of each event
         self.bound = binds(endpoint)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
@@ -123,13 +123,13 @@ class KVEventPublisher:
                 self._serve_replay()
                 page = events_log.blocks_since(read)
                 if page.events is None:  # fell behind the log (or first read after it wrapped)
-                    vllm_events = event_wire.to_vllm(page.held, block_size, snapshot=True)
+                    vllm_events = event_wire.to_vllm(page.held or [], block_size, snapshot=True)
                 else:
                     vllm_events = event_wire.to_vllm(page.events, block_size)
                 for batch in event_wire.batches(vllm_events):
                     self._send(batch)
                 read = page.seq
-            except Exception:  # noqa: BLE001 - the publisher must outlive one bad step
+            except Exception:  # the publisher must outlive one bad step
                 log.exception("KV events publisher")
                 self._stop.wait(0.1)
 

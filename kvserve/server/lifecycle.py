@@ -93,6 +93,20 @@ class ServerState:
         # the grammar compile processes get its vocabulary, so no request waits for them.
         self.on_ready: list[Callable[[LLM], None]] = []
 
+    @property
+    def loaded(self) -> LLM:
+        """The model, for what runs once the server is ready (an error before it is loaded)."""
+        if self.llm is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self.llm
+
+    @property
+    def running(self) -> AsyncEngine:
+        """The engine, for what runs once the server is ready (an error before it runs)."""
+        if self.engine is None:
+            raise RuntimeError("the engine is not running yet")
+        return self.engine
+
     # -- lifecycle ------------------------------------------------------------------------
     def set_ready(self, llm: LLM) -> None:
         """Start serving llm; its engine gets a loop of its own (one app per LLM)."""
@@ -162,7 +176,7 @@ class ServerState:
         """True once no admitted request is left, False if timeout passed first."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -174,14 +188,14 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-            if self.llm.manager.disk is not None and self.engine.thread_done:
+            if self.loaded.manager.disk is not None and self.engine.thread_done:
                 # The prefix cache outlives the process: what RAM still caches goes to the disk tier.
-                log.info("KV disk tier: %d cached blocks saved at shutdown", self.llm.offload_prefix_cache())
+                log.info("KV disk tier: %d cached blocks saved at shutdown", self.loaded.offload_prefix_cache())
 
     # -- admission ------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
-        return self.llm.scheduler_config.max_num_seqs + self.settings.max_queued_requests
+        return self.loaded.scheduler_config.max_num_seqs + self.settings.max_queued_requests
 
     @property
     def max_request_seqs(self) -> int:

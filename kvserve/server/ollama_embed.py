@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,7 +35,7 @@ _MARGIN = 8  # tokens past the cut: a prefix's last word may tokenize otherwise 
 class Embed(Embedding):
     """POST /api/embed."""
 
-    request_model = EmbedRequest
+    request_model: ClassVar[type] = EmbedRequest
     dialect = OLLAMA
 
     def inputs(self) -> list[str | list[int]]:

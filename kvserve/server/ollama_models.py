@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +48,7 @@ def _human(n: int) -> str:
 def _card(ctx: ServerContext) -> dict[str, Any]:
     c = ctx.client
     path = Path(c.model_path)
-    modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, timezone.utc)
+    modified = datetime.fromtimestamp(os.path.getmtime(path) if path.exists() else ctx.state.started, UTC)
     details = {"parent_model": "", "format": "gguf" if path.is_file() else "safetensors",
                "family": c.model_config.architecture, "families": [c.model_config.architecture],
                "parameter_size": _human(_parameter_count(c.model_config)), "quantization_level": c.quantization}

@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from kvserve.errors import InvalidParam, shown
 from kvserve.server.errors import APIError
 from kvserve.server.protocol import ChatCompletionRequest, NamedFunction, NamedToolChoice, Tool
-from kvserve.structured.spec import Constraint, from_response_format, from_vllm
 from kvserve.structured import reasoning
+from kvserve.structured.spec import Constraint, from_response_format, from_vllm
 from kvserve.structured.tool_calls import ToolCallStream
 from kvserve.structured.tools import forced_call_constraint
 from kvserve.tokenizer.chat_template import ChatPrompt
@@ -62,16 +62,17 @@ def constraint(req: Any) -> Constraint | None:
         if c is not None:
             found.append(c)
     guided = {k: v for k in GUIDED_KINDS if (v := getattr(req, f"guided_{k}", None)) is not None}
-    if guided:  # most requests set none of these, nor the fields above: nothing to read then
-        found.append(from_vllm(guided, "guided_"))
+    if guided and (c := from_vllm(guided, "guided_")) is not None:  # most requests set none of these
+        found.append(c)
     tools = getattr(req, "tools", None)
     choice = getattr(req, "tool_choice", None)
     if tools and choice not in (None, "auto", "none"):
         # One call unless parallel_tool_calls is set true: a valid answer either way, and small
         # models forced into an open-ended list repeat calls until max_tokens cuts the JSON.
         choice = choice if isinstance(choice, str) else choice.model_dump()
-        found.append(forced_call_constraint([t.model_dump() for t in tools], choice,
-                                            req.parallel_tool_calls is True))
+        forced = forced_call_constraint([t.model_dump() for t in tools], choice, req.parallel_tool_calls is True)
+        if forced is not None:
+            found.append(forced)
     if len(found) > 1:
         raise InvalidParam(found[1].param, f"{found[1].param} cannot be combined with {found[0].param}: give one output constraint")
     return found[0] if found else None

@@ -113,8 +113,10 @@ def _list_calls(text: str) -> list[ToolCall] | None:
         items = json.loads(text)
     except json.JSONDecodeError:
         return None
-    calls = [_call_from_json(o) for o in items] if isinstance(items, list) and items else [None]
-    return None if any(c is None for c in calls) else calls
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [c for o in items if (c := _call_from_json(o)) is not None]
+    return calls if len(calls) == len(items) else None
 
 
 def _mistral_calls(text: str) -> list[ToolCall] | None:
@@ -248,7 +250,7 @@ class ToolCallStream:
             region = region[:cut] if cut >= 0 else region
             head = _HEAD.match(region)
             name = _json_string(head.group(1)) if head else None
-            if name is not None and region[head.end()] == "{":
+            if head is not None and name is not None and region[head.end()] == "{":
                 b.call = ToolCall(name, "")
                 b.sent = b.scan = b.body + head.end()
                 out.append(self._call_delta(b.call))
@@ -268,8 +270,7 @@ class ToolCallStream:
         if b.close:
             c = text.find(b.close, b.args_end)
             return out, (c + len(b.close) if c >= 0 else None)
-        end = _value_end(text, b.body)  # forced: the call object's own end
-        return out, end
+        return out, _value_end(text, b.body)  # forced: the call object's own end
 
     def _scan_arguments(self, b: _Block) -> int:
         """Read the arguments object on from b.scan: where it ends (after its closing brace, or at a
@@ -299,10 +300,10 @@ class ToolCallStream:
         return -1
 
     def _send_arguments(self, b: _Block, upto: int) -> list[dict[str, Any]]:
-        if upto <= b.sent:
+        if upto <= b.sent or b.call is None:  # (b.call is set before its arguments are read)
             return []
         piece, b.sent = self.text[b.sent : upto], upto
-        b.call.arguments += piece  # type: ignore[union-attr]
+        b.call.arguments += piece
         return [{"tool_calls": [{"index": self.calls.index(b.call), "function": {"arguments": piece}}]}]
 
     def finish(self) -> list[dict[str, Any]]:

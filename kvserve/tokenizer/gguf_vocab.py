@@ -168,6 +168,7 @@ def _byte_level(meta: dict[str, Any], tokens: list[str], whole: set[int], exact:
         log.warning("GGUF pre-tokenizer %r is unknown to kvserve: splitting by the GPT-2 rule, "
                     "ids may differ from the model's own tokenizer", pre)
     split = _PRE_SPLITS.get(pre, _GPT2)
+    steps: list[pre_tokenizers.PreTokenizer]
     if split is None:
         steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
     else:

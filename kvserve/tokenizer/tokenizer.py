@@ -258,7 +258,7 @@ class Tokenizer:
             ids = []
             for piece, spelt in mask.split(text):
                 ids += self.encode_plain(piece) if spelt else self.encode(piece, add_special_tokens=False)
-        if self.adds_bos and ids[:1] != [self.bos_token_id]:
+        if self.adds_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
 
