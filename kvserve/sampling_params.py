@@ -17,7 +17,9 @@ Edge cases, decided here once:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.errors import InvalidParam, shown
 from kvserve.structured.spec import Constraint
@@ -125,3 +127,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def with_defaults(defaults: Mapping[str, Any], given: Mapping[str, Any], **fixed: Any) -> SamplingParams:
+    """Every API's one way from a request to its SamplingParams: the sampling fields it `given`
+    (None: left out) over the server's or model's `defaults` (generation_defaults.py) over this
+    class's own, and the fields no default applies to (`fixed`: max_tokens, stop, ...) as they are."""
+    return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}}, **fixed)

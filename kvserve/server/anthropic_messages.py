@@ -31,7 +31,7 @@ from fastapi import Request
 
 from kvserve.errors import InvalidParam
 from kvserve.outputs import CompletionOutput, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import with_defaults
 from kvserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvserve.server.errors import ANTHROPIC, from_invalid
 from kvserve.server.generation import Job
@@ -100,10 +100,10 @@ class Message(Serving):
         req.checked()
         if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
             raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
-        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
-        params = SamplingParams(max_tokens=req.max_tokens, stop=list(req.stop_sequences or []),
-                                constraint=_constraint(req), speculative=req.speculative,
-                                **{**ctx.settings.defaults, **given})
+        given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
+        params = with_defaults(ctx.settings.defaults, given, max_tokens=req.max_tokens,
+                                 stop=list(req.stop_sequences or []), constraint=_constraint(req),
+                                 speculative=req.speculative)
         return await self.start_job(params, lambda: ctx.client.encode_chat_now(req.chat_prompt()), prefix="msg",
                                     fit_within=ctx.client.max_model_len)
 

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, with_defaults
 from kvserve.server import ollama_embed, ollama_models
 from kvserve.server.errors import OLLAMA, APIError
 from kvserve.server.generation import Job
@@ -67,10 +67,9 @@ def _params(ctx: ServerContext, req: _Generation) -> tuple[SamplingParams, int]:
                   else json_schema(fmt, "format"))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     check_limits(1, logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
-    given = {**ctx.settings.defaults, **sampling}
     max_tokens = ctx.settings.max_tokens_default if predict is None else None if predict in (-1, -2) else predict
-    return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
-                          constraint=constraint, **given), context
+    return with_defaults(ctx.settings.defaults, sampling, max_tokens=max_tokens, logprobs=logprobs,
+                           constraint=constraint), context
 
 
 def _stats(out: RequestOutput, arrival: float) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.errors import InvalidParam, shown
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, with_defaults
 from kvserve.tokenizer.chat_template import ChatPrompt
 
 # OpenAI request fields (chat and completions) that change nothing kvserve does: accepted, and
@@ -172,18 +172,14 @@ class _Sampling(_Strict):
                         defaults: Mapping[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
         """Raises ValueError "<param> must be ..." for a value out of range. `defaults` fill the
         sampling fields the request left out (the model's or the server's, generation_defaults.py)."""
-        given = {**(defaults or {}), **{
-            k: getattr(self, k)
-            for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                      "repetition_penalty")
-            if getattr(self, k) is not None
-        }}
+        given = {k: getattr(self, k) for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
+                                               "min_p", "repetition_penalty")}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+        return with_defaults(
+            defaults or {}, given, n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
-            logit_bias=_token_ids(self.logit_bias), speculative=self.speculative, **given,
+            logit_bias=_token_ids(self.logit_bias), speculative=self.speculative,
         )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, with_defaults
 from kvserve.server.errors import APIError, from_validation_error
 from kvserve.server.parsing import reject
 from kvserve.server.protocol import (
@@ -251,9 +251,9 @@ def tool_mode(tools: list, choice: str | dict, constraint: Constraint | None) ->
 
 def sampling_params(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any],
               constraint: Constraint | None) -> SamplingParams:
-    given = {**defaults, **{k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-                           if getattr(req, k) is not None}}
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(n=1, seed=req.seed, stop=stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                          ignore_eos=req.ignore_eos, logprobs=logprobs, priority=req.priority, constraint=constraint,
-                          speculative=req.speculative, **given)
+    return with_defaults(
+        defaults, given, n=1, seed=req.seed, stop=stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos, logprobs=logprobs, priority=req.priority, constraint=constraint,
+        speculative=req.speculative)
