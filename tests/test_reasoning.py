@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from kvserve.server.openai_compat import ChoiceDeltas, chat_message
-from kvserve.structured.reasoning import ReasoningSplit, split, thinks
+from kvserve.structured.reasoning import ReasoningSplit, reasoning_tokens, split, thinks
+from kvserve.tokenizer import Tokenizer
 from server_harness import MODEL_NAME, start_server
 
 # Outputs as the families write them (their templates: Qwen3 lets the model open the block; the
@@ -59,6 +60,20 @@ def test_a_tool_call_after_the_reasoning_is_read_as_a_call() -> None:
     assert "".join(c["function"].get("arguments", "") for d in streamed for c in d.get("tool_calls", [])) == '{"city": "Paris"}'
 
 
+@pytest.mark.parametrize("name", RECORDED)
+def test_reasoning_tokens_count_the_block_up_to_the_token_that_closes_it(default_gguf, name: str) -> None:
+    """usage's reasoning_tokens: a recorded output tokenized in two parts, its block (up to and with
+    `</think>`, which this vocabulary spells in several tokens) and the rest; all of it when the
+    block never closes, none without a block."""
+    tok = Tokenizer.from_gguf(default_gguf)
+    text, inside, thought, _ = RECORDED[name]
+    end = text.find("</think>") + len("</think>") if thought is not None and "</think>" in text else None
+    head, rest = (text[:end], text[end:]) if end is not None else (text, "")
+    ids = tok.encode(head) + tok.encode(rest)
+    expected = len(ids) if thought is not None and end is None else len(tok.encode(head)) if end else 0
+    assert reasoning_tokens(ids, tok.decode, inside) == expected, (name, expected)
+
+
 def test_which_templates_think() -> None:
     assert thinks(THINKING_TEMPLATE)
     assert not thinks("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -93,17 +108,21 @@ def _sse(r: httpx.Response) -> list[dict]:
 def test_chat_completions_return_the_reasoning_apart_streamed_or_not(server) -> None:
     # The tiny random model never closes the block within 12 tokens: everything it writes is reasoning.
     with server.client() as c:
-        whole = c.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
-        chunks = _sse(c.post("/v1/chat/completions", json=_chat(stream=True)))
+        answer = c.post("/v1/chat/completions", json=_chat()).json()
+        whole = answer["choices"][0]["message"]
+        chunks = _sse(c.post("/v1/chat/completions", json=_chat(stream=True, stream_options={"include_usage": True})))
         off = c.post("/v1/chat/completions", json=_chat(chat_template_kwargs={"enable_thinking": False})).json()
         bad = c.post("/v1/chat/completions", json=_chat(chat_template_kwargs={"messages": []}))
     assert whole["reasoning_content"] and whole["content"] == ""
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}
     deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == whole["reasoning_content"]
     assert "".join(d.get("content") or "" for d in deltas) == ""
     # Thinking off: the template writes an empty block into the prompt, and the output is the answer.
     message = off["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"] and off["usage"]["completion_tokens"] == 12
+    assert off["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     assert bad.status_code == 400 and "chat_template_kwargs cannot set messages" in bad.text
 
 
@@ -149,6 +168,7 @@ def test_responses_return_a_reasoning_item_streamed_or_not(server) -> None:
     events = list(client.responses.create(**ask, stream=True))
     final = next(e.response for e in events if e.type == "response.incomplete")
     assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.usage.output_tokens_details.reasoning_tokens == whole.usage.output_tokens == 12
     text = whole.output[0].content[0].text
     assert text and whole.output[1].content[0].text == "" and whole.output_text == ""
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text

@@ -68,7 +68,8 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
                         "finish_reason": finish_reason})
-    return {**_head(job, ctx, "chat.completion"), "choices": choices, "usage": usage([final])}
+    return {**_head(job, ctx, "chat.completion"), "choices": choices,
+            "usage": usage([final], ctx.client.reasoning_tokens(job, final))}
 
 
 async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[dict]:
@@ -120,5 +121,5 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
                     if event := chunk(c.index, {}, None, finish_reason, extension):  # (always: an empty delta)
                         yield event
     if req.include_usage:
-        yield {**head, "choices": [], "usage": usage([final])}
+        yield {**head, "choices": [], "usage": usage([final], ctx.client.reasoning_tokens(job, final))}
 

@@ -154,6 +154,15 @@ class EngineClient:
             return None
         return reasoning.prompt_opens_reasoning(self.tokenizer.decode(job.prompts[0][-8:]))
 
+    def reasoning_tokens(self, job: Job, final: RequestOutput | None) -> int:
+        """Of the final output's tokens (every choice), those of its <think> blocks."""
+        inside = self.reasoning(job)
+        if inside is None or final is None:
+            return 0
+        skip = job.params.skip_special_tokens  # the text the reasoning split read
+        return sum(reasoning.reasoning_tokens(list(c.token_ids), lambda ids: self.tokenizer.decode(ids, skip), inside)
+                   for c in final.outputs)
+
     async def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         return await asyncio.to_thread(self.encode_chat_now, prompt)
 
@@ -254,10 +263,14 @@ class EngineClient:
             self.metrics.observe_finished(out.metrics if out else None, reasons, time.monotonic())
 
 
-def usage(outs: Sequence[RequestOutput | None]) -> dict:
-    """OpenAI's usage block over a job's final outputs (one per prompt)."""
+def usage(outs: Sequence[RequestOutput | None], reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage block over a job's final outputs (one per prompt); a chat's also counts the
+    completion's reasoning tokens (EngineClient.reasoning_tokens)."""
     prompt = sum(len(o.prompt_token_ids) for o in outs if o)
     completion = sum(len(c.token_ids) for o in outs if o for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs if o)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out

@@ -142,7 +142,8 @@ class ModelResponse(Serving):
             prompt, completion = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
             usage = {"input_tokens": prompt,
                      "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
-                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": completion,
+                     "output_tokens_details": {"reasoning_tokens": self.ctx.client.reasoning_tokens(job, final)},
                      "total_tokens": prompt + completion}
         done = status in ("completed", "incomplete", "failed")
         return {

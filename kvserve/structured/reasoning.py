@@ -14,6 +14,8 @@ whitespace) is all answer; output cut off inside the reasoning is all reasoning.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING, CONTENT = "reasoning", "content"
 
@@ -100,3 +102,24 @@ def split(text: str, inside: bool = False) -> tuple[str | None, str]:
     s.feed(text)
     s.finish()
     return (s.reasoning if s.opened else None), s.content
+
+
+def reasoning_tokens(token_ids: list[int], decode: Callable[[list[int]], str], inside: bool = False) -> int:
+    """How many of an output's tokens are its reasoning (usage's reasoning_tokens): those up to and
+    with the one that completes `</think>`, all of them if the block never closes, none if the output
+    does not open one. The block's end is found by the fewest tokens whose text holds it (a binary
+    search: `</think>` may be one token or several)."""
+    text = decode(token_ids)
+    if not inside and not text.lstrip().startswith(OPEN):
+        return 0
+    start = text.find(OPEN) + len(OPEN) if not inside else 0
+    if CLOSE not in text[start:]:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if CLOSE in decode(token_ids[:mid])[start:]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
