@@ -9,7 +9,7 @@ import pytest
 from kvserve import LLM, CacheConfig, SamplingParams
 from kvserve.structured import grammar
 from kvserve.structured.spec import Constraint, from_response_format, from_vllm, json_schema
-from kvserve.structured.tool_calls import ToolCallStream, parse_forced, parse_tool_calls
+from kvserve.structured.tool_calls import ToolCallStream, parse_forced, parse_tool_calls, template_formats
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +126,38 @@ def test_mistral_and_phi4_calls_whole_and_streamed(text: str) -> None:
     deltas += stream.finish()
     assert [(c.name, c.arguments) for c in stream.calls] == want
     assert "".join(d.get("content", "") for d in deltas) == ("" if want else text)
+
+
+# Template excerpts as each family writes its tool instructions, and a template without tools.
+TEMPLATES = {
+    "qwen": ('For each function call, return a json object with function name and arguments within '
+             '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}',
+             {"hermes"}),
+    "llama3": ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.'
+               '{%- if message.role == "ipython" %}<|python_tag|>', {"llama3"}),
+    "mistral": ("{%- if message.tool_calls %}[TOOL_CALLS][{%- for tool_call in message.tool_calls %}", {"mistral"}),
+    "smollm2": ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>",
+                None),
+}
+JSON_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.mark.parametrize("family", TEMPLATES)
+def test_the_call_formats_read_are_the_ones_the_template_teaches(family: str) -> None:
+    source, formats = TEMPLATES[family]
+    assert template_formats(source) == (frozenset(formats) if formats else None)
+    read = template_formats(source)
+    for text, format_ in [(JSON_CALL, "llama3"), (HERMES_CALL, "hermes"), ('[TOOL_CALLS]get_weather[ARGS]{}', "mistral")]:
+        calls = format_ in formats if formats else True  # a template that names none: any format is read
+        content, whole = parse_tool_calls(text, read)
+        stream, deltas = ToolCallStream(formats=read), []
+        for i in range(0, len(text), 4):
+            deltas += stream.feed(text[i:i + 4])
+        deltas += stream.finish()
+        assert (len(whole) == 1, len(stream.calls) == 1) == (calls, calls), (family, text)
+        assert content == (None if calls else text)
+        assert "".join(d.get("content", "") for d in deltas) == ("" if calls else text)
 
 
 def _streamed(text: str, size: int, forced: bool = False) -> tuple[str, list[dict], list]:

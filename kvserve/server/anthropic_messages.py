@@ -145,7 +145,8 @@ def _head(ctx: ServerContext, job: Job) -> dict[str, Any]:
 
 def _message(ctx: ServerContext, job: Job, req: MessagesRequest, final: RequestOutput) -> dict[str, Any]:
     c = final.outputs[0]
-    message, finish_reason = chat_message(c.text, c.finish_reason, _tool_mode(req), ctx.client.reasoning(job))
+    message, finish_reason = chat_message(c.text, c.finish_reason, _tool_mode(req), ctx.client.reasoning(job),
+                                          ctx.client.tool_formats)
     thinking = message.get("reasoning_content") if req.thinking_on else None
     content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking is not None else []
     content += [{"type": "text", "text": message["content"]}] if message["content"] else []
@@ -205,7 +206,8 @@ class BlockEvents:
 
 
 async def _stream(ctx: ServerContext, job: Job, req: MessagesRequest) -> AsyncIterator[dict]:
-    deltas, blocks = ChoiceDeltas(_tool_mode(req), ctx.client.reasoning(job)), BlockEvents(req.thinking_on)
+    deltas = ChoiceDeltas(_tool_mode(req), ctx.client.reasoning(job), ctx.client.tool_formats)
+    blocks = BlockEvents(req.thinking_on)
     prompt = len(job.prompts[0])
     yield {"type": "message_start", "message": {
         **_head(ctx, job), "content": [], "stop_reason": None, "stop_sequence": None,

@@ -62,7 +62,7 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
     choices = []
     for c in final.outputs:
         message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req),
-                                                            ctx.client.reasoning(job))
+                                                            ctx.client.reasoning(job), ctx.client.tool_formats)
         if req.functions is not None:
             message, finish_reason = openai_compat.legacy_message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
@@ -93,7 +93,8 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     final = None
     done: set[int] = set()
     inside = ctx.client.reasoning(job)
-    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req), inside) for _ in range(job.params.n)]
+    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req), inside, ctx.client.tool_formats)
+              for _ in range(job.params.n)]
     for i in range(job.params.n):
         if event := chunk(i, {"role": "assistant", "content": ""}):  # (always: no tool calls in it)
             yield event

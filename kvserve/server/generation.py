@@ -28,7 +28,7 @@ from kvserve.server.grammar_pool import GrammarPool
 from kvserve.server.lifecycle import ServerState
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.vllm_metrics import CacheInfo
-from kvserve.structured import reasoning
+from kvserve.structured import reasoning, tool_calls
 from kvserve.structured.grammar_cache import GrammarCache
 from kvserve.tokenizer import PromptTooLong, Tokenizer
 from kvserve.tokenizer.chat_template import ChatPrompt
@@ -64,6 +64,7 @@ class EngineClient:
         self.metrics = metrics
         self.grammars = grammars
         self._thinks: tuple[Tokenizer, bool] | None = None
+        self._tool_formats: tuple[Tokenizer, frozenset[str] | None] | None = None
 
     # -- what the model is (valid once the server is ready) ---------------------------------
     @property
@@ -145,6 +146,15 @@ class EngineClient:
         if self._thinks is None or self._thinks[0] is not tok:
             self._thinks = (tok, reasoning.thinks(tok.chat_template.source))
         return self._thinks[1]
+
+    @property
+    def tool_formats(self) -> frozenset[str] | None:
+        """The tool-call formats the model's chat template teaches (structured/tool_calls.py; None:
+        it names none, any is read). Read once per tokenizer."""
+        tok = self.tokenizer
+        if self._tool_formats is None or self._tool_formats[0] is not tok:
+            self._tool_formats = (tok, tool_calls.template_formats(tok.chat_template.source))
+        return self._tool_formats[1]
 
     def reasoning(self, job: Job) -> bool | None:
         """None where the output holds no reasoning (a model that does not think, or output a grammar

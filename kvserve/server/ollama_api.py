@@ -205,7 +205,8 @@ def _inside(ctx: ServerContext, job: Job, req: _Generation) -> bool | None:
 def _whole(ctx: ServerContext, job: Job, req: _Generation, final: RequestOutput, key: str, mode: str | None) -> dict:
     c = final.outputs[0]
     body: dict[str, Any] = {"model": req._name, "created_at": _now()}
-    message, _ = chat_message(c.text, c.finish_reason, mode if key == "message" else None, _inside(ctx, job, req))
+    message, _ = chat_message(c.text, c.finish_reason, mode if key == "message" else None, _inside(ctx, job, req),
+                              ctx.client.tool_formats)
     thinking = message.get("reasoning_content") if req.think is not False else None
     if key == "message":
         body["message"] = {"role": "assistant", "content": message["content"] or ""}
@@ -228,7 +229,7 @@ def _tail(final: RequestOutput, job: Job, key: str) -> dict[str, Any]:
 
 
 async def _stream(ctx: ServerContext, job: Job, req: _Generation, key: str, mode: str | None) -> AsyncIterator[dict]:
-    deltas = ChoiceDeltas(mode if key == "message" else None, _inside(ctx, job, req))
+    deltas = ChoiceDeltas(mode if key == "message" else None, _inside(ctx, job, req), ctx.client.tool_formats)
 
     def line(piece: dict[str, Any], done: bool = False, **extra: Any) -> dict[str, Any]:
         thinking = {"thinking": piece["thinking"]} if "thinking" in piece else {}

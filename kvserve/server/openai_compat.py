@@ -85,18 +85,19 @@ def tool_mode(req: Any) -> str | None:
     return "auto" if req.tool_choice in (None, "auto") else "forced"
 
 
-def chat_message(text: str, finish_reason: str | None, mode: str | None,
-                 inside: bool | None = None) -> tuple[dict, str | None]:
+def chat_message(text: str, finish_reason: str | None, mode: str | None, inside: bool | None = None,
+                 formats: frozenset[str] | None = None) -> tuple[dict, str | None]:
     """The assistant message of a finished choice and its finish_reason ("tool_calls" when the
     text held calls). inside: None for a model that does not think; else whether its output starts
-    inside <think> (EngineClient.reasoning): the reasoning goes to `reasoning_content`, as vLLM's."""
+    inside <think> (EngineClient.reasoning): the reasoning goes to `reasoning_content`, as vLLM's.
+    formats: the call formats the model's template teaches (EngineClient.tool_formats; None: any)."""
     head: dict = {"role": "assistant"}
     if inside is not None:
         reasoning_content, text = reasoning.split(text, inside)
         head["reasoning_content"] = reasoning_content
     if mode is None:
         return {**head, "content": text}, finish_reason
-    stream = ToolCallStream(forced=mode == "forced")
+    stream = ToolCallStream(forced=mode == "forced", formats=formats)
     deltas = stream.feed(text) + stream.finish()
     content = "".join(d.get("content", "") for d in deltas) or None
     if not stream.calls:
@@ -109,9 +110,9 @@ class ChoiceDeltas:
     """Per streamed choice: text deltas in, chat deltas out (reasoning_content, content, or tool_calls).
     The pieces of a stream concatenate to chat_message's fields for the same text."""
 
-    def __init__(self, mode: str | None, inside: bool | None = None) -> None:
+    def __init__(self, mode: str | None, inside: bool | None = None, formats: frozenset[str] | None = None) -> None:
         self.mode = mode
-        self.stream = ToolCallStream(forced=mode == "forced") if mode else None
+        self.stream = ToolCallStream(forced=mode == "forced", formats=formats) if mode else None
         self.split = reasoning.ReasoningSplit(inside) if inside is not None else None
 
     def feed(self, text: str) -> list[dict]:

@@ -128,7 +128,7 @@ class ModelResponse(Serving):
     def body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
         final = finals[0]
         choice = final.outputs[0]
-        out = _Output(self.mode, self.logprobs, None, self.ctx.client.reasoning(job))
+        out = _Output(self.mode, self.logprobs, None, self.ctx.client.reasoning(job), self.ctx.client.tool_formats)
         out.feed(choice.text, choice.logprobs)
         out.finish(choice.finish_reason)
         return self._finished(job, out, final)
@@ -174,7 +174,8 @@ class ModelResponse(Serving):
         event = self._event
         yield event("response.created", response=self._object(job, "in_progress", []))
         yield event("response.in_progress", response=self._object(job, "in_progress", []))
-        out = self._out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job))
+        out = self._out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job),
+                                  self.ctx.client.tool_formats)
         async with aclosing(self.ctx.client.outputs(job)) as outputs:
             async for _, self._final in outputs:
                 choice = self._final.outputs[0]
@@ -241,8 +242,8 @@ class _Output:
     """
 
     def __init__(self, mode: str | None, logprobs: Callable[[list], list] | None, events: _Events | None,
-                 inside: bool | None = None) -> None:
-        self.deltas = ChoiceDeltas(mode, inside)
+                 inside: bool | None = None, formats: frozenset[str] | None = None) -> None:
+        self.deltas = ChoiceDeltas(mode, inside, formats)
         self.logprobs = logprobs  # token logprobs → OpenAI's entries; None: not asked for
         self.emit = events
         self.items: list[dict[str, Any]] = []

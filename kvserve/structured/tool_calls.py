@@ -1,7 +1,9 @@
 """Model output → OpenAI `tool_calls`, whole or streamed as deltas.
 
 Chat templates teach a model one way to write a call; kvserve reads the ones its supported model
-families use, whichever the reply holds:
+families use — those the model's template names (`template_formats`: a Qwen template's model
+writing `{"name": ..., "parameters": ...}` as its answer is not making a Llama 3 call), or any of
+them where the template names none:
   - Hermes style (Qwen2.5, Qwen3, SmolLM2/3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
     one block per call, text allowed around them;
   - Llama 3.x JSON: the whole reply is `{"name": ..., "parameters": {...}}` (optionally after
@@ -29,8 +31,23 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PHI4_TAG = "functools"
+HERMES, LLAMA3, MISTRAL, PHI4 = "hermes", "llama3", "mistral", "phi4"
 # A reply that starts so (after whitespace) is read whole at its end: it may be all calls.
-_WHOLE_STARTS = ("{", PYTHON_TAG, MISTRAL_TAG, PHI4_TAG + "[")
+_WHOLE_STARTS = {LLAMA3: ("{", PYTHON_TAG), MISTRAL: (MISTRAL_TAG,), PHI4: (PHI4_TAG + "[",)}
+
+
+def template_formats(source: str) -> frozenset[str] | None:
+    """The call formats a chat template teaches (by the markers it writes), or None: it names none
+    of them, and a reply may hold any (a template that does not know tools gets them in its system
+    prompt, kvserve/structured/tools.py, in Hermes' words)."""
+    found = {f for f, markers in ((HERMES, (HERMES_OPEN,)), (MISTRAL, (MISTRAL_TAG,)), (PHI4, (PHI4_TAG,)),
+                                  (LLAMA3, (PYTHON_TAG, '"parameters"', "ipython")))
+             if any(m in source for m in markers)}
+    return frozenset(found) if found else None
+
+
+def _reads(formats: frozenset[str] | None, f: str) -> bool:
+    return formats is None or f in formats
 
 
 @dataclass
@@ -86,22 +103,23 @@ def parse_forced(text: str) -> list[ToolCall]:
 _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.S)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished reply. Without a well-formed call the text is all content."""
-    if HERMES_OPEN in text:
+def parse_tool_calls(text: str, formats: frozenset[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished reply, in the `formats` read (None: any). Without a
+    well-formed call the text is all content."""
+    if HERMES_OPEN in text and _reads(formats, HERMES):
         calls = _calls(_HERMES_BLOCK.findall(text + (HERMES_CLOSE if text.count(HERMES_OPEN) > text.count(HERMES_CLOSE) else "")))
         if calls is None:
             return text, []
         content = text[: text.index(HERMES_OPEN)].strip()
         return (content or None), calls
     stripped = text.strip().removeprefix(PYTHON_TAG).strip()
-    if stripped.startswith("{"):  # Llama 3.x: the reply is the call(s)
+    if stripped.startswith("{") and _reads(formats, LLAMA3):  # Llama 3.x: the reply is the call(s)
         calls = _calls(_split_top_level(stripped))
         return (text, []) if calls is None else (None, calls)
-    if stripped.startswith(MISTRAL_TAG):
+    if stripped.startswith(MISTRAL_TAG) and _reads(formats, MISTRAL):
         calls = _mistral_calls(stripped)
         return (text, []) if calls is None else (None, calls)
-    if stripped.startswith(PHI4_TAG + "["):
+    if stripped.startswith(PHI4_TAG + "[") and _reads(formats, PHI4):
         calls = _list_calls(stripped[len(PHI4_TAG):])
         return (text, []) if calls is None else (None, calls)
     return text, []
@@ -181,8 +199,10 @@ class ToolCallStream:
     string, keys in another order, Llama 3.x JSON) are read whole at their end: one delta per call.
     """
 
-    def __init__(self, forced: bool = False) -> None:
+    def __init__(self, forced: bool = False, formats: frozenset[str] | None = None) -> None:
         self.forced = forced
+        self.formats = formats  # the call formats read (template_formats; None: any)
+        self._starts = tuple(s for f, starts in _WHOLE_STARTS.items() if _reads(formats, f) for s in starts)
         self.text = ""
         self._emitted = 0  # characters of text handed out as content, or read as calls
         self.calls: list[ToolCall] = []
@@ -195,9 +215,12 @@ class ToolCallStream:
     def _feed_hermes(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         head = self.text.lstrip()
-        if not self.calls and self._block is None and self._emitted == 0 and (
-                head.startswith(_WHOLE_STARTS) or any(s.startswith(head) for s in _WHOLE_STARTS)):
+        if not self.calls and self._block is None and self._emitted == 0 and self._starts and (
+                head.startswith(self._starts) or any(s.startswith(head) for s in self._starts)):
             return []  # may be a Llama 3.x, Mistral or Phi-4 call (or the start of one's tag): decide at the end
+        if not _reads(self.formats, HERMES):  # nothing else is a call: text as it comes
+            text, self._emitted = self.text[self._emitted :], len(self.text)
+            return [{"content": text}] if text else []
         while True:
             if self._block is not None:
                 deltas, end = self._advance(self._block)
@@ -322,7 +345,7 @@ class ToolCallStream:
             return [self._call_delta(c) for c in calls] if calls else ([{"content": self.text}] if self.text else [])
         if not rest:
             return []
-        content, calls = parse_tool_calls(rest)
+        content, calls = parse_tool_calls(rest, self.formats)
         out = [{"content": content}] if content and not self.calls else []
         return out + [self._call_delta(c) for c in calls]
 
