@@ -87,6 +87,10 @@ def test_stream_events_are_named_and_ordered_as_anthropic_sends_them(server):
     assert all(d["delta"]["type"] == "text_delta" and d["index"] == 0 for n, d in events if n == "content_block_delta")
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None} and delta["usage"]["output_tokens"] == 5
+    # The prompt's tokens split as the final usage splits them (here the second time: read from the prefix cache).
+    again = sse_events(server, {"model": MODEL_NAME, "max_tokens": 5, "messages": ASK, **GREEDY})
+    start, last = again[0][1]["message"]["usage"], again[-2][1]["usage"]
+    assert start == {**last, "output_tokens": 0} and start["cache_read_input_tokens"] > 0, (start, last)
 
 
 def test_system_as_text_blocks_counts_as_the_string(client):

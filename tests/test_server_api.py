@@ -100,6 +100,15 @@ def test_streamed_tool_call_arguments_come_in_pieces_that_add_up_to_the_response
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_a_forced_tool_choice_without_tools_is_a_400(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tool_choice" and "needs tools" in e.value.body["message"]
+
+
 def test_a_legacy_function_message_is_a_tool_result(server, client):
     """role "function" with its name (OpenAI's deprecated form) renders as the tool message answering the
     assistant's call, and a chat completion accepts it."""

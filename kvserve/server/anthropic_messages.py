@@ -208,12 +208,14 @@ class BlockEvents:
 async def _stream(ctx: ServerContext, job: Job, req: MessagesRequest) -> AsyncIterator[dict]:
     deltas = ChoiceDeltas(_tool_mode(req), ctx.client.reasoning(job), ctx.client.tool_formats)
     blocks = BlockEvents(req.thinking_on)
-    prompt = len(job.prompts[0])
-    yield {"type": "message_start", "message": {
-        **_head(ctx, job), "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt, "output_tokens": 0}}}
+    started = False
     async with aclosing(ctx.client.outputs(job)) as outputs:
         async for _, out in outputs:
+            if not started:  # once the prompt is in: its tokens read from the prefix cache are known
+                started = True
+                yield {"type": "message_start", "message": {
+                    **_head(ctx, job), "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": {**_usage(out), "output_tokens": 0}}}
             c = out.outputs[0]
             for delta in deltas.feed(c.delta_text):
                 for e in blocks.feed(delta):

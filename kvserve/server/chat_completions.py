@@ -29,6 +29,8 @@ class ChatCompletion(Serving):
         reject_unsupported_extras(req)
         openai_compat.apply_legacy_functions(req)  # functions / function_call: as tools / tool_choice from here on
         reject(not req.messages, "messages", "must not be empty")
+        reject(req.tool_choice not in (None, "auto", "none") and not req.tools, "tool_choice",
+               "forces a tool call, which needs tools: give tools, or leave tool_choice out")
         reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
         check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
