@@ -256,7 +256,7 @@ def gateway(policy: str, source: str, urls: list[str], args: argparse.Namespace,
 
 
 def spawn(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
-    from kvserve.commands.up import die_with_parent
+    from kvserve.router.local_replicas import die_with_parent
 
     return subprocess.Popen([sys.executable, "-m", "kvserve", *cmd], env={**os.environ, **env},
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,

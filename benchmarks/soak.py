@@ -50,7 +50,7 @@ class Proc:
         self.starts = 0
 
     def start(self) -> None:
-        from kvserve.commands.up import die_with_parent
+        from kvserve.router.local_replicas import die_with_parent
 
         self.starts += 1
         log = open(self.logs / f"{self.name}.log", "a")

@@ -16,24 +16,17 @@ from collections import Counter
 import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
-
-from kvserve.server import anthropic_protocol, ollama_protocol
-from kvserve.server.protocol import (ROLES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     EmbeddingRequest, ResponsesRequest, TokenizeRequest)
+from schemathesis import GenerationMode
 from server_harness import MODEL_NAME, start_server
+
+from kvserve.server.openai.protocol import ROLES
+from kvserve.server.routes import ROUTES
 
 pytestmark = pytest.mark.slow
 
-BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/v1/chat/completions/render": ChatCompletionRequest,
-          "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
-          "/v1/messages": anthropic_protocol.MessagesRequest, "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest,
-          "/api/chat": ollama_protocol.ChatRequest, "/api/generate": ollama_protocol.GenerateRequest,
-          "/api/show": ollama_protocol.ShowRequest, "/api/embed": ollama_protocol.EmbedRequest,
-          "/api/embeddings": ollama_protocol.EmbeddingsRequest}
+BODIES = {r.path: r.body for r in ROUTES if r.body is not None}  # every POST body the server parses
 # Where a request model's schema says less than the server checks, valid bodies are narrowed to the
 # accepted values, so that most of them reach the engine (invalid bodies still go anywhere).
 RANGES = {"n": {"type": "integer", "minimum": 1, "maximum": 2},

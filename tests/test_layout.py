@@ -19,12 +19,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # What everything shares: the package's version and lazy exports, exceptions, frozen configs,
     # the CPU's features, the engine's output types.
     ("base", ("kvserve", "kvserve.errors", "kvserve.config", "kvserve.cpu", "kvserve.hugepages", "kvserve.outputs")),
-    # Libraries that know no model and no engine: the HTTP front (web/), tokenizer and chat
-    # template, output constraints (and the processes that compile them: structured.compile_worker),
-    # sampling parameters and their defaults, fill-in-the-middle, the GGUF reader the tokenizer and
-    # the model's load share, the stores of models users already have.
-    ("libraries", ("kvserve.web", "kvserve.tokenizer", "kvserve.structured", "kvserve.sampling_params",
-                   "kvserve.generation_defaults", "kvserve.fim", "kvserve.gguf_reader", "kvserve.stores")),
+    # Libraries that know no model and no engine, in three floors. Readers of what comes in: the
+    # HTTP front (web/), the GGUF reader the tokenizer and the model's load share, the stores of
+    # models users already have.
+    ("readers", ("kvserve.web", "kvserve.gguf_reader", "kvserve.stores")),
+    # Text to ids: the tokenizer, its chat template (and the conversation a template sees with
+    # tools), fill-in-the-middle.
+    ("tokenizer", ("kvserve.tokenizer", "kvserve.fim")),
+    # What a request asks of its output: constraints (and the processes that compile them:
+    # structured.compile_worker), tool calls and reasoning read back, sampling parameters and
+    # their defaults.
+    ("structured", ("kvserve.structured", "kvserve.sampling_params", "kvserve.generation_defaults")),
     ("kernels", ("kvserve.kernels",)),
     ("model", ("kvserve.model",)),
     ("kv", ("kvserve.kv",)),
@@ -204,3 +209,25 @@ def test_lazy_upward_imports_are_the_known_ones():
     lazy = {(m, t) for m in MODULES for t, k, _ in GRAPH[m] if k == "lazy" and layer(t) > layer(m)}
     print("lazy upward imports:", sorted(lazy) or "none")
     assert lazy <= KNOWN_LAZY_UPWARD, f"new lazy upward imports: {sorted(lazy - KNOWN_LAZY_UPWARD)}"
+
+
+# Inside the server: a package per API family over a shared core. The core knows no family;
+# a family knows no other; only the route table (and the app that mounts it) names them all.
+API_FAMILIES = ("kvserve.server.openai", "kvserve.server.anthropic", "kvserve.server.ollama")
+KNOWS_EVERY_FAMILY = {"kvserve.server.routes", "kvserve.server.app"}
+
+
+def _family(module: str) -> str | None:
+    return next((f for f in API_FAMILIES if module == f or module.startswith(f + ".")), None)
+
+
+def test_the_servers_core_and_api_families_import_one_way():
+    wrong = []
+    for m in MODULES:
+        if not m.startswith("kvserve.server") or m in KNOWS_EVERY_FAMILY:
+            continue
+        for target, kind, line in GRAPH[m]:
+            theirs = _family(target)
+            if theirs is not None and theirs != _family(m):
+                wrong.append(f"{m}:{line} -> {target} ({kind})")
+    assert not wrong, "\n".join(wrong)

@@ -13,7 +13,6 @@ import socket
 import httpx
 import ollama
 import pytest
-
 from server_harness import API_KEY, MODEL_NAME, start_server, wait_for
 
 CONTEXT = 256
@@ -261,8 +260,8 @@ def test_a_tool_call_streamed_in_pieces_reaches_ollamas_stream_whole():
     """The chat path streams a call's arguments in pieces (OpenAI's form); Ollama's stream sends
     each call once, whole, with its arguments as an object: the model's Hermes text fed a few
     characters at a time through the server's own ChoiceDeltas, then gathered."""
-    from kvserve.server.ollama_api import WholeCalls
-    from kvserve.server.openai_compat import ChoiceDeltas
+    from kvserve.server.ollama.answers import WholeCalls
+    from kvserve.server.canonical import ChoiceDeltas
 
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
     deltas, calls, content = ChoiceDeltas("auto"), WholeCalls(), ""

@@ -7,10 +7,10 @@ import re
 
 import httpx
 import pytest
-
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server_harness import start_server
 from test_web_page import chromium
+
+from kvserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
@@ -66,7 +66,7 @@ def test_docs_render_in_chromium_without_leaving_loopback(server) -> None:
             page.on("request", lambda r: requested.append(r.url))
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(server.url + "/docs")
-            chat = page.locator("#operations-default-chat_completions_v1_chat_completions_post")
+            chat = page.locator("#operations-OpenAI-ChatCompletion_v1_chat_completions_post")
             chat.wait_for(timeout=30_000)
             chat.locator(".opblock-summary").click()
             page.get_by_text("Request body").first.wait_for(timeout=10_000)

@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from kvserve.server.openai_compat import ChoiceDeltas, chat_message
+from kvserve.server.canonical import ChoiceDeltas, chat_message
 from kvserve.structured.reasoning import ReasoningSplit, reasoning_tokens, split, thinks
 from kvserve.tokenizer import Tokenizer
 from server_harness import MODEL_NAME, start_server

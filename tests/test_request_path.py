@@ -231,7 +231,7 @@ def traced() -> Path:
 
 @pytest.mark.slow
 def test_the_path_grows_no_module(traced):
-    assert {"kvserve.server.chat_completions", "kvserve.engine.async_engine"} <= set(traced.front_door)
+    assert {"kvserve.server.openai.chat", "kvserve.engine.async_engine"} <= set(traced.front_door)
     assert len(traced.front_door) <= FRONT_DOOR_NOW, traced.describe()
     assert len(traced.modules) <= WHOLE_PATH_NOW, traced.describe()
 

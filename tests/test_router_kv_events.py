@@ -196,7 +196,7 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
     from fastapi.testclient import TestClient
 
     from kvserve.kv.events import REMOVED, STORED, BlockEventLog
-    from kvserve.server.kv_events import add_kv_event_routes
+    from kvserve.server.kv_events import kv_events
 
     log = BlockEventLog(capacity=4)
     from kvserve.server.vllm_metrics import CacheInfo
@@ -204,10 +204,17 @@ def test_the_servers_own_answers_parse_as_it_renders_them():
     tokenizer = SimpleNamespace(fingerprint=lambda special: f"renderer-{special}")
     client = SimpleNamespace(model_path="/m.gguf", tokenizer=tokenizer, kv_events=lambda: log,
                              cache_info=lambda: CacheInfo(16, 64, "float16", True))
+
+    async def renderer_fingerprint() -> str:
+        return tokenizer.fingerprint(False)
+
+    ctx = SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None), client=client, kv_publisher=None,
+                          renderer_fingerprint=renderer_fingerprint)
     app = FastAPI()
-    add_kv_event_routes(app, SimpleNamespace(state=SimpleNamespace(require_ready=lambda: None), client=client,
-                                             settings=SimpleNamespace(special_tokens_in_messages=False),
-                                             kv_publisher=None))
+
+    @app.get("/kv/events")  # as the route table mounts it
+    async def events_route(request: Request) -> dict:
+        return await kv_events(request, ctx)
 
     for h in HASHES[:3]:
         log.record(STORED, bytes.fromhex(h))

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import pytest
 from pydantic import BaseModel
 
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.openai.protocol import ChatCompletionRequest
 from kvserve.tokenizer.special_text import SpecialTextMask
 from kvserve.tokenizer import Tokenizer
 
@@ -33,7 +33,7 @@ RENDERED = {
     "messages[].tool_call_id": lambda b, v: b["messages"][3].update(tool_call_id=v),
     # a thinking model's earlier reasoning, which its template may render (Qwen3's does)
     "messages[].reasoning_content": lambda b, v: b["messages"][2].update(reasoning_content=v),
-    # OpenAI's legacy form of one tool call (kvserve/server/openai_compat.py), in place of tool_calls.
+    # OpenAI's legacy form of one tool call (kvserve/server/openai/protocol.py: apply_legacy_functions), in place of tool_calls.
     "messages[].function_call.name": lambda b, v: b["messages"][2].update(
         tool_calls=None, function_call={"name": v, "arguments": '{"city": "Paris"}'}),
     "messages[].function_call.arguments": lambda b, v: b["messages"][2].update(
@@ -109,7 +109,7 @@ def _encode(tok: Tokenizer, path: str, value: str, **kw) -> list[int]:
     body = copy.deepcopy(BASE)
     RENDERED[path](body, value)
     req = ChatCompletionRequest.model_validate(body)
-    # As kvserve/server/chat_completions.py hands them to the tokenizer:
+    # As kvserve/server/openai/chat.py hands them to the tokenizer:
     messages = [m.for_template() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return tok.encode_chat(messages, req.add_generation_prompt, tools=tools, **kw)

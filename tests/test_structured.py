@@ -212,7 +212,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message() -> None:
-    from kvserve.structured.tools import template_messages
+    from kvserve.tokenizer.tool_messages import template_messages
 
     chatml = "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -11,20 +11,15 @@ open), and handed to the servers as $KVSERVE_ROUTER_ADMIN_KEY.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
-
-import httpx
 
 from kvserve.commands.route import add_router_args, settings_from_args
+from kvserve.router.local_replicas import Replicas
 
 log = logging.getLogger("kvserve.router")
 
@@ -46,84 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds the servers get to load")
     add_router_args(p)
     p.set_defaults(func=run)
-
-
-def die_with_parent() -> None:
-    """For subprocess.Popen(preexec_fn=...): the child gets SIGTERM when this process dies, even killed outright."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: the servers are still stopped on a clean exit
-
-
-class Replicas:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.procs: list[subprocess.Popen] = []
-        self.urls: list[str] = []
-
-    def start(self) -> None:
-        a = self.args
-        threads = max(1, a.threads // a.replicas)
-        for i in range(a.replicas):
-            port = a.port + 1 + i
-            cmd = [sys.executable, "-m", "kvserve", "serve", "--model", a.model, "--dtype", a.dtype,
-                   "--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
-            if a.served_model_name:
-                cmd += ["--served-model-name", a.served_model_name]
-            if a.kv_cache_gib:
-                cmd += ["--kv-cache-gib", str(a.kv_cache_gib)]
-            cmd += a.serve_arg
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-            if a.api_key:
-                env["KVSERVE_API_KEY"] = a.api_key
-            if a.admin_key:  # the router's: a replica that (re)joins with --join needs it
-                env["KVSERVE_ROUTER_ADMIN_KEY"] = a.admin_key
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                    start_new_session=True, preexec_fn=die_with_parent)
-            threading.Thread(target=_prefix_lines, args=(proc, f"[replica {i + 1}] "), daemon=True).start()
-            self.procs.append(proc)
-            self.urls.append(f"http://127.0.0.1:{port}")
-            print(f"kvserve up: replica {i + 1}/{a.replicas} starting at {self.urls[-1]} "
-                  f"({threads} thread(s), pid {proc.pid})", file=sys.stderr, flush=True)
-
-    def wait_ready(self, timeout: float) -> None:
-        t0 = time.monotonic()
-        pending = dict(enumerate(self.urls))
-        while pending:
-            for i, url in list(pending.items()):
-                if self.procs[i].poll() is not None:
-                    raise RuntimeError(f"replica {i + 1} exited with status {self.procs[i].returncode} while starting")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        print(f"kvserve up: replica {i + 1} ready after {time.monotonic() - t0:.1f} s",
-                              file=sys.stderr, flush=True)
-                        del pending[i]
-                except httpx.HTTPError:
-                    pass
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"replicas {sorted(i + 1 for i in pending)} not ready after {timeout:g} s")
-            time.sleep(0.2)
-
-    def stop(self, timeout: float) -> None:
-        """SIGTERM each (they drain), then wait; kill whatever outlives the timeout."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for i, p in enumerate(self.procs):
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"kvserve up: replica {i + 1} did not stop in time: killed", file=sys.stderr, flush=True)
-                p.kill()
-                p.wait()
-
-
-def _prefix_lines(proc: subprocess.Popen[str], prefix: str) -> None:
-    for line in proc.stdout or ():  # (started with stdout=PIPE)
-        sys.stderr.write(prefix + line)
-    sys.stderr.flush()
 
 
 def _interrupt(signum, frame) -> None:
@@ -157,7 +74,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvserve up: the router's admin API needs a key; none was given, so one was made for this run and "
               "handed to the replicas (set --admin-key or $KVSERVE_ROUTER_ADMIN_KEY to use /admin/replicas "
               "yourself)", file=sys.stderr, flush=True)
-    replicas, rc = Replicas(args), 0
+    serve = ["--model", args.model, "--dtype", args.dtype]
+    serve += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+    serve += ["--kv-cache-gib", str(args.kv_cache_gib)] if args.kv_cache_gib else []
+    replicas = Replicas(args.replicas, serve + args.serve_arg, threads=args.threads, first_port=args.port + 1,
+                        api_key=args.api_key, admin_key=args.admin_key)
+    rc = 0
     previous = signal.signal(signal.SIGTERM, _interrupt)  # until the router takes over the signals
     try:
         replicas.start()

@@ -28,6 +28,7 @@ from kvserve.router.page import add_page_routes
 from kvserve.router.proxy import handle
 from kvserve.router.settings import RouterSettings
 from kvserve.router.state import RouterState
+from kvserve.server import routes
 from kvserve.web.body import FramingCheck
 from kvserve.web.draining import DrainingServer
 from kvserve.web.errors import APIError, install_handlers
@@ -35,7 +36,8 @@ from kvserve.web.hosts import host_error
 
 log = logging.getLogger("kvserve.router")
 PROXIED_METHODS = ["GET", "POST", "DELETE"]
-PROXIED_PATHS = ("/tokenize", "/detokenize")  # and /v1/*, POST only
+# Beside everything under /v1/ and /api/: the API routes of the server's table outside them (POST /tokenize, ...).
+PROXIED_PATHS = routes.FORWARDED_PATHS
 
 
 class HeaderLimit:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI
+from fastapi.responses import Response
 
 from kvserve.router.state import RouterState
-from kvserve.server.insight import add_static_page
+from kvserve.server.insight import static_file
 
 
 def add_page_routes(app: FastAPI, state: RouterState) -> None:
@@ -25,4 +26,10 @@ def add_page_routes(app: FastAPI, state: RouterState) -> None:
                 "active": state.active, "draining": state.draining,
                 "replicas": [r.describe(now) for r in state.replicas], "decisions": list(state.decisions)}
 
-    add_static_page(app, "kvserve.router")
+    @app.get("/")
+    async def page() -> Response:
+        return static_file("kvserve.router", "index.html")
+
+    @app.get("/static/{name}")
+    async def static(name: str) -> Response:
+        return static_file("kvserve.router", name)

@@ -282,7 +282,7 @@ async def _whole(upstream: Answer) -> bytes:
 
 
 def _not_stored_here(content: bytes) -> bool:
-    """The replica's error says it holds no such stored response (server/responses.py's codes)."""
+    """The replica's error says it holds no such stored response (the Responses routes' codes: server/openai/responses.py, stored_responses.py)."""
     try:
         error = json.loads(content).get("error")
         return isinstance(error, dict) and error.get("code") in NOT_HERE

@@ -6,26 +6,21 @@ error; here nothing is validated, and a body that cannot be read is routed by lo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.router.response_homes import named_id
-from kvserve.server import anthropic_protocol, ollama_protocol, openai_compat, responses_protocol
+from kvserve.server import routes
+from kvserve.server.anthropic import protocol as anthropic_protocol
+from kvserve.server.canonical import ChatTurn
+from kvserve.server.ollama import protocol as ollama_protocol
+from kvserve.server.openai import responses_protocol
 from kvserve.tokenizer.chat_template import ChatPrompt
 from kvserve.web.errors import APIError
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/api/chat",
-                    "/api/generate")
-EMBEDDINGS_PATH = "/v1/embeddings"  # a prefill only: its input is read like a completion's prompt
-# Each chat API's raw body → its prompt, by the route's own code (None where the server refuses it).
-RENDER: dict[str, Callable[[dict[str, Any]], ChatPrompt | None]] = {
-    "/v1/chat/completions": openai_compat.prompt_of_body,
-    "/v1/responses": responses_protocol.prompt_of_body,
-    "/v1/messages": anthropic_protocol.prompt_of_body,
-    "/api/chat": ollama_protocol.chat_prompt_of_body,
-    "/api/generate": ollama_protocol.generate_prompt_of_body,
-}
+# From the server's route table: what costs a replica a prompt and an answer, or its input only
+# (/v1/embeddings: read like a completion's prompt).
+GENERATION_PATHS, PREFILL_PATHS = routes.paths("generate"), routes.paths("prefill")
 
 
 @dataclass
@@ -36,7 +31,7 @@ class RoutedRequest:
     suffix: str | None = None  # a completion's suffix: fill in the middle (kvserve/fim.py)
     messages: list[dict] | None = None  # a chat's messages, roughly: for the approximate text only
     add_generation_prompt: bool = True
-    chat_body: dict | None = None  # a chat's whole body (any API): the precise source renders it (`chat_prompt`)
+    turn: ChatTurn | None = None  # a chat's body as its route reads it (any API): the precise source renders it
     max_tokens: int | None = None
     n: int = 1
     token_ids: dict[str, list[int]] = field(default_factory=dict)  # per replica renderer (precise source)
@@ -45,8 +40,7 @@ class RoutedRequest:
 
     def chat_prompt(self) -> ChatPrompt | None:
         """The prompt the replica's route will render from the body, tools and template switches included."""
-        render = RENDER.get(self.path)
-        return render(self.chat_body) if render is not None and self.chat_body is not None else None
+        return self.turn.prompt if self.turn is not None else None
 
     @property
     def routable(self) -> bool:
@@ -77,7 +71,7 @@ def _message_for_template(m: Any) -> dict | None:
 
 def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest:
     req = RoutedRequest(path, response_id=named_id(method, path))
-    if (path not in GENERATION_PATHS and path != EMBEDDINGS_PATH) or not body:
+    if (path not in GENERATION_PATHS and path not in PREFILL_PATHS) or not body:
         return req
     try:
         data = json.loads(body)
@@ -91,12 +85,16 @@ def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest
         req.max_tokens = max_tokens
     if isinstance(data.get("n"), int) and data["n"] >= 1:
         req.n = data["n"]
-    if path == EMBEDDINGS_PATH:
+    if path in PREFILL_PATHS:
         req.max_tokens = 0  # nothing is generated; its prompt's blocks land in that replica's prefix cache
+    if (read := routes.CHAT_READERS.get(path)) is not None and (turn := read(data)) is not None:
+        req.turn = turn  # the route's own reading: its prompt, its limit and n
+        req.max_tokens = None if turn.sampling.defaulted else turn.sampling.max_tokens
+        req.n = turn.sampling.n
     if path in ("/v1/responses", "/v1/messages", "/api/chat", "/api/generate"):
         _other_api(req, data)
-    elif path in ("/v1/completions", EMBEDDINGS_PATH):
-        prompt = data.get("prompt" if path != EMBEDDINGS_PATH else "input")
+    elif path == "/v1/completions" or path in PREFILL_PATHS:
+        prompt = data.get("input" if path in PREFILL_PATHS else "prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
@@ -107,7 +105,6 @@ def parse_request(path: str, body: bytes, method: str = "POST") -> RoutedRequest
             req.prompt = prompt
     else:
         messages = data.get("messages")
-        req.chat_body = data
         if isinstance(messages, list) and messages:
             plain = [p for m in messages if (p := _message_for_template(m)) is not None]
             if len(plain) == len(messages):
@@ -146,5 +143,4 @@ def _other_api(req: RoutedRequest, data: dict) -> None:
     plain = [p for m in messages if (p := _message_for_template(m)) is not None]
     if messages and len(plain) == len(messages):
         req.messages = messages
-        req.chat_body = data
         req.text = "".join(f"<{p['role']}>{p['content']}" for p in plain)

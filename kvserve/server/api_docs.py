@@ -2,8 +2,8 @@
 
 Request bodies are read by kvserve/server/parsing.py, not by FastAPI (so each malformed body gets
 its own OpenAI error instead of a generic 422), which leaves FastAPI's OpenAPI document without
-them. Each generation route names its pydantic model here (`document_body`), and the document
-gets the model's JSON schema as the operation's request body; the schemas are the ones parsing
+them. Each route in the table (kvserve/server/routes.py) names its body's pydantic model, and the
+document gets the model's JSON schema as the operation's request body; the schemas are the ones parsing
 uses, so the document cannot drift from what the server accepts. tests/test_fuzz.py fuzzes them.
 
 Swagger UI's page loads its script and stylesheet from the server itself, never a CDN: the files
@@ -15,18 +15,21 @@ and a browser cannot send the key.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvserve.server.errors import APIError
 
+if TYPE_CHECKING:
+    from kvserve.server.context import ServerContext
+
 ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css", "favicon.png": "image/png"}
-OPEN_PATHS = frozenset({"/docs", "/openapi.json", *(f"/docs/{name}" for name in ASSETS)})
 
 
 def _assets_dir() -> Path:
@@ -35,16 +38,11 @@ def _assets_dir() -> Path:
     return Path(fastapi_offline.__file__).parent / "static"
 
 
-def document_body(app: FastAPI, path: str, model: type[BaseModel]) -> None:
-    """Describe POST `path`'s JSON body in /openapi.json as `model`'s schema."""
-    app.state.request_bodies[path] = model
-    app.openapi_schema = None  # made again on the next request
-
-
-def _openapi(app: FastAPI) -> dict:
+def openapi(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> dict:
+    """The OpenAPI document of `app`'s routes, with each POST body in `bodies` (path → model) described
+    by its model's schema (made once)."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        bodies: dict[str, type[BaseModel]] = app.state.request_bodies
         _, top = models_json_schema([(m, "validation") for m in bodies.values()],
                                     ref_template="#/components/schemas/{model}")
         doc.setdefault("components", {}).setdefault("schemas", {}).update(top.get("$defs", {}))
@@ -55,23 +53,22 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def add_routes(app: FastAPI) -> None:
-    """/docs and its files; /openapi.json with the documented bodies (FastAPI serves it)."""
-    app.state.request_bodies = {}
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    assets = _assets_dir()
+async def docs(request: Request, ctx: ServerContext) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title="kvserve — API",
+                               swagger_js_url=f"{root}/docs/swagger-ui-bundle.js",
+                               swagger_css_url=f"{root}/docs/swagger-ui.css",
+                               swagger_favicon_url=f"{root}/docs/favicon.png",
+                               swagger_ui_parameters={"validatorUrl": None})  # no badge fetched from swagger.io
 
-    @app.get("/docs", include_in_schema=False)
-    async def docs(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "")
-        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title=f"{app.title} — API",
-                                   swagger_js_url=f"{root}/docs/swagger-ui-bundle.js",
-                                   swagger_css_url=f"{root}/docs/swagger-ui.css",
-                                   swagger_favicon_url=f"{root}/docs/favicon.png",
-                                   swagger_ui_parameters={"validatorUrl": None})  # no badge fetched from swagger.io
 
-    @app.get("/docs/{name}", include_in_schema=False)
-    async def asset(name: str) -> FileResponse:
-        if name not in ASSETS:
-            raise APIError(404, f"no file {name!r} here: /docs serves {', '.join(ASSETS)}", code="not_found")
-        return FileResponse(assets / name, media_type=ASSETS[name], headers={"Cache-Control": "max-age=86400"})
+async def asset(request: Request, ctx: ServerContext) -> FileResponse:
+    name = request.path_params["name"]
+    if name not in ASSETS:
+        raise APIError(404, f"no file {name!r} here: /docs serves {', '.join(ASSETS)}", code="not_found")
+    return FileResponse(_assets_dir() / name, media_type=ASSETS[name], headers={"Cache-Control": "max-age=86400"})
+
+
+async def document(request: Request, ctx: ServerContext) -> JSONResponse:
+    """/openapi.json (the app hands its document over as `request.app.openapi()`)."""
+    return JSONResponse(request.app.openapi())

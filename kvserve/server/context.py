@@ -6,7 +6,9 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import time
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import Request
 
@@ -22,10 +24,27 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.parsing import M, parse
 from kvserve.server.response_store import ResponseStore
 from kvserve.server.settings import ServerSettings
+from kvserve.tokenizer import Tokenizer
 
 # The most a loading server waits for its grammar compile processes before it says ready (they take
 # ~3 s; past this, a structured request waits for them instead).
 GRAMMAR_START_WAIT = 60.0
+STATE_MIN_INTERVAL = 0.1  # seconds: the engine takes at most ten snapshots a second for the page
+STATE_TIMEOUT = 30.0  # a step longer than this would be a stuck engine
+
+
+class StateCache:
+    """One engine snapshot shared by every caller within STATE_MIN_INTERVAL of it."""
+
+    def __init__(self) -> None:
+        self._at = 0.0
+        self._pending: asyncio.Future | None = None
+
+    async def get(self, ctx: ServerContext) -> dict[str, Any]:
+        if self._pending is None or (self._pending.done() and time.monotonic() - self._at > STATE_MIN_INTERVAL):
+            self._at = time.monotonic()
+            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.client.engine_state(), STATE_TIMEOUT))
+        return await asyncio.shield(self._pending)
 
 
 class ServerContext:
@@ -42,6 +61,8 @@ class ServerContext:
                                      self._grammar_stats, settings.model_name, lambda: self.client.cache_info())
         self.client = EngineClient(self.state, self.metrics, self.grammars)
         self.responses = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
+        self.engine_states = StateCache()  # the engine's snapshots for /v1/engine/state
+        self._fingerprint: tuple[Tokenizer, str] | None = None
         self.kv_publisher = None  # the ZMQ KV events publisher (kvserve/server/kv_publisher.py), if asked for
         if settings.kv_events_endpoint is not None:
             from kvserve.server.kv_publisher import KVEventPublisher
@@ -111,3 +132,11 @@ class ServerContext:
     @property
     def special_token_ids(self) -> frozenset[int]:
         return self.client.tokenizer.special_token_ids
+
+    async def renderer_fingerprint(self) -> str:
+        """What turns a chat into prompt ids here, hashed (Tokenizer.fingerprint), for a router:
+        hashing the vocabulary takes ~0.2 s, so once per tokenizer."""
+        tok, special = self.client.tokenizer, self.settings.special_tokens_in_messages
+        if self._fingerprint is None or self._fingerprint[0] is not tok:
+            self._fingerprint = (tok, await asyncio.to_thread(tok.fingerprint, special))
+        return self._fingerprint[1]

@@ -12,12 +12,10 @@ A generation request may also ask for its timeline in its final chunk (streamed)
 """
 from __future__ import annotations
 
-import asyncio
-import time
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import Request
 from fastapi.responses import Response
 
 from kvserve.engine.async_engine import EngineDeadError
@@ -45,65 +43,42 @@ def timeline_extension(ctx: ServerContext, job: Job, wanted: Any) -> dict[str, A
     return {"kvserve": {"timeline": timeline(ctx, job.request_id)}}
 
 
-STATE_MIN_INTERVAL = 0.1  # seconds: the engine takes at most ten snapshots a second for the page
-STATE_TIMEOUT = 30.0  # a step longer than this would be a stuck engine
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
-STATIC_FILES = ("index.html", "app.js", "app.css")  # also open paths in app.py's APIKeyMiddleware
+STATIC_FILES = ("index.html", "app.js", "app.css")
 
 
-class StateCache:
-    """One engine snapshot shared by every caller within STATE_MIN_INTERVAL of it."""
-
-    def __init__(self) -> None:
-        self._at = 0.0
-        self._pending: asyncio.Future | None = None
-
-    async def get(self, ctx: ServerContext) -> dict[str, Any]:
-        if self._pending is None or (self._pending.done() and time.monotonic() - self._at > STATE_MIN_INTERVAL):
-            self._at = time.monotonic()
-            self._pending = asyncio.ensure_future(asyncio.wait_for(ctx.client.engine_state(), STATE_TIMEOUT))
-        return await asyncio.shield(self._pending)
+def static_file(package: str, name: str) -> Response:
+    """A file of the page shipped in `package`'s static/ folder (the server's or the router's)."""
+    if name not in STATIC_FILES:
+        raise APIError(404, f"no static file {shown(name)}", code="not_found")
+    data = resources.files(package).joinpath("static", name).read_bytes()
+    return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
 
 
-def add_static_page(app: FastAPI, package: str) -> None:
-    """GET / and /static/{name}: the page shipped in `package`'s static/ folder (server or router)."""
-
-    def serve(name: str) -> Response:
-        data = resources.files(package).joinpath("static", name).read_bytes()
-        return Response(data, media_type=STATIC_TYPES[name[name.rfind("."):]], headers={"Cache-Control": "no-cache"})
-
-    @app.get("/")
-    async def page() -> Response:
-        return serve("index.html")
-
-    @app.get("/static/{name}")
-    async def static(name: str) -> Response:
-        if name not in STATIC_FILES:
-            raise APIError(404, f"no static file {shown(name)}", code="not_found")
-        return serve(name)
+async def page(request: Request, ctx: ServerContext) -> Response:
+    return static_file("kvserve.server", "index.html")
 
 
-def add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    cache = StateCache()
+async def static(request: Request, ctx: ServerContext) -> Response:
+    return static_file("kvserve.server", request.path_params["name"])
 
-    @app.get("/v1/engine/state")
-    async def engine_state() -> dict:
-        ctx.state.require_ready()
-        try:
-            state = await cache.get(ctx)
-        except (EngineDeadError, TimeoutError):
-            raise APIError(503, "the engine is not answering: see /health", code="dead") from None
-        return {"model": ctx.settings.model_name, "max_model_len": ctx.client.max_model_len, **state}
 
-    add_static_page(app, "kvserve.server")
+async def engine_state(request: Request, ctx: ServerContext) -> dict:
+    ctx.state.require_ready()
+    try:
+        state = await ctx.engine_states.get(ctx)
+    except (EngineDeadError, TimeoutError):
+        raise APIError(503, "the engine is not answering: see /health", code="dead") from None
+    return {"model": ctx.settings.model_name, "max_model_len": ctx.client.max_model_len, **state}
 
-    @app.get("/v1/requests/{request_id}/timeline")
-    async def request_timeline(request_id: str) -> dict:
-        ctx.state.require_ready()
-        body = timeline(ctx, request_id)
-        if body is None:
-            raise APIError(404, f"no timeline for request {shown(request_id)}: the server keeps the last {KEEP_FINISHED} "
-                           "finished requests; use the id of a response from this server", param="request_id",
-                           code="not_found")
-        return body
+
+async def request_timeline(request: Request, ctx: ServerContext) -> dict:
+    ctx.state.require_ready()
+    request_id = request.path_params["request_id"]
+    body = timeline(ctx, request_id)
+    if body is None:
+        raise APIError(404, f"no timeline for request {shown(request_id)}: the server keeps the last {KEEP_FINISHED} "
+                       "finished requests; use the id of a response from this server", param="request_id",
+                       code="not_found")
+    return body

@@ -34,7 +34,7 @@ def _json(value: Any) -> bytes:
 class StoredResponse:
     body: bytes  # the response object as JSON, as GET /v1/responses/{id} answers it
     # What a request with previous_response_id = this one continues, as JSON of plain Responses
-    # items (kvserve/server/responses.py): the earlier responses' input and output, this request's
+    # items (kvserve/server/openai/responses.py): the earlier responses' input and output, this request's
     # input, then its output. Instructions are not carried over (OpenAI's rule).
     conversation: bytes
 

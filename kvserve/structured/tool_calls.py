@@ -39,7 +39,7 @@ _WHOLE_STARTS = {LLAMA3: ("{", PYTHON_TAG), MISTRAL: (MISTRAL_TAG,), PHI4: (PHI4
 def template_formats(source: str) -> frozenset[str] | None:
     """The call formats a chat template teaches (by the markers it writes), or None: it names none
     of them, and a reply may hold any (a template that does not know tools gets them in its system
-    prompt, kvserve/structured/tools.py, in Hermes' words)."""
+    prompt, kvserve/tokenizer/tool_messages.py, in Hermes' words)."""
     found = {f for f, markers in ((HERMES, (HERMES_OPEN,)), (MISTRAL, (MISTRAL_TAG,)), (PHI4, (PHI4_TAG,)),
                                   (LLAMA3, (PYTHON_TAG, '"parameters"', "ipython")))
              if any(m in source for m in markers)}

@@ -8,7 +8,7 @@ templates are written against: trim_blocks/lstrip_blocks, loop controls, `raise_
 
 `ChatPrompt` is one rule for the server and the router: the server renders every chat request
 through it (`Tokenizer.encode_prompt`); a cache-aware router renders the same request body to
-the same `ChatPrompt` (server/openai_compat.py) with the replica's own tokenizer, chat template
+the same `ChatPrompt` (each API's `to_chat`, server/canonical.py) with the replica's own tokenizer, chat template
 and special-token rule (checked by `Tokenizer.fingerprint`), so the prompt ids it hashes are the
 ones the replica will look up (kvserve/router/kv_index.py). How each API's request becomes one
 (tools, tool calls, tool results, legacy functions, content parts) is its protocol's business.

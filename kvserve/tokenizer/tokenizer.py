@@ -16,10 +16,10 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from kvserve.errors import ModelFormatError, ModelNotFoundError
-from kvserve.structured.tools import template_messages
 from kvserve.tokenizer.chat_template import DEFAULT_CHATML, ChatPrompt, ChatTemplate, ChatTemplateError
 from kvserve.tokenizer.gguf_vocab import build_gguf_vocab, read_gguf_metadata
 from kvserve.tokenizer.special_text import SpecialTextMask
+from kvserve.tokenizer.tool_messages import template_messages
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "PromptTooLong", "Tokenizer"]
 
@@ -216,7 +216,7 @@ class Tokenizer:
     ) -> str:
         """The prompt text for `messages`, by the model's own template (ChatML if it has none).
         `tools=[...]` (OpenAI's function list) and tool messages go through
-        kvserve/structured/tools.py first (a template without tool support gets them as text)."""
+        kvserve/tokenizer/tool_messages.py first (a template without tool support gets them as text)."""
         if not isinstance(messages, list):
             raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts.")
         if extra.get("tools") or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")

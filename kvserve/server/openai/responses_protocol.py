@@ -1,31 +1,135 @@
-"""OpenAI's Responses API on the way in: a request's items, tools, tool_choice and text.format as
-kvserve's chat sees them (messages for the chat template, OpenAI-form tools, one output
-constraint) and its sampling. Each kind of item or tool kvserve does not serve is refused by name.
-
-`prompt_of_body` renders a raw body with the route's own code, so that the router renders exactly
-what the server renders (kvserve/router/request.py).
+"""OpenAI's Responses API on the way in: its request body (strict models, server/parsing.py), and
+`to_chat`, which turns it into kvserve's chat (server/canonical.py): its items as messages for
+the chat template, OpenAI-form tools, one output constraint, its sampling. Each kind of item or
+tool kvserve does not serve is refused by name. A router reads raw bodies with the same code
+(`read`), so that it renders exactly what the server renders.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
-from kvserve.sampling_params import SamplingParams, with_defaults
-from kvserve.server.errors import APIError, from_validation_error
-from kvserve.server.parsing import reject
-from kvserve.server.protocol import (
-    ResponsesContentPart,
-    ResponsesFunctionCallItem,
-    ResponsesFunctionCallOutputItem,
-    ResponsesFunctionTool,
-    ResponsesMessageItem,
-    ResponsesRequest,
-)
+from kvserve.server.canonical import ChatTurn, Sampling, read_body
+from kvserve.server.errors import APIError
+from kvserve.server.parsing import Echoed, Metadata, Strict, User, from_validation_error, reject
 from kvserve.structured.spec import Constraint, json_schema
 from kvserve.structured.tools import forced_call_constraint
 from kvserve.tokenizer.chat_template import ChatPrompt
+
+
+class ResponsesContentPart(Echoed):
+    """input_text / output_text (text), refusal (refusal); the route refuses images, files, audio."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ResponsesMessageItem(Echoed):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponsesContentPart]
+
+
+class ResponsesFunctionCallItem(Echoed):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ResponsesFunctionCallOutputItem(Echoed):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[ResponsesContentPart]
+
+
+class ResponsesFunctionTool(Strict):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+    # OpenAI's, accepted and unused.
+    defer_loading: Any = None
+    allowed_callers: Any = None
+    output_schema: Any = None
+    async_: Any = Field(None, alias="async")
+
+
+class ResponsesTextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponsesTextConfig(Strict):
+    format: ResponsesTextFormat | None = None
+    verbosity: Any = None  # accepted and ignored
+
+
+class ResponsesRequest(Strict):
+    """POST /v1/responses (OpenAI's Responses API). Input items and tools are checked one by one
+    by the route (kvserve/server/openai/responses.py), so that each unsupported kind is refused by name."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesTextConfig | None = None
+    metadata: Metadata | None = None
+    user: User | None = None  # accepted and ignored
+    # Extras (not in OpenAI's API), as on the other routes.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    speculative: bool = True  # false: never drafted for when the server speculates (--speculative)
+    # OpenAI's, accepted and ignored (logged): they change nothing kvserve does.
+    stream_options: Any = None
+    reasoning: Any = None
+    service_tier: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    max_tool_calls: Any = None
+    access_programs: Any = None
+    # OpenAI's, refused by name when set: kvserve does not do what they ask.
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    background_options: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    image: Any = None
+
+    IGNORED: ClassVar[tuple[str, ...]] = (
+        "stream_options", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+        "prompt_cache_options", "max_tool_calls", "access_programs", "user")
+
+    def ignored_fields(self) -> list[str]:
+        return [k for k in self.IGNORED if getattr(self, k) is not None]
+
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -127,19 +231,32 @@ def chat_prompt(req: ResponsesRequest, items: list[dict[str, Any]], tools: list[
     return ChatPrompt(messages, True, [chat_tool(t) for t in tools] if mode is not None and tools else None)
 
 
-def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
-    """The prompt of a raw /v1/responses body as the route renders it, or None where the server
-    would refuse it or where it continues a stored response: a router's rendering of it."""
-    try:
-        req = ResponsesRequest.model_validate(body)
-        if req.previous_response_id is not None:
-            return None
-        tools = function_tools(req.tools)
-        choice = tool_choice(req.tool_choice, tools)
-        prompt = chat_prompt(req, input_items(req), tools, tool_mode(tools, choice, output_constraint(req, tools, choice)))
-    except (ValidationError, ValueError, APIError):
+def to_chat(req: ResponsesRequest, items: Sequence[dict[str, Any]]) -> ChatTurn:
+    """The chat a parsed body asks for (server/canonical.py), whose conversation is `items` (its
+    input's plain items, after those of the stored response it continues); 400 for what is wrong."""
+    refuse_unsupported(req)
+    tools = function_tools(req.tools)
+    choice = tool_choice(req.tool_choice, tools)
+    constraint = output_constraint(req, tools, choice)
+    mode = tool_mode(tools, choice, constraint)
+    prompt = chat_prompt(req, list(items), tools, mode)
+    reject(not prompt.messages, "input", "must not be empty")
+    reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
+    want_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    fixed = dict(n=1, seed=req.seed, stop=stop, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
+                 logprobs=(req.top_logprobs or 0) if want_logprobs else None, priority=req.priority,
+                 constraint=constraint, speculative=req.speculative)
+    return ChatTurn(prompt, Sampling(given, fixed, req.max_output_tokens, req.max_output_tokens is None), mode)
+
+
+def read(body: dict[str, Any]) -> ChatTurn | None:
+    """A raw body as the route reads it (None also where it continues a stored response: its start
+    is on one replica), for a router."""
+    if body.get("previous_response_id") is not None:
         return None
-    return prompt if prompt.messages else None
+    return read_body(ResponsesRequest, lambda req: to_chat(req, input_items(req)), body)
 
 
 def chat_messages(items: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
@@ -241,19 +358,9 @@ def output_constraint(req: ResponsesRequest, tools: list[ResponsesFunctionTool],
 
 
 def tool_mode(tools: list, choice: str | dict, constraint: Constraint | None) -> str | None:
-    """As openai_compat.tool_mode: None (no tool parsing), "auto" or "forced"."""
+    """As openai/protocol.tool_mode: None (no tool parsing), "auto" or "forced"."""
     if not tools or choice == "none":
         return None
     if choice == "auto":  # under text.format the answer is the schema's JSON, never a call
         return None if constraint is not None else "auto"
     return "forced"
-
-
-def sampling_params(req: ResponsesRequest, max_tokens: int, logprobs: int | None, defaults: Mapping[str, Any],
-              constraint: Constraint | None) -> SamplingParams:
-    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return with_defaults(
-        defaults, given, n=1, seed=req.seed, stop=stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
-        ignore_eos=req.ignore_eos, logprobs=logprobs, priority=req.priority, constraint=constraint,
-        speculative=req.speculative)

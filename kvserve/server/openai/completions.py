@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 
 from kvserve.fim import fim_token_ids, no_fim_error
 from kvserve.outputs import RequestOutput
-from kvserve.server import openai_compat, request_id
-from kvserve.server.errors import APIError
+from kvserve.server import request_id
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import completion_logprobs, prompt_logprobs
+from kvserve.server.openai.protocol import CompletionRequest, constraint, log_ignored
 from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
-from kvserve.server.protocol import CompletionRequest
 from kvserve.server.serving import Serving
 
 if TYPE_CHECKING:
@@ -33,19 +32,22 @@ if TYPE_CHECKING:
 
 
 class Completion(Serving):
+    """POST /v1/completions: each prompt continued, streamed or whole."""
+
     request_model = CompletionRequest
     echoes: list[str] | None = None  # each prompt's text, for `echo`
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req, request = self.ctx, self.req, self.request
-        openai_compat.log_ignored(req)
+        log_ignored(req)
         reject_unsupported_extras(req)
         reject(req.best_of is not None and req.best_of != req.n, "best_of", "is not supported (n is)")
         check_limits(req.n, req.logprobs, "logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-        params = req.sampling_params(req.max_tokens, req.logprobs, ctx.settings.defaults, openai_compat.constraint(req))
+        spec = req.sampling(req.max_tokens, req.logprobs, constraint(req))
+        params = spec.params(ctx.settings.defaults, ctx.settings.max_tokens_default)
         if req.echo and req.logprobs is not None:  # the prompt's tokens are scored too
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
-        prompts = _prompts(req.prompt)
+        prompts = req.prompts()
         fim = bool(req.suffix)  # an empty suffix asks for nothing a plain completion does not give
         if fim:
             reject(not all(isinstance(p, str) for p in prompts), "suffix", "needs the prompt as text, not token ids")
@@ -80,15 +82,6 @@ async def _echo_texts(ctx: ServerContext, prompts: list[str | list[int]], req: C
                                             for p in prompts])
 
 
-def _prompts(prompt: str | list) -> list[str | list[int]]:
-    """A string, token ids, or a batch of either → a list of prompts."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    return list(prompt)
-
-
 def _head(job: Job, ctx: ServerContext) -> dict:
     return {"id": job.request_id, "object": "text_completion", "created": int(time.time()),
             "model": ctx.settings.model_name, "system_fingerprint": ctx.system_fingerprint}
@@ -103,10 +96,6 @@ def _echo_logprobs(ctx: ServerContext, out: RequestOutput, skip: bool) -> dict:
                            ctx.special_token_ids if skip else frozenset())
 
 
-def _join(a: dict, b: dict) -> dict:
-    return {k: a[k] + b[k] for k in a}
-
-
 def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list[RequestOutput],
               echoes: list[str] | None) -> dict:
     choices = []
@@ -117,8 +106,8 @@ def _response(ctx: ServerContext, job: Job, req: CompletionRequest, finals: list
             lp = None
             if req.logprobs is not None:  # generated tokens' offsets count from the end of the echoed prompt
                 lp = _logprobs(ctx, c.logprobs, len(echo), req.skip_special_tokens)[0]
-                if prompt_lp is not None:
-                    lp = _join(prompt_lp, lp)
+                if prompt_lp is not None:  # the prompt's entries, then the completion's
+                    lp = {k: prompt_lp[k] + lp[k] for k in prompt_lp}
             choices.append({"index": i * job.params.n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason})
     return {**_head(job, ctx), "choices": choices, "usage": usage(finals)}

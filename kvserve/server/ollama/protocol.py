@@ -9,25 +9,28 @@ Options about hardware and loading (num_gpu, num_thread, use_mmap, ...) change n
 are accepted; samplers kvserve does not have (mirostat, typical_p, tfs_z) are refused
 unless they are at their off values. Unknown fields are refused by name, as everywhere in kvserve.
 
-`chat_messages` and `generate_messages` work on plain JSON so that the router renders exactly what
-the server renders (kvserve/router/request.py).
+`to_chat` (and `sampling`) turn a body into kvserve's chat (server/canonical.py), for the route
+and for a router (`read_chat`, `read_generate`); `chat_messages` and `generate_messages` work on
+plain JSON too, for a router's rough reading of a body.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Literal
 
-from pydantic import PrivateAttr, ValidationError, model_validator
+from pydantic import PrivateAttr, model_validator
 
 from kvserve.errors import InvalidParam
-from kvserve.server.protocol import FunctionDef, _Strict, legacy_call_id
+from kvserve.server.canonical import ChatTurn, Sampling, read_body
+from kvserve.server.parsing import FunctionDef, Strict, legacy_call_id
+from kvserve.structured.spec import Constraint, json_schema
 from kvserve.tokenizer.chat_template import ChatPrompt
 
 # Off values of the samplers kvserve lacks: anything else is refused.
 _OFF = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 
 
-class Options(_Strict):
+class Options(Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -92,20 +95,20 @@ class Options(_Strict):
         return out
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: dict[str, Any] = {}
     index: int | None = None
     description: str | None = None
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     function: FunctionCall
     id: str | None = None
     type: str | None = None
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[Any] | None = None
@@ -114,12 +117,12 @@ class Message(_Strict):
     thinking: str | None = None  # a thinking model's earlier reasoning: given to the template as reasoning_content
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class _Named(_Strict):
+class _Named(Strict):
     """A request naming the model, as Ollama names it."""
 
     model: str
@@ -217,7 +220,7 @@ class EmbeddingsRequest(_Named):
     prompt: str = ""
 
 
-class ShowRequest(_Strict):
+class ShowRequest(Strict):
     model: str | None = None
     name: str | None = None  # older clients' name for it
     verbose: bool = False
@@ -228,23 +231,40 @@ class ShowRequest(_Strict):
         return self
 
 
-def chat_prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
-    """The prompt of a raw /api/chat body as the route renders it, or None where the server would
-    refuse it: a router's rendering of it."""
-    try:
-        req = ChatRequest.model_validate(body)
-        return req.chat_prompt() if req.messages else None
-    except (ValidationError, ValueError, KeyError):
-        return None
+def sampling(req: _Generation) -> Sampling:
+    """What a chat or generate body asks of the sampler: its options (num_predict -1 or -2: all the
+    context leaves), `format` as a constraint, logprobs; InvalidParam for a sampler kvserve lacks."""
+    options = req.options
+    given = options.sampling() if options is not None else {}
+    predict = options.num_predict if options is not None else None
+    fmt = req.format
+    constraint = (None if fmt in (None, "") else Constraint("json_object", "", "format") if fmt == "json"
+                  else json_schema(fmt, "format"))
+    fixed = {"logprobs": (req.top_logprobs or 0) if req.logprobs else None, "constraint": constraint}
+    return Sampling(given, fixed, None if predict in (None, -1, -2) else predict, predict is None)
 
 
-def generate_prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
-    """The same for /api/generate (None also for a raw prompt, or one that continues a context)."""
-    try:
-        req = GenerateRequest.model_validate(body)
-        return req.chat_prompt() if req.prompt and not req.context else None
-    except (ValidationError, ValueError):
-        return None
+def to_chat(req: ChatRequest) -> ChatTurn:
+    """The chat a parsed /api/chat body asks for (server/canonical.py); tool calls are read from
+    free text whenever tools are given (Ollama has no tool_choice)."""
+    return ChatTurn(req.chat_prompt(), sampling(req), "auto" if req.tools else None)
+
+
+def _chat_of_generate(req: GenerateRequest) -> ChatTurn | None:
+    """/api/generate's prompt as the one user turn the route templates (None for a raw prompt, one
+    that continues a context, or none)."""
+    prompt = req.chat_prompt()
+    return ChatTurn(prompt, sampling(req)) if prompt is not None and req.prompt and not req.context else None
+
+
+def read_chat(body: dict[str, Any]) -> ChatTurn | None:
+    """A raw /api/chat body as the route reads it, for a router (None also for no messages: a load)."""
+    return read_body(ChatRequest, lambda req: to_chat(req) if req.messages else None, body)
+
+
+def read_generate(body: dict[str, Any]) -> ChatTurn | None:
+    """The same for /api/generate."""
+    return read_body(GenerateRequest, _chat_of_generate, body)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

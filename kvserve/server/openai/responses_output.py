@@ -1,140 +1,35 @@
-"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
-
-A response is one chat turn. Its `input` (a string, or a list of items: messages,
-`function_call`s and `function_call_output`s) becomes chat messages after `instructions` (as the
-system message) and after the conversation of `previous_response_id`, if given; the model's
-chat template renders them and the turn runs as a chat completion would, with the same sampling,
-limits, structured output (`text.format`) and tool calling (function tools; `tool_choice`
-"required" or a named function constrains the output). Its text becomes output items: a
-thinking model's reasoning a `reasoning` item (one `reasoning_text` part), a `message` holding one
-`output_text` part, and one `function_call` item per tool call.
-
-Streamed, it is OpenAI's typed events, each with its `sequence_number`: response.created,
-response.in_progress, then per item output_item.added, (content_part.added, output_text.delta... or
-reasoning_text.delta..., their .done, content_part.done | function_call_arguments.delta, .done), output_item.done,
-and last response.completed, or response.incomplete when max_output_tokens (or the context)
-cut the output. A failure after the stream started is an `error` event and response.failed.
-
-A finished response is kept in a bounded in-memory store (kvserve/server/response_store.py)
-unless the request said `store: false`.
+"""A Responses answer as OpenAI's objects and events: the response object (`response_object`), and
+the choice's text, as it comes, made into output items with the typed events that build them
+(`Output`, numbered by `Events`). The route (server/openai/responses.py) runs them.
 """
 from __future__ import annotations
 
 import copy
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.errors import APIError, from_invalid
+from kvserve.server.canonical import ChoiceDeltas
 from kvserve.server.generation import Job
-from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.openai_compat import ChoiceDeltas
-from kvserve.server.parsing import check_limits, reject
-from kvserve.server.protocol import ResponsesRequest
-from kvserve.server.response_store import StoredResponse
-from kvserve.server.responses_protocol import (
-    LOGPROBS_INCLUDE,
-    chat_prompt,
-    function_tools,
-    input_items,
-    output_constraint,
-    plain_items,
-    refuse_unsupported,
-    sampling_params,
-    text_format,
-    tool_choice,
-    tool_mode,
-)
-from kvserve.server.serving import Serving
-from kvserve.web.framing import NAMED_SSE
-
-if TYPE_CHECKING:
-    from kvserve.server.context import ServerContext
-    from kvserve.server.lifecycle import Admission
-
-log = logging.getLogger("kvserve.server")
+from kvserve.server.openai.responses_protocol import ResponsesFunctionTool, ResponsesRequest, text_format
 
 
-# --- the routes -------------------------------------------------------------------------------
+@dataclass
+class ResponseObject:
+    """What a response object says of its request: made once, then one object per status."""
 
-class ModelResponse(Serving):
-    """POST /v1/responses: one admitted response, its events (streamed) or its body (whole), and
-    storing it."""
+    req: ResponsesRequest
+    tools: list[ResponsesFunctionTool]
+    choice: str | dict[str, Any]
+    store: bool
+    model: str
+    created_at: int
 
-    request_model = ResponsesRequest
-    FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
-    # A stream's state, for the events that end it if it fails (`failed`).
-    _job: Job
-    _event: _Events
-    _out: _Output | None
-    _final: RequestOutput | None
-
-    async def start(self) -> tuple[Admission, Job]:
-        ctx, req = self.ctx, self.req
-        if ignored := req.ignored_fields():
-            log.warning("ignored OpenAI field(s) kvserve does not use: %s", ", ".join(ignored))
-        refuse_unsupported(req)
-        self.tools = function_tools(req.tools)
-        self.choice = tool_choice(req.tool_choice, self.tools)
-        try:
-            constraint = output_constraint(req, self.tools, self.choice)
-        except ValueError as e:  # InvalidParam: a malformed schema, or a named function not among the tools
-            raise from_invalid(e) from None
-        self.mode = tool_mode(self.tools, self.choice, constraint)
-        want_logprobs = LOGPROBS_INCLUDE in (req.include or []) or req.top_logprobs is not None
-        self.logprobs = (lambda lps: chat_logprobs(lps, ctx.texts)["content"]) if want_logprobs else None
-        check_limits(1, req.top_logprobs, "top_logprobs", 1, ctx.settings.max_logprobs)
-        items = input_items(req)
-        if req.previous_response_id is not None:
-            previous = ctx.responses.get(req.previous_response_id)
-            if previous is None:
-                why = ctx.responses.why_missing(req.previous_response_id)
-                raise APIError(400, f"previous_response_id {req.previous_response_id!r:.80} is not stored on this "
-                               f"server: {why}", param="previous_response_id", code="previous_response_not_found")
-            items = [*previous.items(), *items]
-        self.items = items
-        prompt = chat_prompt(req, items, self.tools, self.mode)
-        reject(not prompt.messages, "input", "must not be empty")
-        reject(req.max_output_tokens is not None and req.max_output_tokens < 1, "max_output_tokens", "must be at least 1")
-        defaulted = req.max_output_tokens is None
-        max_tokens = ctx.settings.max_tokens_default if defaulted else req.max_output_tokens
-        logprobs = (req.top_logprobs or 0) if want_logprobs else None
-        params = sampling_params(req, max_tokens, logprobs, ctx.settings.defaults, constraint)
-        started = await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="resp", sep="_",
-                                       # a default the client never sent must not be why it is refused
-                                       fit_within=ctx.client.max_model_len if defaulted else None)
-        self.created_at = int(time.time())
-        self.store = req.store and ctx.responses.keeps
-        self._job, self._event, self._out, self._final = started[1], _Events(), None, None  # (a stream's state)
-        return started
-
-    framing = NAMED_SSE  # (OpenAI's error bodies, its own events: no [DONE])
-
-    def events(self, job: Job) -> AsyncIterator[dict]:
-        return self._events(job)
-
-    def failed(self, e: APIError) -> list[dict]:
-        """An error event, then the response as it stood, failed."""
-        event, out = self._event, self._out
-        return [event("error", code=e.code, message=e.message, param=e.param),
-                event("response.failed", response=self._object(
-                    self._job, "failed", out.items if out else [], self._final,
-                    error={"code": "server_error", "message": e.message}))]
-
-    def body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
-        final = finals[0]
-        choice = final.outputs[0]
-        out = _Output(self.mode, self.logprobs, None, self.ctx.client.reasoning(job), self.ctx.client.tool_formats)
-        out.feed(choice.text, choice.logprobs)
-        out.finish(choice.finish_reason)
-        return self._finished(job, out, final)
-
-    def _object(self, job: Job, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
-                error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def __call__(self, job: Job, status: str, output: list[dict[str, Any]], final: RequestOutput | None = None,
+                 reasoning_tokens: int = 0, error: dict[str, Any] | None = None) -> dict[str, Any]:
         """The response object (OpenAI's field order)."""
         req, params = self.req, job.params
         usage = None
@@ -142,8 +37,7 @@ class ModelResponse(Serving):
             prompt, completion = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
             usage = {"input_tokens": prompt,
                      "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
-                     "output_tokens": completion,
-                     "output_tokens_details": {"reasoning_tokens": self.ctx.client.reasoning_tokens(job, final)},
+                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                      "total_tokens": prompt + completion}
         done = status in ("completed", "incomplete", "failed")
         return {
@@ -151,7 +45,7 @@ class ModelResponse(Serving):
             "background": False, "completed_at": int(time.time()) if status == "completed" else None, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "max_tool_calls": None,
-            "model": self.ctx.settings.model_name, "output": output, "parallel_tool_calls": req.parallel_tool_calls is True,
+            "model": self.model, "output": output, "parallel_tool_calls": req.parallel_tool_calls is True,
             "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "service_tier": "default", "store": self.store, "temperature": params.temperature,
             "text": {"format": text_format(req), "verbosity": "medium"}, "tool_choice": self.choice,
@@ -161,53 +55,6 @@ class ModelResponse(Serving):
             "usage": usage if done else None, "user": req.user, "metadata": req.metadata or {},
         }
 
-    def _finished(self, job: Job, out: _Output, final: RequestOutput | None) -> dict[str, Any]:
-        body = self._object(job, out.status, out.items, final)
-        if self.req.store:  # (a store of size 0 keeps none, and remembers why)
-            conversation = (*self.items, *plain_items(body["output"], "output"))
-            self.ctx.responses.put(body["id"], StoredResponse.of(body, conversation))
-        else:
-            self.ctx.responses.not_stored(body["id"])
-        return body
-
-    async def _events(self, job: Job) -> AsyncIterator[dict]:
-        event = self._event
-        yield event("response.created", response=self._object(job, "in_progress", []))
-        yield event("response.in_progress", response=self._object(job, "in_progress", []))
-        out = self._out = _Output(self.mode, self.logprobs, event, self.ctx.client.reasoning(job),
-                                  self.ctx.client.tool_formats)
-        async with aclosing(self.ctx.client.outputs(job)) as outputs:
-            async for _, self._final in outputs:
-                choice = self._final.outputs[0]
-                if choice.delta_text or choice.delta_logprobs:
-                    for e in out.feed(choice.delta_text, choice.delta_logprobs):
-                        yield e
-                if choice.finished:
-                    for e in out.finish(choice.finish_reason):
-                        yield e
-        body = self._finished(job, out, self._final)
-        yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
-
-
-def get_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
-    stored = ctx.responses.get(response_id)
-    if stored is None:
-        raise _not_found(ctx, response_id)
-    return stored.response()
-
-
-def delete_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
-    if not ctx.responses.delete(response_id):
-        raise _not_found(ctx, response_id)
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
-
-
-def _not_found(ctx: ServerContext, response_id: str) -> APIError:
-    return APIError(404, f"no stored response {response_id!r:.80}: {ctx.responses.why_missing(response_id)}",
-                    param="response_id", code="response_not_found")
-
-
-# --- the answer -------------------------------------------------------------------------------
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -220,7 +67,7 @@ def _opened(item: dict[str, Any] | None) -> dict[str, Any]:
     return item
 
 
-class _Events:
+class Events:
     """One typed event per call, numbered from 0 (sequence_number)."""
 
     def __init__(self) -> None:
@@ -232,16 +79,16 @@ class _Events:
         return {"type": kind, "sequence_number": self.sequence - 1, **copy.deepcopy(fields)}
 
 
-class _Output:
+class Output:
     """The choice's text, as it comes, → output items, and (streamed) the events that build them.
 
-    Text goes through the chat route's reasoning and tool-call readers (openai_compat.ChoiceDeltas):
+    Text goes through the chat route's reasoning and tool-call readers (server/canonical.py):
     reasoning opens a reasoning item (one reasoning_text part), content a message item (one
     output_text part), each call is a function_call item; text after a call is not kept (as on the
     chat route). A whole response runs the same code with no events.
     """
 
-    def __init__(self, mode: str | None, logprobs: Callable[[list], list] | None, events: _Events | None,
+    def __init__(self, mode: str | None, logprobs: Callable[[list], list] | None, events: Events | None,
                  inside: bool | None = None, formats: frozenset[str] | None = None) -> None:
         self.deltas = ChoiceDeltas(mode, inside, formats)
         self.logprobs = logprobs  # token logprobs → OpenAI's entries; None: not asked for

@@ -7,52 +7,46 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING
 
 from kvserve.outputs import RequestOutput
-from kvserve.server import openai_compat
+from kvserve.server.canonical import ChoiceDeltas, chat_message
 from kvserve.server.generation import Job, usage
 from kvserve.server.insight import timeline_extension
 from kvserve.server.logprobs import chat_logprobs
-from kvserve.server.parsing import check_limits, reject, reject_unsupported_extras
-from kvserve.server.protocol import ChatCompletionRequest
+from kvserve.server.openai.legacy import LegacyDeltas, legacy_message
+from kvserve.server.openai.protocol import ChatCompletionRequest, log_ignored, to_chat
+from kvserve.server.parsing import check_limits, reject_unsupported_extras
 from kvserve.server.serving import Serving
 
 if TYPE_CHECKING:
     from kvserve.server.context import ServerContext
     from kvserve.server.lifecycle import Admission
 
+
 class ChatCompletion(Serving):
+    """POST /v1/chat/completions: one conversation's next message, streamed or whole."""
+
     request_model = ChatCompletionRequest
     FIELDS = {"prompt": "messages", "logprobs": "top_logprobs"}  # the prompt is the conversation
 
     async def start(self) -> tuple[Admission, Job]:
         ctx, req = self.ctx, self.req
-        openai_compat.log_ignored(req)
+        log_ignored(req)
         reject_unsupported_extras(req)
-        openai_compat.apply_legacy_functions(req)  # functions / function_call: as tools / tool_choice from here on
-        reject(not req.messages, "messages", "must not be empty")
-        reject(req.tool_choice not in (None, "auto", "none") and not req.tools, "tool_choice",
-               "forces a tool call, which needs tools: give tools, or leave tool_choice out")
-        reject(req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs set to true")
-        check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        defaulted = max_tokens is None
-        if defaulted:  # the server's default: cut below to what the context leaves once the prompt is known
-            max_tokens = ctx.settings.max_tokens_default
         if req.max_completion_tokens is not None:
             self.fields = {**self.FIELDS, "max_tokens": "max_completion_tokens"}
-        reject(max_tokens == 0, self.fields.get("max_tokens", "max_tokens"),
-               "must be at least 1: a chat answer has a token (only /v1/completions scores a prompt with max_tokens 0)")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, logprobs, ctx.settings.defaults, openai_compat.constraint(req))
-        prompt = req.chat_prompt()
-        return await self.start_job(params, lambda: ctx.client.encode_chat_now(prompt), prefix="chatcmpl",
+        turn = to_chat(req)
+        self.mode = turn.tool_mode
+        check_limits(req.n, req.top_logprobs, "top_logprobs", ctx.settings.max_n, ctx.settings.max_logprobs)
+        params = turn.sampling.params(ctx.settings.defaults, ctx.settings.max_tokens_default)
+        return await self.start_job(params, lambda: ctx.client.encode_chat_now(turn.prompt), prefix="chatcmpl",
                                     # a default the client never sent must not be the reason its request is refused
-                                    fit_within=ctx.client.max_model_len if defaulted else None)
+                                    fit_within=ctx.client.max_model_len if turn.sampling.defaulted else None)
 
     def events(self, job: Job) -> AsyncIterator[dict]:
-        return _stream(self.ctx, job, self.req)
+        return _stream(self.ctx, job, self.req, self.mode)
 
     def body(self, job: Job, finals: list[RequestOutput]) -> dict:
-        return {**_response(self.ctx, job, self.req, finals[0]), **timeline_extension(self.ctx, job, self.req.kvserve)}
+        return {**_response(self.ctx, job, self.req, finals[0], self.mode),
+                **timeline_extension(self.ctx, job, self.req.kvserve)}
 
 
 def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
@@ -60,13 +54,13 @@ def _head(job: Job, ctx: ServerContext, obj: str) -> dict:
             "system_fingerprint": ctx.system_fingerprint}
 
 
-def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput) -> dict:
+def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: RequestOutput, mode: str | None) -> dict:
     choices = []
     for c in final.outputs:
-        message, finish_reason = openai_compat.chat_message(c.text, c.finish_reason, openai_compat.tool_mode(req),
-                                                            ctx.client.reasoning(job), ctx.client.tool_formats)
+        message, finish_reason = chat_message(c.text, c.finish_reason, mode, ctx.client.reasoning(job),
+                                              ctx.client.tool_formats)
         if req.functions is not None:
-            message, finish_reason = openai_compat.legacy_message(message, finish_reason)
+            message, finish_reason = legacy_message(message, finish_reason)
         choices.append({"index": c.index, "message": message,
                         "logprobs": chat_logprobs(c.logprobs, ctx.texts) if c.logprobs is not None else None,
                         "finish_reason": finish_reason})
@@ -74,12 +68,12 @@ def _response(ctx: ServerContext, job: Job, req: ChatCompletionRequest, final: R
             "usage": usage([final], ctx.client.reasoning_tokens(job, final))}
 
 
-async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> AsyncIterator[dict]:
+async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest, mode: str | None) -> AsyncIterator[dict]:
     head = _head(job, ctx, "chat.completion.chunk")
     if req.include_usage:
         head["usage"] = None  # on every chunk but the last (the OpenAI SDK expects the key)
 
-    legacy = openai_compat.LegacyDeltas() if req.functions is not None else None
+    legacy = LegacyDeltas() if req.functions is not None else None
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None,
               extra: dict | None = None) -> dict | None:
@@ -95,7 +89,7 @@ async def _stream(ctx: ServerContext, job: Job, req: ChatCompletionRequest) -> A
     final = None
     done: set[int] = set()
     inside = ctx.client.reasoning(job)
-    deltas = [openai_compat.ChoiceDeltas(openai_compat.tool_mode(req), inside, ctx.client.tool_formats)
+    deltas = [ChoiceDeltas(mode, inside, ctx.client.tool_formats)
               for _ in range(job.params.n)]
     for i in range(job.params.n):
         if event := chunk(i, {"role": "assistant", "content": ""}):  # (always: no tool calls in it)

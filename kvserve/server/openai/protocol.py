@@ -1,25 +1,43 @@
-"""Request bodies of the OpenAI-compatible API, as strict pydantic models.
+"""Request bodies of the OpenAI-compatible API, as strict pydantic models, and a chat body as
+kvserve's chat (`to_chat`, server/canonical.py), for the route and for a router (`read`).
 
-Strict means JSON types are taken at their word: "1" is not a number and 1 is not a boolean
-(an integer is accepted where a number is expected, as OpenAI does). Unknown fields are an error,
-so a misspelt parameter is reported instead of silently ignored. Ranges are checked afterwards
-by SamplingParams and the server's limits, which know the allowed values. `null` means "the
-default" for every optional field, as in OpenAI's API; OpenAI's fields that kvserve has no use
+What real OpenAI clients send beyond kvserve's core parameters:
+- Fields OpenAI defines that kvserve has no use for are dropped with a logged warning (as vLLM
+  does) instead of failing as misspellings; unknown fields still fail, by name.
+- `response_format`, vLLM's `structured_outputs` / `guided_*` and a forcing `tool_choice`
+  become one output Constraint (kvserve/structured/).
+- OpenAI's deprecated function calling, still sent by older clients and agents, is mapped onto
+  tools (`apply_legacy_functions`; answered in its own shape: server/openai/legacy.py):
+
+    functions=[f, ...]             ->  tools=[{"type": "function", "function": f}, ...]
+    function_call="none" | "auto"  ->  tool_choice="none" | "auto"
+    function_call={"name": n}      ->  tool_choice={"type": "function", "function": {"name": n}}
+
+  Messages (`ChatMessage.for_template`): an assistant's `function_call` becomes one tool call
+  and a `function` message a `tool` result, paired by the id `call_<name>` (`legacy_call_id`).
+
+Strict (server/parsing.py): JSON types at their word, unknown fields refused, `null` for "the
+default" of every optional field, as in OpenAI's API. OpenAI's fields that kvserve has no use
 for are accepted and listed by `ignored_fields()` so the route can log them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+import functools
+import logging
+from typing import Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from kvserve.errors import InvalidParam, shown
-from kvserve.sampling_params import SamplingParams, with_defaults
+from kvserve.server.canonical import ChatTurn, Sampling, read_body
+from kvserve.server.errors import APIError
+from kvserve.server.parsing import FunctionDef, KVServeOptions, Metadata, Strict, User, legacy_call_id
+from kvserve.structured.spec import Constraint, from_response_format, from_vllm
+from kvserve.structured.tools import forced_call_constraint
 from kvserve.tokenizer.chat_template import ChatPrompt
 
 # OpenAI request fields (chat and completions) that change nothing kvserve does: accepted, and
-# logged by the route (server/openai_compat.py), instead of failing as misspellings.
+# logged by the route (`log_ignored`), instead of failing as misspellings.
 IGNORED_FIELDS = frozenset({
     "store", "metadata", "service_tier", "reasoning_effort", "prompt_cache_key", "safety_identifier",
     "modalities", "audio", "prediction", "web_search_options", "verbosity", "function_call", "functions",
@@ -28,82 +46,17 @@ IGNORED_FIELDS = frozenset({
 
 ROLES = ("system", "user", "assistant", "developer", "tool", "function")  # function: legacy tool results
 
-# What a union-typed field accepts, for the error message (pydantic would list every branch).
-UNION_FIELDS = {
-    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
-    "stop": "a string, a list of strings or null",
-    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
-    "tool_choice": "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-    "guided_json": "a JSON schema (an object, or a string holding one)",
-    "input": ("a string or a list: of strings, token ids or lists of token ids (embeddings), or of input items "
-              "(objects: responses)"),
-    "output": "a string or a list of {\"type\": \"input_text\", \"text\": ...} parts",
-    "system": "a string or a list of {\"type\": \"text\", \"text\": ...} blocks",
-}
 
-
-# OpenAI's limits on `metadata` and kvserve's on `user`: a stored response keeps both and echoes
-# them back, so a client must not be able to park megabytes in them.
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
-USER_CHARS = 256
-
-
-def _small_metadata(metadata: dict[str, str]) -> dict[str, str]:
-    if len(metadata) > METADATA_KEYS:
-        raise ValueError(f"at most {METADATA_KEYS} keys, got {len(metadata)}")
-    for key, value in metadata.items():
-        if len(key) > METADATA_KEY_CHARS:
-            raise ValueError(f"keys are at most {METADATA_KEY_CHARS} characters, got {len(key)} in {shown(key)}")
-        if len(value) > METADATA_VALUE_CHARS:
-            raise ValueError(f"values are at most {METADATA_VALUE_CHARS} characters, got {len(value)} in the value "
-                             f"of {shown(key)}")
-    return metadata
-
-
-def _short_user(user: str) -> str:
-    if len(user) > USER_CHARS:
-        raise ValueError(f"must be at most {USER_CHARS} characters (an id for the end user), got {len(user)}")
-    return user
-
-
-Metadata = Annotated[dict[str, str], AfterValidator(_small_metadata)]
-User = Annotated[str, AfterValidator(_short_user)]
-
-
-def legacy_call_id(name: str) -> str:
-    """The id pairing an assistant's legacy function_call with the `function` message answering it."""
-    return f"call_{name}"
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        """An explicit null for an optional field means its default (OpenAI's clients send them)."""
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
-        return data
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None  # {"name", "schema", "strict", "description"}
 
 
-class KVServeOptions(_Strict):
-    """kvserve's extension field `"kvserve": {...}` (docs/server.md)."""
-
-    timeline: bool = False  # the request's timeline in the final chunk (or the body)
-
-
-class _Sampling(_Strict):
+class _Sampling(Strict):
     """Sampling fields shared by both endpoints: OpenAI's names, then the extras' common names."""
 
     model: str | None = None
@@ -168,19 +121,17 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: Mapping[str, Any] | None = None, constraint: Any = None) -> SamplingParams:
-        """Raises ValueError "<param> must be ..." for a value out of range. `defaults` fill the
-        sampling fields the request left out (the model's or the server's, generation_defaults.py)."""
+    def sampling(self, max_tokens: int | None, logprobs: int | None, constraint: Any = None,
+                 defaulted: bool = False) -> Sampling:
+        """What the request asks of the sampler (server/canonical.py); InvalidParam for a bad logit_bias."""
         given = {k: getattr(self, k) for k in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
                                                "min_p", "repetition_penalty")}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return with_defaults(
-            defaults or {}, given, n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
-            logit_bias=_token_ids(self.logit_bias), speculative=self.speculative,
-        )
+        fixed = dict(n=self.n, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+                     min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                     skip_special_tokens=self.skip_special_tokens, priority=self.priority, constraint=constraint,
+                     logit_bias=_token_ids(self.logit_bias), speculative=self.speculative)
+        return Sampling(given, fixed, max_tokens, defaulted)
 
 
 def _token_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -202,24 +153,33 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    def prompts(self) -> list[str | list[int]]:
+        """A string, token ids, or a batch of either → a list of prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidParam("prompt", "prompt must not be empty")
+        return list(prompt)  # type: ignore[arg-type]
 
-class TextPart(_Strict):
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object as text
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -248,7 +208,7 @@ class ChatMessage(_Strict):
 
     def for_template(self) -> dict[str, Any]:
         """The plain message a chat template expects: content as one string; developer is system;
-        legacy function calls and results as tool calls and results (server/openai_compat.py)."""
+        legacy function calls and results as tool calls and results (`apply_legacy_functions`)."""
         if isinstance(self.content, list):
             text = "".join(p.text for p in self.content)
         else:
@@ -271,23 +231,16 @@ class ChatMessage(_Strict):
         return out
 
 
-class FunctionDef(_Strict):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema
-    strict: bool | None = None
-
-
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -305,7 +258,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (server/openai_compat.py).
+    # OpenAI's deprecated forms of tools / tool_choice, mapped onto them (`apply_legacy_functions`).
     functions: list[FunctionDef] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
     USED_FIELDS: ClassVar[frozenset[str]] = frozenset({"functions", "function_call"})
@@ -329,7 +282,7 @@ class ChatCompletionRequest(_Sampling):
                           self.chat_template_kwargs)
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(Strict):
     """OpenAI's embeddings body. `dimensions` (a shorter vector) is refused by the route unless it
     is the model's own size; `user` is accepted and ignored."""
 
@@ -340,7 +293,7 @@ class EmbeddingRequest(_Strict):
     user: User | None = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -348,139 +301,102 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[int]
 
 
-class _Echoed(_Strict):
-    """An item a client may send back as an SDK dumped it (OpenAI's output items, Anthropic's
-    content blocks): fields kvserve has no use for (ids, statuses, annotations, fields of newer API
-    versions) are dropped instead of refused, as those APIs take them."""
-
-    model_config = ConfigDict(extra="ignore")
+log = logging.getLogger("kvserve.server")
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-class ResponsesContentPart(_Echoed):
-    """input_text / output_text (text), refusal (refusal); the route refuses images, files, audio."""
-
-    type: str
-    text: str | None = None
-    refusal: str | None = None
-
-
-class ResponsesMessageItem(_Echoed):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ResponsesContentPart]
+def log_ignored(req: Any) -> None:
+    """A warning naming the OpenAI fields of `req` that kvserve accepted but does not use."""
+    ignored = req.ignored_fields()
+    if ignored:
+        log.warning("ignored OpenAI field(s) kvserve does not use: %s", ", ".join(ignored))
 
 
-class ResponsesFunctionCallItem(_Echoed):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str  # a JSON object as text
+def constraint(req: Any) -> Constraint | None:
+    """The one output constraint a request asks for (ValueError naming the field if several or
+    if one is malformed)."""
+    found = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None:
+        c = from_response_format(fmt if isinstance(fmt, dict) else fmt.model_dump())
+        if c is not None:
+            found.append(c)
+    so = getattr(req, "structured_outputs", None)
+    if so:
+        c = from_vllm({k: so.get(k) for k in so}, "structured_outputs.")
+        if c is not None:
+            found.append(c)
+    guided = {k: v for k in GUIDED_KINDS if (v := getattr(req, f"guided_{k}", None)) is not None}
+    if guided and (c := from_vllm(guided, "guided_")) is not None:  # most requests set none of these
+        found.append(c)
+    tools = getattr(req, "tools", None)
+    choice = getattr(req, "tool_choice", None)
+    if tools and choice not in (None, "auto", "none"):
+        # One call unless parallel_tool_calls is set true: a valid answer either way, and small
+        # models forced into an open-ended list repeat calls until max_tokens cuts the JSON.
+        choice = choice if isinstance(choice, str) else choice.model_dump()
+        forced = forced_call_constraint([t.model_dump() for t in tools], choice, req.parallel_tool_calls is True)
+        if forced is not None:
+            found.append(forced)
+    if len(found) > 1:
+        raise InvalidParam(found[1].param, f"{found[1].param} cannot be combined with {found[0].param}: give one output constraint")
+    return found[0] if found else None
 
 
-class ResponsesFunctionCallOutputItem(_Echoed):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[ResponsesContentPart]
+def tool_mode(req: Any) -> str | None:
+    """None (no tool parsing), "auto" (calls parsed from free text) or "forced" (constrained JSON)."""
+    if not getattr(req, "tools", None) or req.tool_choice == "none":
+        return None
+    return "auto" if req.tool_choice in (None, "auto") else "forced"
 
 
-class ResponsesFunctionTool(_Strict):
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema
-    strict: bool | None = None
-    # OpenAI's, accepted and unused.
-    defer_loading: Any = None
-    allowed_callers: Any = None
-    output_schema: Any = None
-    async_: Any = Field(None, alias="async")
+def apply_legacy_functions(req: ChatCompletionRequest) -> None:
+    """Turn the request's functions/function_call into tools/tool_choice, in place (400 if it mixes both)."""
+    if req.functions is None:
+        if req.function_call is not None:
+            raise APIError(400, "function_call needs functions: list the functions it may call (or use tools "
+                           "and tool_choice)", param="function_call")
+        return
+    if req.tools is not None or req.tool_choice is not None:
+        raise APIError(400, "functions cannot be combined with tools or tool_choice: give one or the other "
+                       "(functions is OpenAI's deprecated form of tools)", param="functions")
+    if not req.functions:
+        raise APIError(400, "functions must not be empty: list at least one function or leave it out",
+                       param="functions")
+    req.tools = [Tool(type="function", function=f) for f in req.functions]
+    choice = req.function_call
+    if choice is None or isinstance(choice, str):
+        req.tool_choice = choice
+    else:
+        if choice.name not in {f.name for f in req.functions}:
+            raise APIError(400, f"function_call names {shown(choice.name)}, which is not in functions",
+                           param="function_call")
+        req.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
 
 
-class ResponsesTextFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    description: str | None = None
-    strict: bool | None = None
+def to_chat(req: ChatCompletionRequest) -> ChatTurn:
+    """The chat a parsed body asks for (server/canonical.py), its legacy functions as tools; 400
+    (an InvalidParam, named in the engine's words: "max_tokens") for what is wrong with it."""
+    apply_legacy_functions(req)  # functions / function_call: as tools / tool_choice from here on
+    if not req.messages:
+        raise InvalidParam("prompt", "messages must not be empty")
+    if req.tool_choice not in (None, "auto", "none") and not req.tools:
+        raise InvalidParam("tool_choice", "tool_choice forces a tool call, which needs tools: give tools, or leave "
+                           "tool_choice out")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidParam("top_logprobs", "top_logprobs needs logprobs set to true")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens == 0:
+        raise InvalidParam("max_tokens", "max_tokens must be at least 1: a chat answer has a token (only "
+                           "/v1/completions scores a prompt with max_tokens 0)")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return ChatTurn(req.chat_prompt(), req.sampling(max_tokens, logprobs, constraint(req), max_tokens is None),
+                    tool_mode(req))
 
 
-class ResponsesTextConfig(_Strict):
-    format: ResponsesTextFormat | None = None
-    verbosity: Any = None  # accepted and ignored
-
-
-class ResponsesRequest(_Strict):
-    """POST /v1/responses (OpenAI's Responses API). Input items and tools are checked one by one
-    by the route (kvserve/server/responses.py), so that each unsupported kind is refused by name."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    store: bool = True
-    stream: bool = False
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
-    include: list[str] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    text: ResponsesTextConfig | None = None
-    metadata: Metadata | None = None
-    user: User | None = None  # accepted and ignored
-    # Extras (not in OpenAI's API), as on the other routes.
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0
-    speculative: bool = True  # false: never drafted for when the server speculates (--speculative)
-    # OpenAI's, accepted and ignored (logged): they change nothing kvserve does.
-    stream_options: Any = None
-    reasoning: Any = None
-    service_tier: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    max_tool_calls: Any = None
-    access_programs: Any = None
-    # OpenAI's, refused by name when set: kvserve does not do what they ask.
-    truncation: Literal["auto", "disabled"] | None = None
-    background: bool | None = None
-    background_options: Any = None
-    conversation: Any = None
-    prompt: Any = None
-    context_management: Any = None
-    moderation: Any = None
-    image: Any = None
-
-    IGNORED: ClassVar[tuple[str, ...]] = (
-        "stream_options", "reasoning", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-        "prompt_cache_options", "max_tool_calls", "access_programs", "user")
-
-    def ignored_fields(self) -> list[str]:
-        return [k for k in self.IGNORED if getattr(self, k) is not None]
-
-
-def field_names() -> frozenset[str]:
-    """The field names (and aliases) of every strict request model, of every API, for error paths."""
-    names: set[str] = set()
-    stack: list[type[_Strict]] = [_Strict]
-    while stack:
-        cls = stack.pop()
-        stack += cls.__subclasses__()
-        names.update(cls.model_fields)
-        names.update(f.alias for f in cls.model_fields.values() if f.alias)
-    return frozenset(names)
-
+read = functools.partial(read_body, ChatCompletionRequest, to_chat)

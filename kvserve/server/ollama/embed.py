@@ -1,5 +1,5 @@
-"""Ollama's embeddings: POST /api/embed and its older form POST /api/embeddings, over the server's
-embeddings route (kvserve/server/embeddings.py: each input pooled by the engine, L2-normalised).
+"""Ollama's embeddings: POST /api/embed and its older form POST /api/embeddings, each input pooled
+by the engine as every embedding route's are (kvserve/server/pooling.py: L2-normalised).
 
   /api/embed       {model, input: a string or a list of strings, truncate (default true),
                    options, keep_alive, dimensions} → {model, embeddings: [[...], ...],
@@ -16,26 +16,25 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.embeddings import Embedding, check_dimensions, vectors
 from kvserve.server.errors import OLLAMA
 from kvserve.server.generation import Job
-from kvserve.server.ollama_protocol import EmbeddingsRequest, EmbedRequest
+from kvserve.server.ollama.protocol import EmbeddingsRequest, EmbedRequest
+from kvserve.server.pooling import Pooling, check_dimensions, vectors
 
 if TYPE_CHECKING:
-    from kvserve.server.context import ServerContext
     from kvserve.server.lifecycle import Admission
 
 _MARGIN = 8  # tokens past the cut: a prefix's last word may tokenize otherwise than in the whole text
 
 
-class Embed(Embedding):
+class Embed(Pooling):
     """POST /api/embed."""
 
     request_model: ClassVar[type] = EmbedRequest
+    FIELDS = {"prompt": "input"}  # the engine speaks of prompts
     dialect = OLLAMA
 
     def inputs(self) -> list[str | list[int]]:
@@ -89,13 +88,3 @@ def _first_tokens(tokenizer: Any, text: str, limit: int) -> list[int]:
         if chars >= len(text) or len(ids) > limit + _MARGIN:
             return ids[:limit]
         chars *= 4
-
-
-def add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    @app.post("/api/embed")
-    async def api_embed(request: Request) -> Response:
-        return await Embed.handle(request, ctx)
-
-    @app.post("/api/embeddings")
-    async def api_embeddings(request: Request) -> Response:
-        return await Embeddings.handle(request, ctx)

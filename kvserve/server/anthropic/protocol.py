@@ -1,5 +1,6 @@
-"""Anthropic's Messages API on the way in: request bodies as strict pydantic models, and the
-conversation as kvserve's chat template sees it.
+"""Anthropic's Messages API on the way in: request bodies as strict pydantic models, and
+`to_chat`, which turns one into kvserve's chat (server/canonical.py), as the route and a router
+read it.
 
 Field names follow the `anthropic` SDK's types (anthropic/types/message_create_params.py and the
 block params beside it). What maps onto kvserve:
@@ -18,18 +19,22 @@ A block's fields kvserve has no use for (`toolset_name`, `caller`, `citations`, 
 `block.model_dump()` writes them) are dropped; a block's own errors name it and the field
 (`messages[1].content[0].id: is required`).
 
-`template_messages` works on plain JSON so the router renders exactly what the server renders
-(kvserve/router/request.py); it raises ValueError on a shape it does not know.
+`template_messages` works on plain JSON too, for a router's rough reading of a body (its text
+for the approximate prefix tree); it raises ValueError on a shape it does not know.
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from kvserve.errors import InvalidParam
-from kvserve.server.protocol import KVServeOptions, _Echoed, _Strict
+from kvserve.server.canonical import ChatTurn, Sampling, read_body
+from kvserve.server.parsing import Echoed, KVServeOptions, Strict
+from kvserve.structured.spec import Constraint, json_schema
+from kvserve.structured.tools import forced_call_constraint
 from kvserve.tokenizer.chat_template import ChatPrompt
 
 # Fields of Anthropic's API that change nothing kvserve does: accepted, logged.
@@ -37,14 +42,14 @@ IGNORED = ("metadata", "service_tier", "cache_control", "container", "inference_
            "diagnostics", "context_management", "mcp_servers", "user_profile_id", "workspace_id")
 
 
-class TextBlock(_Echoed):
+class TextBlock(Echoed):
     type: Literal["text"]
     text: str
     cache_control: Any = None  # kvserve's prefix cache needs no marks
     citations: Any = None
 
 
-class ToolUseBlock(_Echoed):
+class ToolUseBlock(Echoed):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -53,7 +58,7 @@ class ToolUseBlock(_Echoed):
     caller: Any = None
 
 
-class _Unsupported(_Echoed):
+class _Unsupported(Echoed):
     """A block kvserve cannot read (images, documents): parsed so that its refusal names it."""
 
     type: Literal["image", "document"]
@@ -64,7 +69,7 @@ class _Unsupported(_Echoed):
     cache_control: Any = None
 
 
-class ToolResultBlock(_Echoed):
+class ToolResultBlock(Echoed):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[Annotated[TextBlock | _Unsupported, Field(discriminator="type")]] = ""
@@ -72,7 +77,7 @@ class ToolResultBlock(_Echoed):
     cache_control: Any = None
 
 
-class ThinkingBlock(_Echoed):
+class ThinkingBlock(Echoed):
     type: Literal["thinking", "redacted_thinking"]
     thinking: str = ""
     signature: str = ""
@@ -83,12 +88,12 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | _
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolDef(_Strict):
+class ToolDef(Strict):
     name: str
     input_schema: dict[str, Any]
     description: str | None = None
@@ -101,7 +106,7 @@ class ToolDef(_Strict):
     eager_input_streaming: Any = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None  # type "tool"
     disable_parallel_tool_use: bool | None = None
@@ -113,17 +118,17 @@ class ToolChoice(_Strict):
         return self
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     format: OutputFormat | None = None
     effort: Any = None  # kvserve has no reasoning to spend effort on
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """POST /v1/messages/count_tokens (and the conversation part of a message request)."""
 
     model: str
@@ -219,13 +224,39 @@ class MessagesRequest(CountTokensRequest):
     IGNORED: ClassVar[tuple[str, ...]] = IGNORED
 
 
-def prompt_of_body(body: dict[str, Any]) -> ChatPrompt | None:
-    """The prompt of a raw /v1/messages body as the route renders it, or None where the server
-    would refuse the body: a router's rendering of it."""
-    try:
-        return MessagesRequest.model_validate(body).checked().chat_prompt()
-    except (ValidationError, ValueError):
+def constraint(req: CountTokensRequest) -> Constraint | None:
+    """A forced tool call's grammar, or output_config.format's schema (not both)."""
+    tools, choice = req.openai_tools(), req.openai_tool_choice()
+    forced = None
+    if tools and choice not in ("auto", "none") and req.tool_choice is not None:  # (None is "auto")
+        parallel = req.tool_choice.disable_parallel_tool_use is False  # one call unless asked for more
+        forced = forced_call_constraint(tools, choice, parallel)
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is None:
+        return forced
+    if forced is not None:
+        raise InvalidParam("output_config.format", "output_config.format cannot be combined with a forced "
+                           "tool_choice (any or tool): give one output constraint")
+    return json_schema(fmt.schema_, "output_config.format.schema")
+
+
+def tool_mode(req: CountTokensRequest) -> str | None:
+    if req.openai_tools() is None:
         return None
+    return "auto" if req.openai_tool_choice() == "auto" else "forced"
+
+
+def to_chat(req: MessagesRequest) -> ChatTurn:
+    """The chat a parsed body asks for (server/canonical.py); InvalidParam for what is wrong with it."""
+    req.checked()
+    if req.max_tokens < 1:  # (0 scores a prompt on /v1/completions; Anthropic's API asks at least 1)
+        raise InvalidParam("max_tokens", f"max_tokens must be at least 1, got {req.max_tokens}")
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k")}
+    fixed = {"stop": list(req.stop_sequences or []), "constraint": constraint(req), "speculative": req.speculative}
+    return ChatTurn(req.chat_prompt(), Sampling(given, fixed, req.max_tokens), tool_mode(req))
+
+
+read = functools.partial(read_body, MessagesRequest, to_chat)
 
 
 def _text(blocks: Any) -> str:

@@ -1,0 +1,1 @@
+"""Ollama's API: chat, generate, embeddings and the model routes."""

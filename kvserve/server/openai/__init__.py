@@ -1,0 +1,1 @@
+"""OpenAI's APIs: chat completions, completions, Responses, embeddings, and the vLLM extras (render)."""
