@@ -5,6 +5,7 @@ CacheConfig sizes the paged KV pool; SchedulerConfig bounds each engine step.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,23 +16,31 @@ def env_switch(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-# The RoPE scaling kinds kvserve computes. Others that Llama-family checkpoints use -- YaRN,
-# dynamic NTK -- change the frequencies (or the attention scale) in ways kvserve does not model, so
-# both model readers refuse them at load with rope_scaling_unsupported()'s message.
-SUPPORTED_ROPE_SCALING = ("none", "linear", "llama3", "longrope")
+# The RoPE scaling kinds kvserve computes. Others that Llama-family checkpoints use -- dynamic NTK --
+# change the frequencies with the context in ways kvserve does not model, so both model readers
+# refuse them at load with rope_scaling_unsupported()'s message.
+SUPPORTED_ROPE_SCALING = ("none", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_scaling_unsupported(kind: object) -> str:
     """The one refusal of a RoPE scaling kind, for the HF and GGUF readers alike."""
     return (f"RoPE scaling {kind!r} is not supported (kvserve supports {', '.join(SUPPORTED_ROPE_SCALING)}; "
-            "not yarn or dynamic NTK)")
+            "not dynamic NTK)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale (the paper's eq. 21, transformers' yarn_get_mscale): 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. kind: "none", "linear", "llama3" (Llama 3.1's piecewise rule) or
+    """RoPE frequency scaling. kind: "none", "linear", "llama3" (Llama 3.1's piecewise rule),
     "longrope" (Phi-3 128k, Phi-4-mini: per-frequency divisors, one set for contexts up to
-    original_max_position_embeddings and one past it, and cos, sin multiplied by attention_factor)."""
+    original_max_position_embeddings and one past it, and cos, sin multiplied by attention_factor)
+    or "yarn" (gpt-oss, and others: frequencies blended between interpolated, divided by factor, and kept, over
+    a ramp between the dims that turn beta_fast and beta_slow times in the original context; cos,
+    sin multiplied by attention_factor)."""
 
     kind: str = "none"
     factor: float = 1.0
@@ -42,14 +51,21 @@ class RopeScaling:
     # longrope only
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    attention_factor: float = 1.0  # longrope and yarn
+    # yarn only: the ramp's ends, in turns over the original context; truncate rounds them to whole
+    # dims (transformers' default; gpt-oss's config turns it off)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE). Names follow Hugging Face."""
+    """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen3-MoE,
+    gpt-oss). Names follow Hugging Face."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral" or "qwen3_moe"
+    # "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3moe" or "gpt-oss"
+    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -99,6 +115,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: each attention head has a learned sink logit, which joins every query's softmax
+    # denominator and takes no value (so a head may attend to nothing); its router and experts carry
+    # biases, the router's softmax runs over the top-k logits only, and its experts' SwiGLU is clamped:
+    # gate <= limit, -limit <= up <= limit, out = (up + 1) * gate * sigmoid(alpha * gate). None: plain SwiGLU.
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from kvserve.config import ModelConfig, RopeScaling
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.model.dequant import dequantize
 from kvserve.gguf_reader import open_gguf
+from kvserve.model.export import export_hf
 from kvserve.model.loader import (
     DEFAULT_MODEL,
     MODEL_ALIASES,
@@ -24,6 +26,7 @@ from kvserve.model.loader import (
     read_model_config,
     resolve_model_path,
 )
+from family_checks import float32_tokens, prompts, reference
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
 
 
@@ -228,17 +231,16 @@ def test_hf_rope_scaling_in_both_config_styles(tmp_path: Path) -> None:
     assert (read_model_config(d).rope_theta, read_model_config(d).rope_scaling) == (
         250000.0, RopeScaling("linear", 2.0)
     )
-    _rewrite_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    _rewrite_config(d, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     with pytest.raises(ModelFormatError) as err:
         read_model_config(d)
-    _one_line(err, "config.json", "'yarn'", "llama3")
+    _one_line(err, "config.json", "'dynamic'", "llama3")
 
 
 UNSUPPORTED_ROPE = {  # kind: an HF rope dict of that kind (theta added by make_tiny_hf_model)
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
 }
-SUPPORTED_NAMED = "kvserve supports none, linear, llama3, longrope"
+SUPPORTED_NAMED = "kvserve supports none, linear, llama3, longrope, yarn"
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -378,17 +380,23 @@ def test_gguf_rope_scaling_llama3_and_linear(tmp_path: Path) -> None:
     _one_line(err, "c.gguf", "rope_freqs")
 
 
-@pytest.mark.parametrize("kind", ["yarn"])
-def test_gguf_unsupported_rope_scaling_is_refused_like_hf(kind: str, tmp_path: Path) -> None:
-    """llama.cpp's rope.scaling.type names yarn: the GGUF reader refuses it with the HF reader's
-    words. (LongRoPE comes as rope_factors tensors: tests/test_phi3.py.)"""
-    model, _ = make_tiny_hf_model(tmp_path / "m", with_tokenizer=False, vocab_size=512)
+def test_yarn_reads_alike_from_both_sources_and_its_tokens_equal_transformers(tmp_path: Path) -> None:
+    """YaRN on a Llama (transformers' defaults: beta 32 and 1, the ramp rounded, the attention factor
+    from the factor) read from config.json and from the GGUF's rope.scaling metadata; float32 greedy
+    tokens as transformers'. (gpt-oss's own YaRN, unrounded: tests/test_gpt_oss.py.)"""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    from transformers import AutoModelForCausalLM
+
+    model, d = make_tiny_hf_model(tmp_path / "m", rope_scaling=yarn, seed=2)
     config = model.config.__class__.from_dict(model.config.to_dict())
-    config.rope_parameters = {"rope_type": kind, "factor": 4.0, "rope_theta": 10000.0}
-    path = write_tiny_gguf(tmp_path / "m.gguf", model.state_dict(), config=config)
-    with pytest.raises(ModelFormatError) as err:
-        load_checkpoint(path)
-    _one_line(err, "m.gguf", f"RoPE scaling {kind!r} is not supported", SUPPORTED_NAMED)
+    path = write_tiny_gguf(tmp_path / "m.gguf", model.state_dict(), config=config, with_vocab=True)
+    want = RopeScaling("yarn", 4.0, original_max_position_embeddings=512, attention_factor=0.1 * math.log(4.0) + 1)
+    assert read_model_config(d).rope_scaling == read_model_config(path).rope_scaling == want
+    got, ref = float32_tokens(d, model)
+    assert got == ref
+    # exported, the attention factor is in q and k (as kvserve folds it) and 1 in the config
+    exported = AutoModelForCausalLM.from_pretrained(export_hf(path, tmp_path / "exported"), dtype=torch.float32).eval()
+    assert [reference(exported, p) for p in prompts(3, seed=5)] == ref
 
 
 # --- dequantization -------------------------------------------------------------------------

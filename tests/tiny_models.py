@@ -168,7 +168,7 @@ def write_tiny_gguf(
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
-    linear (and yarn, longrope: metadata only) scaling becomes metadata. with_vocab copies the
+    linear and yarn (and longrope: metadata only) scaling become metadata. with_vocab copies the
     default model's tokenizer.* metadata (its 49152-token vocabulary, merges, special ids and chat
     template) into the file; vocab_renames respells some of its tokens (ids 3-16 are unused
     control tokens).
@@ -220,9 +220,11 @@ def write_tiny_gguf(
         writer.add_rope_scaling_orig_ctx_len(orig)
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
-    elif rope.get("rope_type") in ("linear", "yarn", "longrope"):  # yarn, longrope: for kvserve's refusal
+    elif rope.get("rope_type") in ("linear", "yarn", "longrope"):  # longrope: for kvserve's refusal
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
         writer.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:  # (yarn's, as llama.cpp's converter writes it)
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif rope.get("rope_type") == "llama3":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
         default = 1.0 / rope["rope_theta"] ** exponents

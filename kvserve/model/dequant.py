@@ -1,6 +1,6 @@
 """GGML block formats → float32 torch tensors.
 
-The types real checkpoints are made of (F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) are decoded
+The types real checkpoints are made of (F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, MXFP4) are decoded
 here with vectorised torch ops: gguf's numpy decoder takes ~1.3 s for the default 98 MB model
 on two cores, these take a fraction of that. Rarer types fall back to gguf.quants.dequantize.
 Block layouts follow ggml's `block_q*` structs (little-endian, f16 scales first unless noted).
@@ -72,7 +72,19 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * q).reshape(n, QK_K)
 
 
-_BLOCK_DECODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k}
+# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): halving the e8m0 scale makes up for it
+_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # e: e8m0 (a power of two, 2^(e - 127)), qs: 4-bit e2m1 codes[32], values 0-15 in the low
+    # nibbles, 16-31 in the high ones (gpt-oss's experts, as llama.cpp's converter repacks them)
+    e = b[:, :1].to(torch.int32) - 127  # [n, 1]
+    half_scale = torch.ldexp(torch.full(e.shape, 0.5), e)
+    return half_scale * _E2M1_DOUBLED[_nibbles(b[:, 1:]).long()]
+
+
+_BLOCK_DECODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4}
 # Decoded by gguf's numpy code: correct but slower, and rare in the files kvserve targets.
 _NUMPY_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q5_K}
 SUPPORTED_TYPES: frozenset[Q] = frozenset(

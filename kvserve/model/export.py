@@ -36,6 +36,10 @@ def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict:
         scaling = {"rope_type": "llama3", "factor": rope.factor, "low_freq_factor": rope.low_freq_factor,
                    "high_freq_factor": rope.high_freq_factor,
                    "original_max_position_embeddings": rope.original_max_position_embeddings}
+    elif rope.kind == "yarn":  # its attention factor is in the q and k weights written (loader.scale_rotary)
+        scaling = {"rope_type": "yarn", "factor": rope.factor, "attention_factor": 1.0,
+                   "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow, "truncate": rope.truncate,
+                   "original_max_position_embeddings": rope.original_max_position_embeddings}
     eos = list(config.eos_token_ids)
     return {
         "architectures": [_ARCHITECTURES[config.architecture]],

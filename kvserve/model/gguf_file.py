@@ -7,6 +7,9 @@ they are decoded). Two quirks of llama.cpp's converter are undone here:
   rows are put back in Hugging Face order. `qwen2`, `qwen3`, `phi3` and Gemma files are stored unpermuted.
 - Llama 3.1-style RoPE scaling is stored as a `rope_freqs` tensor of per-frequency divisors,
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
+gpt-oss files say less than its config.json: the windowed layers' pattern, the SwiGLU clamp and
+YaRN's unrounded ramp are gpt-oss's own (as llama.cpp hard-codes them); its MXFP4 experts are
+decoded to float (dequant.py) until the kernels multiply MXFP4.
 """
 from __future__ import annotations
 
@@ -19,12 +22,12 @@ import torch
 from gguf import GGUFReader, Keys
 from gguf.gguf_reader import ReaderTensor
 
-from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
+from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, yarn_mscale
 from kvserve.errors import ModelFormatError
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
 from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe")  # llama: Mixtral too
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")  # llama: Mixtral too
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,6 +47,7 @@ _LAYER_NAMES = {  # blk.{i}.<key> → model.layers.{i}.<value>
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "attn_sinks": "self_attn.sinks",  # gpt-oss's (a parameter, no ".weight" in Hugging Face's name)
 }
 # A mixture of experts' weights: one 3-D tensor [experts, rows, cols] each, split into each expert's
 # model.layers.{i}.mlp.experts.{j}.<name> (rows stay whole, so quantized blocks split alike).
@@ -52,15 +56,20 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_do
 # Gemma's norms around attention and MLP (ffn_norm is its pre-MLP norm).
 _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm"},
     **{arch: {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"} for arch in ("gemma2", "gemma3")},
 }
 # As llama.cpp reads Gemma files: the window pattern (every n-th layer global, the others windowed)
 # when the file gives none; the layer counts of the 27B models, whose attention it scales by
 # (hidden / heads) ** -0.5 rather than head_dim's; Gemma 2's window and soft caps when absent.
-_GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}
+# gpt-oss's too: llama.cpp hard-codes its alternation (even layers windowed), as transformers' default.
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "gpt-oss": 2}
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA2_DEFAULTS = {"window": 4096, "attn_softcap": 50.0, "final_softcap": 30.0}
+# gpt-oss's SwiGLU clamp, which its files do not say (llama.cpp fixes it in its graph, with alpha
+# 1.702: ModelConfig's default)
+_GPT_OSS_SWIGLU_LIMIT = 7.0
 _ROPE_FREQS = "rope_freqs.weight"
 _LONGROPE = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's, as llama.cpp writes them
 
@@ -105,9 +114,18 @@ def _rope_scaling(
     factor = _f32(_field(reader, Keys.Rope.SCALING_FACTOR.format(arch=arch), 1.0))
     if kind == "linear" and factor != 1.0:
         return RopeScaling("linear", factor)
+    if kind == "yarn":
+        orig = int(_field(reader, Keys.Rope.SCALING_ORIG_CTX_LEN.format(arch=arch))  # (llama.cpp's default: the context)
+                   or _required(reader, path, Keys.LLM.CONTEXT_LENGTH.format(arch=arch)))
+        attention = _field(reader, Keys.Rope.SCALING_ATTN_FACTOR.format(arch=arch))
+        return RopeScaling("yarn", factor, original_max_position_embeddings=orig,
+                           attention_factor=_f32(attention) if attention is not None else yarn_mscale(factor),
+                           beta_fast=_f32(_field(reader, Keys.Rope.SCALING_YARN_BETA_FAST.format(arch=arch), 32.0)),
+                           beta_slow=_f32(_field(reader, Keys.Rope.SCALING_YARN_BETA_SLOW.format(arch=arch), 1.0)),
+                           truncate=arch != "gpt-oss")  # gpt-oss's config.json: truncate false; others: transformers' default
     if kind == "longrope":  # read from its rope_factors tensors (_longrope), which this file lacks
         raise ModelFormatError(f"{path}: LongRoPE scaling without its rope_factors_short/long tensors")
-    if kind not in ("none", "linear"):  # llama3 comes as a rope_freqs tensor, below; yarn refused
+    if kind not in ("none", "linear"):  # llama3 comes as a rope_freqs tensor, below
         raise ModelFormatError(f"{path}: {rope_scaling_unsupported(kind)}")
     freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
     if freqs is None:
@@ -176,7 +194,8 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     layers = int(key(Keys.LLM.BLOCK_COUNT))
     gemma = arch in ("gemma2", "gemma3")
     gemma2 = arch == "gemma2"
-    windows = _gemma_windows(reader, arch, layers) if gemma else ()
+    gpt_oss = arch == "gpt-oss"
+    windows = _layer_windows(reader, arch, layers) if gemma or gpt_oss else ()
     experts = int(key("{arch}.expert_count", 0))
     eos_keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
     eos = [_field(reader, k) for k in eos_keys]
@@ -204,13 +223,15 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
                                if experts else 0),
         norm_topk_prob=bool(key("{arch}.expert_weights_norm", True)),
         dense_layers=tuple(i for i in range(layers) if experts and f"blk.{i}.ffn_gate_inp.weight" not in names),
+        attention_sinks="blk.0.attn_sinks.weight" in names,
+        swiglu_limit=_GPT_OSS_SWIGLU_LIMIT if gpt_oss else None,
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=path.stem,
-        sliding_window=None if gemma else int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
+        sliding_window=None if gemma or gpt_oss else int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
         layer_windows=windows,
-        sliding_rope_theta=_f32(key("{arch}.rope.freq_base_swa", 10000.0)) if any(windows) and not gemma2 else None,
+        sliding_rope_theta=_f32(key("{arch}.rope.freq_base_swa", 10000.0)) if any(windows) and arch == "gemma3" else None,
         embedding_multiplier=math.sqrt(hidden) if gemma else 1.0,
         sandwich_norms=gemma,
         hidden_act="gelu_tanh" if gemma else "silu",
@@ -221,14 +242,14 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _gemma_windows(reader: GGUFReader, arch: str, layers: int) -> tuple[int, ...]:
-    """Each layer's window as llama.cpp reads a Gemma file: none without sliding_window (Gemma 3; Gemma 2's
+def _layer_windows(reader: GGUFReader, arch: str, layers: int) -> tuple[int, ...]:
+    """Each layer's window as llama.cpp reads a Gemma or gpt-oss file: none without sliding_window (Gemma 2's
     is 4096 then); else the sliding_window_pattern (a list of flags, or n: every n-th layer global)."""
     default = _GEMMA2_DEFAULTS["window"] if arch == "gemma2" else 0
     window = int(_field(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch), default))
     if not window:
         return ()
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _GEMMA_PATTERN[arch])  # a key newer than gguf 0.16
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _WINDOW_PATTERN[arch])  # a key newer than gguf 0.16
     if isinstance(pattern, list):
         return tuple(window if flag else 0 for flag in pattern[:layers])
     n = int(pattern)
@@ -242,7 +263,8 @@ def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")  # ["blk", i, key, "weight"|"bias"]
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {}), **{k: f"mlp.experts.{{}}.{v}" for k, v in _EXPERT_NAMES.items()}}
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        base = f"model.layers.{parts[1]}.{names[parts[2]]}"
+        return base if parts[2] == "attn_sinks" else f"{base}.{parts[3]}"  # sinks: a parameter, no .weight
     raise ModelFormatError(
         f"{path}: unexpected tensor {gguf_name!r}; not a plain {'/'.join(SUPPORTED_ARCHS)} model"
     )
@@ -250,10 +272,12 @@ def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
 
 def _experts(t: ReaderTensor, name: str, shape: tuple[int, ...], dtype: torch.dtype, keep_quantized: bool
              ) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """A 3-D expert tensor as each expert's matrix, named by `name`'s "{}" (the expert's index)."""
-    experts, rows, cols = shape
+    """A 3-D expert tensor as each expert's matrix (a 2-D one: each expert's bias), named by `name`'s
+    "{}" (the expert's index)."""
+    experts, rows = shape[:2]
     out: dict[str, torch.Tensor | QuantizedWeight] = {}
-    if keep_quantized and t.tensor_type in KERNEL_TYPES:
+    if keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 3:
+        cols = shape[2]
         blocks = from_gguf(torch.from_numpy(t.data).reshape(experts * rows, -1), t.tensor_type, (experts * rows, cols)).blocks
         for e in range(experts):
             out[name.format(e)] = QuantizedWeight(blocks[e * rows:(e + 1) * rows].contiguous(), t.tensor_type, (rows, cols))
@@ -281,7 +305,7 @@ def read_tensors(
                 continue  # folded into config.rope_scaling
             name = hf_name(path, t.name, config.architecture)
             shape = _torch_shape(t)
-            if len(shape) == 3:  # a mixture of experts' weights, [experts, rows, cols]: one matrix per expert
+            if "_exps." in t.name:  # a mixture of experts' weights [experts, rows, cols] (or biases [experts, rows])
                 tensors.update(_experts(t, name, shape, dtype, keep_quantized))
                 continue
             # A matrix the kernels multiply stays quantized: its [rows, cols]

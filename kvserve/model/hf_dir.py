@@ -13,12 +13,13 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
+from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, yarn_mscale
 from kvserve.errors import ModelFormatError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "mixtral",
-                         "qwen3_moe")
-_ARCHITECTURES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}  # model_type → kvserve's (llama.cpp's) name
+                         "qwen3_moe", "gpt_oss")
+# model_type → kvserve's (llama.cpp's) name
+_ARCHITECTURES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 # Mixtral's expert tensors under Qwen3-MoE's names, the ones kvserve's model takes.
 _MIXTRAL_NAMES = {"block_sparse_moe.gate.": "mlp.gate.", "block_sparse_moe.experts.": "mlp.experts.",
                   ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
@@ -66,6 +67,8 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
         return theta, RopeScaling("longrope", float(factor), original_max_position_embeddings=int(orig),
                                   short_factor=tuple(map(float, params["short_factor"])),
                                   long_factor=tuple(map(float, params["long_factor"])), attention_factor=float(attention))
+    if kind == "yarn":
+        return theta, _yarn(cfg, params)
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
@@ -75,6 +78,22 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
             int(params["original_max_position_embeddings"]),
         )
     raise ModelFormatError(f"{path}: {rope_scaling_unsupported(kind)}")
+
+
+def _yarn(cfg: dict[str, Any], params: dict[str, Any]) -> RopeScaling:
+    """YaRN's parameters with transformers' defaults (_compute_yarn_parameters): the factor from the
+    context lengths where absent, the attention factor from the factor (and DeepSeek's mscale pair)."""
+    orig = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+               or cfg["max_position_embeddings"])
+    factor = float(params.get("factor") or cfg["max_position_embeddings"] / orig)
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else yarn_mscale(factor))
+    return RopeScaling("yarn", factor, original_max_position_embeddings=orig, attention_factor=float(attention),
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)))
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -93,6 +112,7 @@ def read_config(directory: Path) -> ModelConfig:
     if cfg.get("mlp_bias"):
         raise ModelFormatError(f"{path}: mlp_bias=true is not supported")
     gemma = model_type in ("gemma2", "gemma3_text")
+    gpt_oss = model_type == "gpt_oss"
     if gemma and cfg.get("use_bidirectional_attention"):
         raise ModelFormatError(f"{path}: bidirectional attention (an embedding model) is not supported")
     generation = directory / "generation_config.json"
@@ -106,7 +126,7 @@ def read_config(directory: Path) -> ModelConfig:
     if rotary % 2 or (head_dim - rotary) % 2:
         raise ModelFormatError(f"{path}: partial_rotary_factor {partial} turns {rotary} of {head_dim} dims; kvserve "
                                "needs an even count of turned and of unturned dims")
-    windows = _layer_windows(cfg) if gemma else ()
+    windows = _layer_windows(cfg) if gemma or gpt_oss else ()
     try:
         return ModelConfig(
             architecture=_ARCHITECTURES.get(model_type, model_type),
@@ -122,10 +142,13 @@ def read_config(directory: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            sliding_window=None if gemma else _sliding_window(cfg, path),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            sliding_window=None if gemma or gpt_oss else _sliding_window(cfg, path),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", gpt_oss)),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             **_experts(cfg, model_type),
+            attention_sinks=gpt_oss,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if gpt_oss else None,
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
             # absent from a config: transformers' defaults, Gemma 2's 50 and 30 (Gemma 3's attention has no cap)
             attn_logit_softcapping=cfg.get("attn_logit_softcapping", 50.0) if model_type == "gemma2" else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping", 30.0 if model_type == "gemma2" else None)
@@ -147,7 +170,7 @@ def read_config(directory: Path) -> ModelConfig:
 
 def _experts(cfg: dict, model_type: str) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields (none for a dense model)."""
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):  # (gpt-oss's softmax over the top k is a renormalized one)
         return dict(num_experts=cfg["num_local_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
                     moe_intermediate_size=cfg["intermediate_size"])
     if model_type != "qwen3_moe":
@@ -170,12 +193,12 @@ def _activation(cfg: dict, path: Path) -> str:
 
 
 def _layer_windows(cfg: dict) -> tuple[int, ...]:
-    """Gemma's window per layer: layer_types where listed, else every sliding_window_pattern-th
-    layer global (transformers 4's older configs: 6 for Gemma 3, every other for Gemma 2), 0 for a
-    global layer."""
+    """Gemma's and gpt-oss's window per layer: layer_types where listed, else every
+    sliding_window_pattern-th layer global (transformers 4's older configs: 6 for Gemma 3, every other
+    for Gemma 2 and gpt-oss), 0 for a global layer."""
     n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or (
-        2 if cfg["model_type"] == "gemma2" else 6)
+        2 if cfg["model_type"] in ("gemma2", "gpt_oss") else 6)
     types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     return tuple(window if t == "sliding_attention" else 0 for t in types)
@@ -236,6 +259,55 @@ def _text_name(name: str) -> str | None:
     return name
 
 
+# MXFP4's e2m1 values (transformers' FP4_VALUES), by 4-bit code
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's published expert weights: [E, out, in/32, 16] bytes of e2m1 codes (value 2j in the
+    low nibble of byte j, 2j + 1 in the high one) and [E, out, in/32] e8m0 scales (2^(s - 127)) ->
+    [E, in, out] float32, as transformers' convert_moe_packed_tensors decodes them. (Dequantized at
+    load: an MXFP4 kernel is a later step.)"""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, out, in/32, 32]
+    w = torch.ldexp(_E2M1[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
+    return w.flatten(-2).transpose(1, 2)  # [E, in, out]
+
+
+def _gpt_oss_mxfp4(f: Any, stored: str, name: str, file: Path) -> tuple[str, torch.Tensor] | None:
+    """An MXFP4 expert tensor's name without the suffix and its weights decoded, read when its
+    `_blocks` half comes (None for the `_scales` half, read then)."""
+    if name.endswith("_scales"):
+        return None
+    scales = stored.removesuffix("_blocks") + "_scales"
+    if scales not in f.keys():  # noqa: SIM118 - safe_open's handle is not a dict: keys() is all it has
+        raise ModelFormatError(f"{file}: {stored} without {scales} beside it in the same file")
+    return name.removesuffix("_blocks"), _mxfp4_experts(f.get_tensor(stored), f.get_tensor(scales))
+
+
+def _gpt_oss_tensors(file: Path, name: str, t: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A gpt-oss tensor under the names kvserve's model takes: the router as mlp.gate, and each
+    layer's expert tensors ([E, in, out], gate and up columns interleaved in gate_up_proj) as each
+    expert's gate_proj, up_proj and down_proj ([out, in]) and their biases."""
+    name = name.replace("mlp.router.", "mlp.gate.")
+    prefix, _, leaf = name.rpartition("mlp.experts.")
+    if not prefix:
+        return {name: t.to(dtype)}
+    out: dict[str, torch.Tensor] = {}
+    for e in range(t.shape[0]):
+        x = f"{prefix}mlp.experts.{e}."
+        if leaf == "gate_up_proj":  # [E, hidden, 2F]
+            out |= {x + "gate_proj.weight": t[e, :, ::2].T, x + "up_proj.weight": t[e, :, 1::2].T}
+        elif leaf == "gate_up_proj_bias":  # [E, 2F]
+            out |= {x + "gate_proj.bias": t[e, ::2], x + "up_proj.bias": t[e, 1::2]}
+        elif leaf == "down_proj":  # [E, F, hidden]
+            out[x + "down_proj.weight"] = t[e].T
+        elif leaf == "down_proj_bias":  # [E, hidden]
+            out[x + "down_proj.bias"] = t[e]
+        else:
+            raise ModelFormatError(f"{file}: unexpected gpt-oss tensor {name!r}")
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
 def read_tensors(
     directory: Path, config: ModelConfig, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
@@ -249,6 +321,12 @@ def read_tensors(
                         for old, new in _MIXTRAL_NAMES.items():
                             name = name.replace(old, new)
                     if name is None or name.endswith(_SKIPPED_SUFFIXES):
+                        continue
+                    if config.architecture == "gpt-oss":
+                        if not name.endswith(("_blocks", "_scales")):
+                            tensors.update(_gpt_oss_tensors(file, name, f.get_tensor(stored), dtype))
+                        elif (decoded := _gpt_oss_mxfp4(f, stored, name, file)) is not None:
+                            tensors.update(_gpt_oss_tensors(file, *decoded, dtype))
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding is the head

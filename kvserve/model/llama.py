@@ -1,12 +1,13 @@
-"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE.
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Mixtral, Qwen3-MoE, gpt-oss.
 
 Pre-norm transformer blocks with RMSNorm, grouped-query attention with rotary position
 embeddings (rotate-half convention, optional llama3 or linear frequency scaling, Qwen2's q/k/v
 bias, Qwen3's RMSNorm of each query and key head before the rotation) and a SwiGLU MLP; the LM
 head is tied to the embedding or separate. Gemma 2 and 3 add a scaled embedding, norms of the
 attention's and the MLP's outputs, GeGLU, and windowed layers between the global ones (Gemma 3's
-with their own RoPE base; Gemma 2's attention scores and logits soft-capped); Mixtral and Qwen3-MoE
-replace the MLP with a router over SwiGLU experts (Experts). ModelConfig says which. References: "LLaMA" (Touvron et al. 2023), "GQA"
+with their own RoPE base; Gemma 2's attention scores and logits soft-capped); Mixtral, Qwen3-MoE and
+gpt-oss replace the MLP with a router over SwiGLU experts (Experts); gpt-oss adds attention sinks,
+biases everywhere, YaRN RoPE and a clamped SwiGLU (model/gpt_oss.py). ModelConfig says which. References: "LLaMA" (Touvron et al. 2023), "GQA"
 (Ainslie et al. 2023), "RoFormer" (Su et al. 2021), "GLU Variants Improve Transformer" (Shazeer
 2020), Qwen3 Technical Report (2025), Gemma 2 and Gemma 3 Technical Reports (2024, 2025), "Mixtral of
 Experts" (Jiang et al. 2024).
@@ -18,6 +19,7 @@ elementwise steps between them are model/ops.py's (fused kernels where they comp
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,10 +28,11 @@ from typing import Protocol
 import torch
 
 from kvserve import hugepages
-from kvserve.config import ModelConfig, rope_scaling_unsupported
+from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
+from kvserve.model.gpt_oss import attend_with_sinks, clamped_swiglu
 from kvserve.model.linear import LinearLayer
 from kvserve.model.ops import LayerOps, head_norms
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
@@ -75,34 +78,68 @@ def _inv_freq(config: ModelConfig, d: int, context: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    elif rs.kind == "yarn":
+        inv_freq = _yarn_inv_freq(config.rope_theta, d, rs)
     elif rs.kind != "none":
         raise ModelFormatError(rope_scaling_unsupported(rs.kind))
     return inv_freq
 
 
+def _yarn_inv_freq(theta: float, d: int, rs: RopeScaling) -> torch.Tensor:
+    """YaRN ("YaRN: Efficient Context Window Extension", Peng et al. 2023) as transformers'
+    _compute_yarn_parameters computes it: frequencies that turn more than beta_fast times over the
+    original context are kept, those that turn fewer than beta_slow times are divided by factor, and
+    the dims between blend linearly. (Its attention factor scales cos and sin: loader.scale_rotary.)"""
+    orig = rs.original_max_position_embeddings
+
+    def dim_of(turns: float) -> float:  # the dim whose frequency turns `turns` times over the original context
+        return d * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # [D/2]: 1 where a frequency is kept
+    pos_freqs = theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # (as transformers rounds them)
+    return 1.0 / (rs.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
 @dataclass
 class Experts:
-    """A mixture of SwiGLU experts (Mixtral, Qwen3-MoE): each token's top_k experts by the router's
-    softmax, their outputs weighted by it (renormalized over the chosen where `renormalize`), as
-    transformers computes them. Each chosen expert multiplies its rows at once, so its weights are
-    read once per step however many rows chose it."""
+    """A mixture of experts (Mixtral, Qwen3-MoE, gpt-oss): each token's top_k experts by the router,
+    their outputs weighted by its softmax, as transformers computes them. Mixtral and Qwen3-MoE take
+    the top k of the softmax over all experts (renormalized over the chosen where `renormalize`);
+    gpt-oss (`softmax_of_top`) the softmax of the top k logits, its router and experts biased. Each
+    chosen expert multiplies its rows at once, so its weights are read once per step however many
+    rows chose it."""
 
     router: torch.Tensor  # [E, hidden]
     gate_up: list[LinearLayer]  # per expert: hidden -> 2 * ffn (gate rows, then up)
     down: list[LinearLayer]  # per expert: ffn -> hidden
     top_k: int
     renormalize: bool
+    router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
+    softmax_of_top: bool = False
 
-    def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor, str], torch.Tensor], act: str) -> torch.Tensor:
-        probs = torch.softmax(torch.nn.functional.linear(h, self.router).float(), dim=-1)  # [T, E]
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's chosen experts and their weights, both [T, k]."""
+        logits = torch.nn.functional.linear(h, self.router, self.router_bias).float()  # [T, E]
+        if self.softmax_of_top:
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            return chosen, torch.softmax(top, dim=-1)
+        weights, chosen = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
+        return chosen, weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights
+
+    def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        chosen, weights = self.route(h)
         weights = weights.to(h.dtype)
         out = torch.zeros_like(h)
         for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            y = self.down[e](glu(self.gate_up[e](h[rows]), act))
+            y = self.down[e](glu(self.gate_up[e](h[rows])))
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out
 
@@ -126,6 +163,7 @@ class LayerWeights:
     experts: Experts | None = None  # the MLP of a mixture of experts' sparse layer
     window: int = 0  # keys each query sees (0: the whole context)
     sliding_rope: bool = False  # turned at the windowed layers' RoPE base (Gemma 3)
+    sinks: torch.Tensor | None = None  # [H]: gpt-oss's sink logit of each head (model/gpt_oss.py)
 
 
 class StepModel(Protocol):
@@ -189,35 +227,44 @@ class LlamaModel:
         def linear(names: list[str], bias: torch.Tensor | None = None) -> LinearLayer:
             return make_linear([take(n) for n in names], bias, dtype, arena)
 
+        def biases(names: list[str]) -> torch.Tensor | None:  # all of them, fused, or none (gpt-oss's experts have them)
+            found = [b for n in names if (b := dense_opt(n)) is not None]
+            return torch.cat(found) if found and len(found) == len(names) else None
+
+        def experts(m: str) -> Experts:  # m: "model.layers.{i}.mlp."
+            gate_up = [[m + f"experts.{e}.gate_proj.", m + f"experts.{e}.up_proj."] for e in range(config.num_experts)]
+            down = [m + f"experts.{e}.down_proj." for e in range(config.num_experts)]
+            return Experts(
+                dense(m + "gate.weight"),  # the router (llama.cpp: F32)
+                [linear([n + "weight" for n in names], biases([n + "bias" for n in names])) for names in gate_up],
+                [linear([n + "weight"], dense_opt(n + "bias")) for n in down],
+                config.num_experts_per_tok, config.norm_topk_prob, dense_opt(m + "gate.bias"),
+                softmax_of_top=config.architecture == "gpt-oss")
+
         self.embed = take("model.embed_tokens.weight")  # [V, hidden] (or its blocks)
         self.layers: list[LayerWeights] = []
         sandwich = config.sandwich_norms
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            biases = [b for n in "qkv" if (b := dense_opt(a + f"{n}_proj.bias")) is not None]
             window = config.window(i)
             self.layers.append(
                 LayerWeights(
                     input_norm=dense(p + "input_layernorm.weight"),
-                    qkv=linear([a + f"{n}_proj.weight" for n in "qkv"], torch.cat(biases) if len(biases) == 3 else None),
+                    qkv=linear([a + f"{n}_proj.weight" for n in "qkv"], biases([a + f"{n}_proj.bias" for n in "qkv"])),
                     o=linear([a + "o_proj.weight"], dense_opt(a + "o_proj.bias")),
                     # the norm before the MLP: Gemma names it pre_feedforward, its post_attention is after attention
                     post_norm=dense(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                     gate_up=None if config.sparse(i) else linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                     down=None if config.sparse(i) else linear([p + "mlp.down_proj.weight"]),
-                    experts=Experts(
-                        dense(p + "mlp.gate.weight"),  # the router (llama.cpp: F32)
-                        [linear([p + f"mlp.experts.{e}.gate_proj.weight", p + f"mlp.experts.{e}.up_proj.weight"])
-                         for e in range(config.num_experts)],
-                        [linear([p + f"mlp.experts.{e}.down_proj.weight"]) for e in range(config.num_experts)],
-                        config.num_experts_per_tok, config.norm_topk_prob) if config.sparse(i) else None,
+                    experts=experts(p + "mlp.") if config.sparse(i) else None,
                     q_norm=dense(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=dense(a + "k_norm.weight") if config.qk_norm else None,
                     attn_out_norm=dense(p + "post_attention_layernorm.weight") if sandwich else None,
                     mlp_out_norm=dense(p + "post_feedforward_layernorm.weight") if sandwich else None,
                     window=window,
                     sliding_rope=bool(window) and self.sliding_inv_freq is not None,
+                    sinks=dense(a + "sinks") if config.attention_sinks else None,
                 )
             )
         self.norm = dense("model.norm.weight")
@@ -241,9 +288,9 @@ class LlamaModel:
         n += self.lm_head.nbytes - (nbytes(self.embed) if self.tied else 0)
         for lw in self.layers:
             n += sum(t.numel() * t.element_size() for t in (lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm,
-                                                             lw.attn_out_norm, lw.mlp_out_norm) if t is not None)
+                                                             lw.attn_out_norm, lw.mlp_out_norm, lw.sinks) if t is not None)
             n += sum(lin.nbytes for lin in (lw.qkv, lw.o, *self._mlp(lw)))
-            n += nbytes(lw.experts.router) if lw.experts else 0
+            n += sum(nbytes(t) for t in (lw.experts.router, lw.experts.router_bias) if t is not None) if lw.experts else 0
         return n
 
     @property
@@ -322,19 +369,29 @@ class LlamaModel:
                 head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
             cos, sin = tables[lw.sliding_rope]
             q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
-            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, lw.window, kv_scale, softcap)  # [T, H, D]
+            if lw.sinks is not None:  # gpt-oss: the reference path that applies them (the fused kernel has none)
+                o = attend_with_sinks(q, kv_cache, meta, self.scale, lw.window, kv_scale, lw.sinks)
+            else:
+                o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, lw.window, kv_scale, softcap)  # [T, H, D]
             o = lw.o(o.reshape(T, H * D))
             if lw.attn_out_norm is not None:
                 o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
             x, h = ops.add_rms_norm(x, o, lw.post_norm, eps, h_buf)
             if lw.experts:
-                delta = lw.experts(h, ops.glu, c.hidden_act)
+                delta = lw.experts(h, self._expert_glu(ops))
             else:
                 assert lw.gate_up is not None and lw.down is not None  # a dense layer has both
                 delta = lw.down(ops.glu(lw.gate_up(h), c.hidden_act))
             if lw.mlp_out_norm is not None:
                 delta = ops.add_rms_norm(delta, None, lw.mlp_out_norm, eps)[1]
         return ops.add_rms_norm(x, delta, self.norm, eps)[1]  # a new tensor: it outlives the step
+
+    def _expert_glu(self, ops: LayerOps) -> Callable[[torch.Tensor], torch.Tensor]:
+        """An expert's [T, 2F] -> [T, F]: gpt-oss's clamped SwiGLU, else the model's act(gate) * up."""
+        c = self.config
+        if c.swiglu_limit is not None:
+            return functools.partial(clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit)
+        return functools.partial(ops.glu, act=c.hidden_act)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the given positions only: [N, hidden] -> [N, V] float32 (Gemma 2's soft-capped)."""

@@ -140,11 +140,11 @@ def shift_norms(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def scale_rotary(config: ModelConfig, tensors: dict[str, Weight]) -> None:
-    """longrope's attention factor, which multiplies the rotated dims' cos and sin, folded into the
-    q and k rows of those dims (a rotation is linear: R(a x) = a R(x)). Quantized rows are decoded,
-    scaled and kept as Q8_0."""
+    """longrope's and yarn's attention factor, which multiplies the rotated dims' cos and sin, folded
+    into the q and k rows of those dims (a rotation is linear: R(a x) = a R(x)). Quantized rows are
+    decoded, scaled and kept as Q8_0."""
     a = config.rope_scaling.attention_factor
-    if config.rope_scaling.kind != "longrope" or a == 1.0:
+    if config.rope_scaling.kind not in ("longrope", "yarn") or a == 1.0:
         return
     D, r = config.head_dim, config.rotary_dim or config.head_dim
     for i in range(config.num_hidden_layers):
@@ -210,6 +210,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         else:
             shapes |= {p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
                        p + "mlp.down_proj.weight": (h, ffn)}
+        if config.architecture == "gpt-oss":  # biases everywhere but the norms; a sink logit per head
+            shapes |= _gpt_oss_extras(config, p)
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (config.head_dim,), p + "self_attn.k_norm.weight": (config.head_dim,)}
         if config.attention_bias:
@@ -218,9 +220,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gpt_oss_extras(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's tensors beyond a Llama layer's: its o_proj, router and expert biases and its sinks
+    (q/k/v biases come with attention_bias)."""
+    h, e_ffn = config.hidden_size, config.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {p + "self_attn.o_proj.bias": (h,), p + "self_attn.sinks": (config.num_attention_heads,),
+              p + "mlp.gate.bias": (config.num_experts,)}
+    for e in range(config.num_experts):
+        x = p + f"mlp.experts.{e}."
+        shapes |= {x + "gate_proj.bias": (e_ffn,), x + "up_proj.bias": (e_ffn,), x + "down_proj.bias": (h,)}
+    return shapes
+
+
 def _optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     # Llama's attention_bias=True also biases o_proj; Qwen2's does not.
-    if not (config.attention_bias and config.architecture not in ("qwen2", "qwen3", "qwen3moe")):
+    if not (config.attention_bias and config.architecture not in ("qwen2", "qwen3", "qwen3moe", "gpt-oss")):
         return {}
     n = config.num_hidden_layers
     return {f"model.layers.{i}.self_attn.o_proj.bias": (config.hidden_size,) for i in range(n)}

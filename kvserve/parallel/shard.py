@@ -66,7 +66,8 @@ def plan(config: ModelConfig, tensors: dict[str, Weight], size: int) -> ShardPla
     """The split of this checkpoint over `size` ranks, or TensorParallelError saying why none fits."""
     if size < 1:
         raise TensorParallelError(f"the tensor parallel size must be at least 1, got {size}")
-    if (config.sandwich_norms or config.num_experts) and size > 1:  # output norms; experts not sharded yet
+    # output norms; experts and gpt-oss's per-head sinks not sharded yet
+    if (config.sandwich_norms or config.num_experts or config.attention_sinks) and size > 1:
         raise TensorParallelError(f"tensor parallel does not run {config.architecture} models yet; serve it on one rank")
     H, Hkv, D, F = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size
     if size > Hkv:

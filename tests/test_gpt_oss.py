@@ -1,0 +1,132 @@
+"""gpt-oss against transformers' GptOssForCausalLM on a tiny random-weight model made here (4 layers,
+windowed and full alternating with a window of 8, 4 experts, top 2, YaRN as gpt-oss configures it).
+Exact greedy tokens in float32 from Hugging Face directories (float experts, and MXFP4 ones as
+gpt-oss publishes them) and from GGUFs written as llama.cpp names gpt-oss (MXFP4 experts and F32);
+MXFP4 is dequantized at load, and the experts' weights are MXFP4 values, so every file is the same
+model. Each piece shown to matter (the tokens differ without the sinks, the clamp, the windows or
+YaRN; the log-probabilities without the sinks); the native step and tensor parallel refused; a
+request's tokens the same alone and batched."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from family_checks import greedy, prompts, reference
+from gguf import GGMLQuantizationType as Q
+from gpt_oss_models import make_gpt_oss, save_mxfp4_directory, write_gpt_oss_gguf
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import CacheConfig, RopeScaling, SchedulerConfig
+from kvserve.model.llama import LlamaModel
+from kvserve.model.loader import read_model_config
+from kvserve.parallel.shard import TensorParallelError, plan
+
+PROMPTS = prompts(3, seed=7)  # 4 to 39 tokens, then 24 generated: past the window of 8 everywhere
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(transformers' model, its directory, other files of it {"mxfp4", "f32" GGUFs, "hf-mxfp4" directory},
+    transformers' greedy tokens for PROMPTS)."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    hf, directory = make_gpt_oss(root / "hf", seed=1)
+    files = {"mxfp4": write_gpt_oss_gguf(root / "mxfp4.gguf", hf),
+             "f32": write_gpt_oss_gguf(root / "f32.gguf", hf, experts=Q.F32),
+             "hf-mxfp4": save_mxfp4_directory(directory, root / "hf-mxfp4")}
+    return hf, directory, files, [reference(hf, p) for p in PROMPTS]
+
+
+def _llm(path) -> LLM:
+    return LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
+
+
+def test_the_config_from_both_sources(gpt_oss) -> None:
+    _, directory, files, _ = gpt_oss
+    configs = [read_model_config(src) for src in (directory, files["mxfp4"])]
+    for c in configs:
+        assert (c.architecture, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == ("gpt-oss", 4, 2, 64)
+        assert c.layer_windows == (8, 0, 8, 0) and c.sliding_window is None and c.sliding_rope_theta is None
+        assert c.attention_sinks and c.attention_bias and (c.swiglu_limit, c.swiglu_alpha) == (7.0, 1.702)
+        assert c.rope_theta == 150000.0
+        assert c.rope_scaling == RopeScaling("yarn", 32.0, original_max_position_embeddings=4096,
+                                             attention_factor=pytest.approx(1.3465736), truncate=False)
+    assert dataclasses.replace(configs[0], name="") == dataclasses.replace(configs[1], name="")
+
+
+@pytest.mark.parametrize("source", ["hf", "hf-mxfp4", "mxfp4", "f32"])
+def test_float32_greedy_tokens_equal_transformers(gpt_oss, source) -> None:
+    _, directory, files, want = gpt_oss
+    llm = _llm(directory if source == "hf" else files[source])
+    assert llm.runner.native is None  # refused: the experts and the sinks run in the per-op path
+    assert greedy(llm, PROMPTS) == want
+
+
+def _without(model: LlamaModel, piece: str) -> None:
+    """`model` with one of gpt-oss's pieces taken out, in place."""
+    if piece == "sinks":
+        for lw in model.layers:
+            lw.sinks = None
+    elif piece == "windows":
+        for lw in model.layers:
+            lw.window = 0
+    elif piece == "clamp":
+        model.config = dataclasses.replace(model.config, swiglu_limit=float("inf"))
+    else:
+        raise ValueError(piece)
+
+
+@pytest.mark.parametrize("piece", ["sinks", "windows", "clamp"])
+def test_each_piece_matters(gpt_oss, piece) -> None:
+    """Taken out, each changes the greedy tokens: the test above would catch kvserve without it."""
+    _, directory, _, want = gpt_oss
+    llm = _llm(directory)
+    _without(llm.model, piece)
+    assert greedy(llm, PROMPTS) != want
+
+
+def test_yarn_matters(gpt_oss, tmp_path) -> None:
+    """The same weights under plain RoPE (the config's rope_parameters rewritten) give other tokens."""
+    _, directory, _, want = gpt_oss
+    plain = shutil.copytree(directory, tmp_path / "plain")
+    cfg = json.loads((plain / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_parameters"]["rope_theta"]}
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert greedy(_llm(plain), PROMPTS) != want
+
+
+def test_a_request_is_the_same_alone_and_batched(gpt_oss) -> None:
+    _, _, files, _ = gpt_oss
+    llm = _llm(files["mxfp4"])
+    batch = prompts(4, seed=8)
+    alone = [greedy(llm, [p])[0] for p in batch]
+    assert greedy(llm, batch) == alone
+
+
+def _prompt_logprobs(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """Each prompt token's log-probability given those before it."""
+    out = llm.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), use_tqdm=False)[0]
+    return torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:]])
+
+
+def test_prompt_logprobs_through_chunked_prefill_equal_transformers_and_the_sinks_move_them(gpt_oss) -> None:
+    """A 48-token prompt in chunks of 16: each chunk's windowed layers read the pool, sinks applied;
+    without the sinks the log-probabilities move far past the tolerance."""
+    hf, directory, _, _ = gpt_oss
+    prompt = [100 + 7919 * i % 40000 for i in range(48)]
+    with torch.no_grad():
+        logits = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    want = logits.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)
+    llm = LLM(str(directory), dtype="float32", cache=CacheConfig(num_blocks=64, enable_prefix_caching=False),
+              scheduler=SchedulerConfig(max_num_batched_tokens=16))
+    torch.testing.assert_close(_prompt_logprobs(llm, prompt), want, atol=1e-4, rtol=0)
+    _without(llm.model, "sinks")
+    assert (_prompt_logprobs(llm, prompt) - want).abs().max() > 1e-2
+
+
+def test_tensor_parallel_refuses_it(gpt_oss) -> None:
+    _, directory, _, _ = gpt_oss
+    with pytest.raises(TensorParallelError, match="does not run gpt-oss models yet"):
+        plan(read_model_config(directory), {}, 2)
