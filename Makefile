@@ -64,14 +64,22 @@ test: setup lint  ## lint, the whole suite, slow tests included, then the kernel
 # The kernels again, compiled for lower ISA levels than this CPU's (kvserve/cpu.py): an AVX-512
 # machine also runs what AVX2-only and older CPUs run.
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py tests/test_quality.py
+# and each family's native decode step against its per-op path, which those files do not reach: Gemma's
+# sandwich norms, GeGLU, soft caps and windows; Qwen3's q/k norms; Phi-3's partial rotary; Qwen2's and
+# Qwen3's mixed windows.
+NATIVE_STEP_TESTS ?= \
+	tests/test_gemma.py::test_the_converters_q8_0_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
+	tests/test_qwen3.py::test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
+	tests/test_phi3.py::test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does \
+	tests/test_sliding_window.py::test_mixed_windows_run_the_native_step_as_the_per_op_path_does
 # Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
 # plain C path's time. Its kernels are built first (BUILD_KERNELS), so no two workers compile them.
 ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)
 test-isa: setup
 	KVSERVE_ISA=avx2 $(BUILD_KERNELS)
-	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=avx2 $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS) $(NATIVE_STEP_TESTS)
 	KVSERVE_ISA=portable $(BUILD_KERNELS)
-	KVSERVE_ISA=portable $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS)
+	KVSERVE_ISA=portable $(PY) -m pytest -q $(ISA_XDIST) -m "not slow" $(KERNEL_TESTS) $(NATIVE_STEP_TESTS)
 
 # The oldest versions kvserve claims to work with: a second virtual environment where every runtime
 # dependency sits at exactly its floor in pyproject.toml (tests/floors/pins.py reads them from there,

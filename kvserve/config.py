@@ -89,9 +89,10 @@ class ModelConfig:
     # to keys p - window + 1 .. p (transformers' mask). Blocks that fall out of a sequence's window
     # go back to the pool (kv/manager.py slide()).
     sliding_window: int | None = None
-    # Gemma 2 and 3: windowed and global layers interleaved. Each layer's window (0: the whole context);
-    # the windowed ones turn RoPE at base `sliding_rope_theta`, unscaled. Every layer's blocks stay
-    # in the pool (the global layers read them), so nothing slides out of memory.
+    # Gemma 2 and 3, gpt-oss, a Qwen2 or Qwen3 that mixes them: windowed and global layers. Each layer's
+    # window (0: the whole context); Gemma 3's windowed ones turn RoPE at base `sliding_rope_theta`,
+    # unscaled. Every layer's blocks stay in the pool (the global layers read them), so nothing slides
+    # out of memory.
     layer_windows: tuple[int, ...] = ()
     sliding_rope_theta: float | None = None
     # Gemma's other differences from Llama: the embedding multiplied by sqrt(hidden); a norm of the

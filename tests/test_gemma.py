@@ -35,6 +35,19 @@ FAMILIES = {
 WINDOWS = {"gemma3": (WINDOW,) * 5 + (0, WINDOW), "gemma2": (WINDOW, 0, WINDOW, 0)}
 
 
+class _Files(dict):
+    """GGUF files by type, each written when a test first asks for it (make test-isa runs only the
+    Q8_0 file's test, and llama.cpp's converter takes seconds a file)."""
+
+    def __init__(self, write) -> None:
+        super().__init__()
+        self._write = write
+
+    def __missing__(self, kind: str):
+        self[kind] = path = self._write(kind)
+        return path
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def gemma(request, tmp_path_factory):
     """(family, transformers' model, its directory, GGUF files {"f32", "q8_0"}): GQA 4:2, head_dim 32 (not
@@ -46,10 +59,10 @@ def gemma(request, tmp_path_factory):
     model, directory = make_tiny_hf_model(root / "hf", arch=family, head_dim=32, seed=3, sliding_window=WINDOW,
                                           query_pre_attn_scalar=32, **FAMILIES[family])
     if family == "gemma3":
-        files = {t: convert_with_llama_cpp(directory, root / f"{t}.gguf", t) for t in ("f32", "q8_0")}
+        files = _Files(lambda kind: convert_with_llama_cpp(directory, root / f"{kind}.gguf", kind))
     else:
-        files = {t: write_tiny_gguf(root / f"{t}.gguf", model, q, with_vocab=True)
-                 for t, q in (("f32", Q.F32), ("q8_0", Q.Q8_0))}
+        qtypes = {"f32": Q.F32, "q8_0": Q.Q8_0}
+        files = _Files(lambda kind: write_tiny_gguf(root / f"{kind}.gguf", model, qtypes[kind], with_vocab=True))
     return family, model, directory, files
 
 

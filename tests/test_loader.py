@@ -260,25 +260,30 @@ def test_hf_unsupported_rope_scaling_is_refused_at_load(kind: str, arch: str, tm
 
 
 def test_hf_sliding_window_per_architecture(tmp_path: Path) -> None:
-    """Mistral's window; Qwen2's only where use_sliding_window is on and every layer slides
-    (layer_types, or max_window_layers as transformers derives them); a mix is refused."""
+    """Mistral's window; Qwen2's only where use_sliding_window is on, in the layers that slide
+    (layer_types, or max_window_layers as transformers derives them): every layer's as the
+    every-layer window, a mix as each layer's (tests/test_sliding_window.py runs them)."""
     _, d = make_tiny_hf_model(tmp_path / "mistral", arch="mistral", with_tokenizer=False, sliding_window=8)
     assert read_model_config(d).sliding_window == 8
     _rewrite_config(d, sliding_window=None)
     assert read_model_config(d).sliding_window is None
     _, d = make_tiny_hf_model(tmp_path / "qwen2", arch="qwen2", with_tokenizer=False)
     for fields, want in (
-        ({"use_sliding_window": False, "sliding_window": 8}, None),
-        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0, "layer_types": None}, 8),
-        ({"max_window_layers": 2}, None),  # no layer from index 2 on in a 2-layer model: none slides
-        ({"layer_types": ["sliding_attention"] * 2}, 8),
+        ({"use_sliding_window": False, "sliding_window": 8}, (None, ())),
+        ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0, "layer_types": None}, (8, ())),
+        ({"max_window_layers": 2}, (None, ())),  # no layer from index 2 on in a 2-layer model: none slides
+        ({"max_window_layers": 1}, (None, (0, 8))),
+        ({"layer_types": ["sliding_attention"] * 2}, (8, ())),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, (None, (8, 0))),
+        ({"use_sliding_window": None}, (None, ())),  # absent: transformers' default, off
     ):
         _rewrite_config(d, **fields)
-        assert read_model_config(d).sliding_window == want, fields
-    _rewrite_config(d, layer_types=["full_attention", "sliding_attention"])
+        c = read_model_config(d)
+        assert (c.sliding_window, c.layer_windows) == want, fields
+    _rewrite_config(d, use_sliding_window=True, layer_types=["sliding_attention"] * 3)
     with pytest.raises(ModelFormatError) as err:
         read_model_config(d)
-    _one_line(err, "config.json", "1 of 2 layers", "every layer or in none")
+    _one_line(err, "config.json", "layer_types lists 3 layers", "num_hidden_layers is 2")
 
 
 def test_hf_head_dim_eos_list_and_generation_config(tmp_path: Path) -> None:

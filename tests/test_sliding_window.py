@@ -4,15 +4,20 @@ A tiny random MistralForCausalLM with sliding_window 8 and 4-token blocks, promp
 windows long: kvserve's logits and greedy tokens through prefill, decode and chunked prefill
 equal transformers' eager attention (mask: key > query - window), on the float32 path. Blocks
 wholly before every window go back to the pool (exact counts), and a prefix hit on a block
-that slid out is taken only while its K/V are still there.
+that slid out is taken only while its K/V are still there. Qwen2 and Qwen3 with windowed and full
+layers mixed (max_window_layers, layer_types), from their HF directories and GGUFs: transformers'
+greedy tokens, which neither all-full nor all-windowed layers give, and the native step's per layer.
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.runner import SeqChunk
+from kvserve.kernels import decode_step
 from kvserve.kv.block_pool import prefix_block_hashes
 from kvserve.llm import LLM
 from kvserve.sampling_params import SamplingParams
@@ -228,3 +233,76 @@ def test_a_gguf_mistral_and_a_qwen2_that_slides_match_transformers(mistral, tmp_
     llm = load(qdir)
     assert llm.config.sliding_window == WINDOW
     assert llm.generate([ids], sp, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(qwen, ids, 16)
+
+
+# Qwen2 and Qwen3 with windowed and full layers mixed: Qwen2's derived from max_window_layers (layers
+# from 1 on slide), Qwen3's listed in layer_types.
+MIXED = {"qwen2": dict(max_window_layers=1),
+         "qwen3": dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"])}
+MIXED_WINDOWS = {"qwen2": (0, WINDOW, WINDOW), "qwen3": (WINDOW, 0, WINDOW)}
+
+
+@pytest.fixture(scope="module", params=list(MIXED))
+def mixed(request, tmp_path_factory):
+    """(family, transformers' eager model, its directory, its float32 GGUF)."""
+    from gguf import GGMLQuantizationType as Q
+    from tiny_models import make_tiny_hf_model, write_tiny_gguf
+
+    family, root = request.param, tmp_path_factory.mktemp(f"mixed-{request.param}")
+    model, directory = make_tiny_hf_model(root / "hf", arch=family, num_layers=3, seed=11, use_sliding_window=True,
+                                          sliding_window=WINDOW, attn_implementation="eager", **MIXED[family])
+    assert tuple(WINDOW if t == "sliding_attention" else 0 for t in model.config.layer_types) == MIXED_WINDOWS[family]
+    return family, model, directory, write_tiny_gguf(root / "f32.gguf", model, Q.F32, with_vocab=True)
+
+
+def with_layer_types(hf, kind: str):
+    """`hf`'s weights with every layer `kind` ("full_attention" or "sliding_attention")."""
+    config = copy.deepcopy(hf.config)
+    config.layer_types = [kind] * config.num_hidden_layers
+    other = type(hf)(config).eval()
+    other.load_state_dict(hf.state_dict())
+    return other
+
+
+def test_mixed_windows_are_read_per_layer_from_both_sources(mixed) -> None:
+    """Each layer's window, and no every-layer one: no block leaves the pool (the full layers read it)."""
+    family, _, directory, gguf_path = mixed
+    for source in (directory, gguf_path):
+        llm = load(source)
+        assert (llm.config.sliding_window, llm.config.layer_windows) == (None, MIXED_WINDOWS[family]), source
+        assert [lw.window for lw in llm.model.layers] == list(MIXED_WINDOWS[family]) and llm.manager.sliding_window is None
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_mixed_windows_greedy_tokens_equal_transformers_and_the_windows_matter(mixed, source) -> None:
+    """Prompts several windows long, through the engine (chunked prefill at a 6-token budget too):
+    transformers' greedy tokens, which the same weights with every layer full or every layer
+    windowed do not give."""
+    _, hf, directory, gguf_path = mixed
+    batch = [prompt(n, seed) for seed, n in enumerate((33, 21))]
+    want = [hf_greedy(hf, ids, 16) for ids in batch]
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for budget in (512, 6):
+        llm = load(directory if source == "hf" else gguf_path, scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+        assert [o.outputs[0].token_ids for o in llm.generate(batch, sp, use_tqdm=False)] == want, budget
+        llm.manager.pool.check_invariant()
+    if source == "hf":
+        for kind in ("full_attention", "sliding_attention"):
+            assert hf_greedy(with_layer_types(hf, kind), batch[0], 16) != want[0], kind
+
+
+@pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
+def test_mixed_windows_run_the_native_step_as_the_per_op_path_does(mixed, tmp_path) -> None:
+    """The Q8_0 file through the native decode step, each layer with its window, bit for bit the per-op path."""
+    from family_checks import native_and_per_op, prompts
+    from gguf import GGMLQuantizationType as Q
+    from tiny_models import write_tiny_gguf
+
+    family, hf, _, _ = mixed
+    llm = LLM(str(write_tiny_gguf(tmp_path / "q8.gguf", hf, Q.Q8_0, with_vocab=True)),
+              cache=CacheConfig(block_size=BS, num_blocks=128, enable_prefix_caching=False))
+    step = llm.runner.native
+    assert step is not None and step._model.window == 0
+    assert [step._layers[i].window for i in range(3)] == list(MIXED_WINDOWS[family])
+    native, per_op = native_and_per_op(llm, prompts(4, seed=5))
+    assert native == per_op

@@ -199,6 +199,9 @@ def write_tiny_gguf(
     writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if getattr(config, "sliding_window", None):  # Mistral's (llama.cpp writes it for models that slide)
         writer.add_sliding_window(config.sliding_window)
+        slides = [t == "sliding_attention" for t in getattr(config, "layer_types", None) or ()]
+        if arch in ("qwen2", "qwen3") and not all(slides):  # which layers, as llama.cpp writes DFlash's (a Qwen3)
+            writer.add_sliding_window_pattern(slides)
     if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2 (its q/k/v keys' length always)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

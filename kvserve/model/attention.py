@@ -11,10 +11,11 @@ attends to its own fresh K/V rounds them alike, so a prefix-cache hit changes no
 pool comes with a second per-layer tensor of row scales, `kv_scale` [2, Hkv, num_blocks,
 block_size] float16 (model/kv_int8.py): rows are quantized when stored and dequantized when read.
 
-Sliding-window attention (Mistral, Qwen2 with use_sliding_window): with `window` > 0 the query
-at position p sees keys p - window + 1 .. p only (transformers' mask: key > query - window).
-Blocks wholly before a sequence's window are never read, so the KV manager may free them: their
-entries in a block table are then -1 (kv/manager.py).
+Sliding-window attention (Mistral, Qwen2/Qwen3 with use_sliding_window, Gemma's and gpt-oss's
+windowed layers): with `window` > 0 the query at position p sees keys p - window + 1 .. p only
+(transformers' mask: key > query - window). Where every layer slides, blocks wholly before a
+sequence's window are never read, so the KV manager may free them: their entries in a block table
+are then -1 (kv/manager.py).
 
 AttentionBackend is the swap point: TorchAttention is the reference path (any device);
 CpuPagedAttention replaces its decode with kvserve's fused C kernel, which reads each context

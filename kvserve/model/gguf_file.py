@@ -195,7 +195,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     gemma = arch in ("gemma2", "gemma3")
     gemma2 = arch == "gemma2"
     gpt_oss = arch == "gpt-oss"
-    windows = _layer_windows(reader, arch, layers) if gemma or gpt_oss else ()
+    sliding_window, windows = _windows(reader, arch, layers)
     experts = int(key("{arch}.expert_count", 0))
     eos_keys = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
     eos = [_field(reader, k) for k in eos_keys]
@@ -229,7 +229,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         bos_token_id=_field(reader, Keys.Tokenizer.BOS_ID),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         name=path.stem,
-        sliding_window=None if gemma or gpt_oss else int(key(Keys.Attention.SLIDING_WINDOW, 0)) or None,
+        sliding_window=sliding_window,
         layer_windows=windows,
         sliding_rope_theta=_f32(key("{arch}.rope.freq_base_swa", 10000.0)) if any(windows) and arch == "gemma3" else None,
         embedding_multiplier=math.sqrt(hidden) if gemma else 1.0,
@@ -242,18 +242,31 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _layer_windows(reader: GGUFReader, arch: str, layers: int) -> tuple[int, ...]:
-    """Each layer's window as llama.cpp reads a Gemma or gpt-oss file: none without sliding_window (Gemma 2's
-    is 4096 then); else the sliding_window_pattern (a list of flags, or n: every n-th layer global)."""
+def _windows(reader: GGUFReader, arch: str, layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(ModelConfig.sliding_window, .layer_windows) as llama.cpp reads them: no window without
+    sliding_window (Gemma 2's is 4096 then); else the layers sliding_window_pattern names (a list of
+    flags, or n: every n-th layer global), by default Gemma's and gpt-oss's own pattern and every layer
+    for the others. Gemma and gpt-oss keep a window per layer; the others' window in every layer is
+    the every-layer one (its blocks leave the pool), a mix a window per layer. llama.cpp's converter
+    writes the pattern where windowed and full layers mix (DFlash's Qwen3 drafts, EXAONE 4) but no
+    window at all for Qwen2 and Qwen3: their files say a mix only where written with the pattern."""
     default = _GEMMA2_DEFAULTS["window"] if arch == "gemma2" else 0
     window = int(_field(reader, Keys.Attention.SLIDING_WINDOW.format(arch=arch), default))
     if not window:
-        return ()
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _WINDOW_PATTERN[arch])  # a key newer than gguf 0.16
-    if isinstance(pattern, list):
-        return tuple(window if flag else 0 for flag in pattern[:layers])
-    n = int(pattern)
-    return tuple(window if n == 0 or i % n < n - 1 else 0 for i in range(layers))
+        return None, ()
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", _WINDOW_PATTERN.get(arch))  # a key newer than gguf 0.16
+    if pattern is None:
+        windows = (window,) * layers
+    elif isinstance(pattern, list):
+        windows = tuple(window if flag else 0 for flag in pattern[:layers])
+    else:
+        n = int(pattern)
+        windows = tuple(window if n == 0 or i % n < n - 1 else 0 for i in range(layers))
+    if arch in _WINDOW_PATTERN:
+        return None, windows
+    if not any(windows):
+        return None, ()
+    return (window, ()) if all(windows) else (None, windows)
 
 
 def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:

@@ -126,7 +126,7 @@ def read_config(directory: Path) -> ModelConfig:
     if rotary % 2 or (head_dim - rotary) % 2:
         raise ModelFormatError(f"{path}: partial_rotary_factor {partial} turns {rotary} of {head_dim} dims; kvserve "
                                "needs an even count of turned and of unturned dims")
-    windows = _layer_windows(cfg) if gemma or gpt_oss else ()
+    sliding_window, windows = _windows(cfg, model_type, path)
     try:
         return ModelConfig(
             architecture=_ARCHITECTURES.get(model_type, model_type),
@@ -142,7 +142,7 @@ def read_config(directory: Path) -> ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            sliding_window=None if gemma or gpt_oss else _sliding_window(cfg, path),
+            sliding_window=sliding_window,
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", gpt_oss)),
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             **_experts(cfg, model_type),
@@ -192,6 +192,21 @@ def _activation(cfg: dict, path: Path) -> str:
     raise ModelFormatError(f"{path}: activation {act!r} is not supported (kvserve runs silu and gelu_pytorch_tanh)")
 
 
+def _windows(cfg: dict, model_type: str, path: Path) -> tuple[int | None, tuple[int, ...]]:
+    """(ModelConfig.sliding_window, .layer_windows): the every-layer window, or each layer's where
+    windowed and full layers mix; (None, ()) where no layer slides."""
+    if model_type in ("gemma2", "gemma3_text", "gpt_oss"):
+        return None, _layer_windows(cfg)
+    if model_type in ("qwen2", "qwen3"):
+        return _qwen_windows(cfg, path)
+    # Mistral's window wherever listed; Qwen3-MoE's (every layer) only under use_sliding_window, whose
+    # default is false (its configs list a window all the same)
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", model_type != "qwen3_moe"):
+        return None, ()
+    return int(window), ()
+
+
 def _layer_windows(cfg: dict) -> tuple[int, ...]:
     """Gemma's and gpt-oss's window per layer: layer_types where listed, else every
     sliding_window_pattern-th layer global (transformers 4's older configs: 6 for Gemma 3, every other
@@ -209,30 +224,23 @@ def _sliding_rope_theta(cfg: dict) -> float:
     return float((params.get("sliding_attention") or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
 
 
-def _sliding_window(cfg: dict, path: Path) -> int | None:
-    """The window where the config turns it on (Qwen2 lists one with use_sliding_window false).
-
-    Qwen2 and Qwen3 slide only in layers listed as "sliding_attention" in layer_types, which transformers
-    derives from max_window_layers (layers from that index on slide): none sliding means no window;
-    a mix of windowed and full layers is refused (kvserve frees a block only when every layer's
-    window has passed it, and applies one window to all layers)."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return None
-    if cfg.get("model_type") in ("qwen2", "qwen3"):
-        n = cfg["num_hidden_layers"]
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)
-        ]
-        sliding = sum(t == "sliding_attention" for t in types)
-        if sliding == 0:
-            return None
-        if sliding != len(types):
-            raise ModelFormatError(
-                f"{path}: sliding-window attention in {sliding} of {len(types)} layers is not supported "
-                "(kvserve runs a window in every layer or in none)"
-            )
-    return int(window)
+def _qwen_windows(cfg: dict, path: Path) -> tuple[int | None, tuple[int, ...]]:
+    """Qwen2's and Qwen3's windows as transformers (5) decides them (Qwen2Config.__post_init__, Qwen2Attention):
+    the window only under use_sliding_window (default false); a layer slides where layer_types says
+    "sliding_attention", which, where absent, is every layer from max_window_layers (default 28) on.
+    Every layer sliding: the every-layer window, whose blocks leave the pool as they leave it; a mix:
+    each layer's, and every block stays (the full layers read it)."""
+    n, window = cfg["num_hidden_layers"], int(cfg.get("sliding_window") or 0)
+    if not window or not cfg.get("use_sliding_window"):
+        return None, ()
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ModelFormatError(f"{path}: layer_types lists {len(types)} layers, num_hidden_layers is {n}")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    if not any(windows):
+        return None, ()
+    return (window, ()) if all(windows) else (None, windows)
 
 
 def _weight_files(directory: Path) -> list[Path]:
