@@ -1,5 +1,6 @@
-"""The shape every generation route shares: parse the body, start its job (admitted, encoded and
-checked in one worker hop: `ServerContext.start_job`), then answer it streamed or whole. A
+"""The shape every generation route shares: parse the body, start its job (a chat's admitted,
+encoded and checked in one worker hop: `ServerContext.start_job`; a batch of prompts or of
+embedding inputs admitted, then tokenized together), then answer it streamed or whole. A
 subclass per API says only what differs: how a body becomes a job (`start`), its stream's events
 as plain dicts (`events`) and its whole answer (`body`), `FIELDS`, its names for the engine's
 words, so that a check made by the engine names the field as the client sent it, and `dialect`,
