@@ -71,7 +71,10 @@ NATIVE_STEP_TESTS ?= \
 	tests/test_gemma.py::test_the_converters_q8_0_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
 	tests/test_qwen3.py::test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
 	tests/test_phi3.py::test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does \
-	tests/test_sliding_window.py::test_mixed_windows_run_the_native_step_as_the_per_op_path_does
+	tests/test_sliding_window.py::test_mixed_windows_run_the_native_step_as_the_per_op_path_does \
+	tests/test_moe.py::test_the_native_step_routes_and_adds_the_experts_bit_for_bit_as_the_per_op_path \
+	tests/test_moe.py::test_a_quantized_qwen3_moe_with_a_dense_layer_and_unrenormalized_weights_takes_the_native_step \
+	tests/test_moe.py::test_the_router_kernel_picks_the_experts_and_weights_torch_does
 # Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
 # plain C path's time. Its kernels are built first (BUILD_KERNELS), so no two workers compile them.
 ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)

@@ -201,7 +201,7 @@ def phases(llm: LLM, batch: int, steps: int, sampling: dict = GREEDY) -> dict[st
     out = {
         "schedule": ms["schedule"],
         "runner packing (around the model)": ms["runner"] - inside,
-        "model forward (30 layers)": ms["forward"],
+        f"model forward ({len(model.layers)} layers)": ms["forward"],
         "LM head": ms["lm head"],
     }
     if "native" in ms:

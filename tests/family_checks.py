@@ -1,6 +1,6 @@
 """What the architecture tests (test_qwen3.py, test_phi3.py, test_gemma.py, test_moe.py) check the same
 way: random prompts, transformers' greedy tokens, kvserve's, the native step against the per-op
-path, and greedy choices along a given sequence (teacher forcing, tests/test_quant.py's measure of
+path (their greedy tokens; their logits step by step, decode_both, also test_native_decode.py's), and greedy choices along a given sequence (teacher forcing, tests/test_quant.py's measure of
 agreement)."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig
+from kvserve.engine.runner import ModelRunner, SeqChunk
 
 TOKENS = 24
 
@@ -78,3 +79,30 @@ def float32_tokens(path, hf, n: int = 3, seed: int = 5) -> tuple[list[list[int]]
     llm = LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
     batch = prompts(n, seed)
     return greedy(llm, batch), [reference(hf, p) for p in batch]
+
+
+def decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int, window: int = 0) -> None:
+    """Prefill each prompt, then decode all together `steps` times, each step through the per-op
+    path and the native step over the same pool; their logits must be identical. Under a sliding
+    window, the blocks wholly before each window are -1 in the tables (freed)."""
+    native, blocks, bs = runner.native, iter(range(1, 10_000)), runner.block_size
+    tables = [[next(blocks) for _ in range((len(p) + steps) // bs + 1)] for p in prompts]
+    seqs = [list(p) for p in prompts]
+    runner.native = None
+    for seq, table in zip(seqs, tables):
+        seq.append(int(runner.run([SeqChunk(seq, 0, table, True)])[0].argmax()))
+    holes = 0
+    for _ in range(steps):
+        for s, t in zip(seqs, tables):  # the next query, at len(s) - 1, sees keys from len(s) - window on
+            for j in range(max(0, len(s) - window) // bs if window else 0):
+                holes += t[j] != -1
+                t[j] = -1
+        chunks = [SeqChunk([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables)]
+        runner.native = None
+        ref = runner.run(chunks).clone()
+        runner.native = native
+        got = runner.run(chunks).clone()
+        assert torch.equal(ref, got), f"max |difference| {(ref - got).abs().max().item()}"
+        for s, token in zip(seqs, ref.argmax(-1).tolist()):
+            s.append(token)
+    assert bool(holes) == bool(window)

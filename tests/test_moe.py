@@ -4,15 +4,19 @@ the Hugging Face directory and from GGUFs written by llama.cpp's own converter (
 tensors split per expert); Qwen3-MoE's dense layers (mlp_only_layers) and unrenormalized weights
 from its directory; the converter's Q8_0 file's greedy tokens as the quantized tests define
 agreement, and a request's tokens the same alone and in a batch (experts multiply their rows with
-the batch-invariant integer kernel)."""
+the batch-invariant integer kernel); the native decode step's routed, grouped experts bit for bit
+the per-op path's."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM
 from kvserve.config import CacheConfig
+from kvserve.kernels import decode_step, layer_ops
 from kvserve.model.loader import read_model_config
-from family_checks import agreement, float32_tokens, greedy, prompts, reference
+from kvserve.model.native_decode import NativeDecode
+from family_checks import agreement, decode_both, float32_tokens, greedy, native_and_per_op, prompts, reference
 from tiny_models import convert_with_llama_cpp, make_tiny_hf_model
 
 FAMILIES = {
@@ -20,6 +24,7 @@ FAMILIES = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 EXPERTS = {"mixtral": (4, 2, 128), "qwen3_moe": (8, 2, 64)}  # experts, chosen per token, expert FFN width
+native_step = pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -61,14 +66,55 @@ def test_qwen3_moes_dense_layers_and_unrenormalized_weights(tmp_path) -> None:
 
 
 def test_the_converters_q8_0_agrees_with_transformers_and_a_request_is_the_same_alone_and_batched(moe) -> None:
-    _, hf, _, files = moe
-    llm = LLM(str(files["q8_0"]), cache=CacheConfig(num_blocks=128))
-    assert llm.runner.native is None  # the experts run in the per-op path
+    family, hf, _, files = moe
+    llm = LLM(str(files["q8_0"]), cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
+    assert llm.runner.native is not None and llm.runner.native._layers[0].experts.n == EXPERTS[family][0]
     batch = prompts(4, seed=5)
     alone = [greedy(llm, [p])[0] for p in batch]
-    assert greedy(llm, batch) == alone
+    native, per_op = native_and_per_op(llm, batch)  # prompts and decode steps through the native step, and not
+    assert native == per_op == alone
     agree, steps = agreement(llm, hf, batch)
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
+
+
+@native_step
+@pytest.mark.parametrize("levels", [2, 1])
+def test_the_native_step_routes_and_adds_the_experts_bit_for_bit_as_the_per_op_path(moe, levels) -> None:
+    """Logits identical at every decode step of a batch whose rows share some experts and not others
+    (5 rows x 2 chosen over 4 or 8 experts), activations at two int8 levels and at one."""
+    _, _, _, files = moe
+    llm = LLM(str(files["q8_0"]), cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
+    llm.model.set_activation_levels(levels)
+    llm.runner.native = NativeDecode(llm.model, llm.runner.kv_caches, llm.runner.block_size, llm.runner.kv_scales)
+    decode_both(llm.runner, prompts(5, seed=7), steps=6)
+
+
+@native_step
+def test_a_quantized_qwen3_moe_with_a_dense_layer_and_unrenormalized_weights_takes_the_native_step(tmp_path) -> None:
+    _, directory = make_tiny_hf_model(tmp_path / "hf", arch="qwen3_moe", seed=4, num_layers=3, num_experts=8,
+                                      num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=False,
+                                      mlp_only_layers=[1])
+    llm = LLM(str(directory), quantization="q8_0", cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
+    layers = llm.runner.native._layers
+    assert (layers[0].experts.n, layers[0].experts.top_k, layers[0].experts.renormalize) == (8, 3, 0)
+    assert layers[1].experts.n == 0 and layers[1].gate_up.nparts == 1 and layers[2].experts.n == 8
+    decode_both(llm.runner, prompts(4, seed=8), steps=5)
+    native, per_op = native_and_per_op(llm, prompts(3, seed=9))
+    assert native == per_op
+
+
+def test_the_router_kernel_picks_the_experts_and_weights_torch_does() -> None:
+    """layer_ops.route (both paths' router on quantized models) against torch's softmax and top k."""
+    torch.manual_seed(0)
+    h, router = torch.randn(37, 64), torch.randn(16, 64) * 0.2
+    for renorm in (True, False):
+        chosen, w = layer_ops.route(h, router, 4, renorm)
+        want_w, want = torch.softmax(h @ router.T, dim=-1).topk(4, dim=-1)
+        want_w = want_w / want_w.sum(-1, keepdim=True) if renorm else want_w
+        assert torch.equal(chosen, want)
+        assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+    nan = torch.full((1, 64), float("nan"))
+    assert layer_ops.route(nan, router, 2, True)[0].tolist() == [[0, 1]]  # a NaN row still names two experts
 
 
 def test_the_startup_log_says_the_bytes_a_token_reads(moe, caplog) -> None:

@@ -22,6 +22,7 @@ from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.native_decode import NativeDecode
 from kvserve.model.quant import ConcatLinear, quantize
+from family_checks import decode_both
 
 pytestmark = pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")
 
@@ -40,33 +41,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
 
 
-def _decode_both(runner: ModelRunner, prompts: list[list[int]], steps: int, window: int = 0) -> None:
-    """Prefill each prompt, then decode all together `steps` times, each step through the per-op
-    path and the native step over the same pool; their logits must be identical. Under a sliding
-    window, the blocks wholly before each window are -1 in the tables (freed)."""
-    native, blocks = runner.native, iter(range(1, 10_000))
-    tables = [[next(blocks) for _ in range((len(p) + steps) // BS + 1)] for p in prompts]
-    seqs = [list(p) for p in prompts]
-    runner.native = None
-    for seq, table in zip(seqs, tables):
-        seq.append(int(runner.run([SeqChunk(seq, 0, table, True)])[0].argmax()))
-    holes = 0
-    for _ in range(steps):
-        for s, t in zip(seqs, tables):  # the next query, at len(s) - 1, sees keys from len(s) - window on
-            for j in range(max(0, len(s) - window) // BS if window else 0):
-                holes += t[j] != -1
-                t[j] = -1
-        chunks = [SeqChunk([s[-1]], len(s) - 1, t, True) for s, t in zip(seqs, tables)]
-        runner.native = None
-        ref = runner.run(chunks).clone()
-        runner.native = native
-        got = runner.run(chunks).clone()
-        assert torch.equal(ref, got), f"max |difference| {(ref - got).abs().max().item()}"
-        for s, token in zip(seqs, ref.argmax(-1).tolist()):
-            s.append(token)
-    assert bool(holes) == bool(window)
-
-
 def test_the_default_model_takes_the_native_step(llm: LLM) -> None:
     assert llm.dtype == torch.float32 and llm.kv_dtype == torch.float16
     assert isinstance(llm.runner.native, NativeDecode)
@@ -81,7 +55,7 @@ def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM, n: in
     try:
         llm.model.set_activation_levels(levels)
         llm.runner.native = NativeDecode(llm.model, llm.runner.kv_caches, BS, llm.runner.kv_scales)
-        _decode_both(llm.runner, _prompts(n), steps=6)
+        decode_both(llm.runner, _prompts(n), steps=6)
     finally:
         llm.model.set_activation_levels(2)
         llm.runner.native = saved
@@ -89,8 +63,8 @@ def test_native_step_equals_the_per_op_path_on_the_default_model(llm: LLM, n: in
 
 def test_work_buffers_grow_for_longer_contexts_and_larger_batches(llm: LLM) -> None:
     # Buffers start at one row and 256 tokens of context; these need them grown, mid-run.
-    _decode_both(llm.runner, [[(7 * i) % 30000 + 100 for i in range(700)], *_prompts(2, seed=4)], steps=2)
-    _decode_both(llm.runner, _prompts(9, seed=5), steps=2)
+    decode_both(llm.runner, [[(7 * i) % 30000 + 100 for i in range(700)], *_prompts(2, seed=4)], steps=2)
+    decode_both(llm.runner, _prompts(9, seed=5), steps=2)
 
 
 def _per_op_one_token_at_a_time(runner: ModelRunner, prompt: list[int], table: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -238,7 +212,7 @@ def test_native_step_under_a_sliding_window(tiny_llama_dir, kv_dtype, one_row) -
     runner = ModelRunner(model, pools, BS)
     assert runner.native is not None and runner.native._model.window == 8
     prompts = [[(11 * i) % 30000 + 100 for i in range(40)]] if one_row else _prompts(4, seed=6)
-    _decode_both(runner, prompts, steps=6, window=8)
+    decode_both(runner, prompts, steps=6, window=8)
 
 
 @pytest.mark.parametrize("n", [1, 3])
@@ -253,7 +227,7 @@ def test_native_step_on_mixed_part_linears_and_every_pool_format(tiny_llama_dir,
     scales = [torch.zeros(pool.shape[:-1], dtype=torch.float16) for pool in pools] if kv_dtype == torch.int8 else None
     runner = ModelRunner(model, pools, BS, kv_scales=scales)
     assert runner.native is not None and (runner.native._layers[0].kv_scale is not None) == (scales is not None)
-    _decode_both(runner, _prompts(n, seed=3), steps=5)
+    decode_both(runner, _prompts(n, seed=3), steps=5)
 
 
 def test_models_the_step_does_not_take_keep_the_per_op_path(tiny_llama_dir, monkeypatch) -> None:

@@ -12,7 +12,7 @@ from kvserve import LLM
 from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
-from family_checks import agreement, greedy, native_and_per_op, prompts, reference
+from family_checks import agreement, decode_both, greedy, native_and_per_op, prompts, reference
 from tiny_models import make_tiny_hf_model, write_tiny_gguf
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,7 @@ def test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agree
     batch = prompts(4, seed=5)
     native, per_op = native_and_per_op(llm, batch)
     assert native == per_op
+    decode_both(llm.runner, prompts(3, seed=6), steps=4)  # logits too: the head norms are the step's arithmetic
     # int8 activations are a slightly different model: greedy tokens fed transformers' own agree at
     # nearly every step (tests/test_quant.py's measure of agreement).
     agree, steps = agreement(llm, hf, batch)

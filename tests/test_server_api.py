@@ -316,7 +316,9 @@ def test_usage_is_null_on_every_chunk_but_the_last(server, route):
     with server.client() as c:
         lines = c.post(path, json=body).text.split("\n\n")
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line and line != "data: [DONE]"]
-    assert len(chunks) >= 3 and all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
+    # at least one chunk of text before the usage: a loaded machine may merge all four tokens' deltas into one
+    # (engine/async_engine.py merges what the stream has not read yet)
+    assert len(chunks) >= 2 and all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
     assert all(ch["system_fingerprint"].startswith("fp_") for ch in chunks)
     plain = {k: v for k, v in body.items() if k != "stream_options"}

@@ -14,7 +14,8 @@
  * quant_matmul.c's tiles (so each output row's arithmetic, and so each sequence's tokens, do not
  * depend on the batch it came in), layer_ops.c's norm and RoPE + KV store rows, and
  * paged_attention.c's work items. Activations are float32; weights are GGML quantized blocks
- * (a linear may be up to three parts of different types, as a Q4_K_M file's q/k/v are).
+ * (a linear may be up to three parts of different types, as a Q4_K_M file's q/k/v are). A mixture of experts'
+ * sparse layer routes each row and multiplies each chosen expert's rows together (experts_in_region).
  * With layer_ops.c's SiLU and RoPE tables, which the per-op path also runs for float32, the step
  * gives the per-op path's results bit for bit (tests/test_native_decode.py).
  */
@@ -75,15 +76,25 @@ typedef struct {
     const float *bias; /* [total_rows] or NULL */
 } kv_linear;
 
+/* A mixture of experts' sparse layer (Mixtral, Qwen3-MoE): each row's top_k of n SwiGLU experts by the router
+ * (layer_ops.c's route_row), their outputs weighted by it. n 0: the layer's MLP is dense. */
+typedef struct {
+    int n, top_k, renormalize;
+    long ffn;                        /* each expert's width */
+    const float *router;             /* [n, hidden] */
+    const kv_linear *gate_up, *down; /* [n] each: hidden -> 2 ffn (gate rows, then up), ffn -> hidden */
+} kv_experts;
+
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    kv_linear qkv, o, gate_up, down;
+    kv_linear qkv, o, gate_up, down; /* gate_up, down: nparts 0 in a sparse layer */
     void *kv; /* this layer's pool [2, Hkv, num_blocks * block_size, D] */
     void *kv_scale; /* an int8 pool's row scales [2, Hkv, num_blocks * block_size] float16, else NULL */
     const float *q_norm, *k_norm; /* [D]: each query and key head's RMSNorm before RoPE (Qwen3), else NULL */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden]: Gemma's norms of the attention and MLP outputs, else NULL */
     int window;       /* this layer's sliding window (keys per query), 0: none */
     int sliding_rope; /* turned by the model's sliding_inv_freq (Gemma 3's windowed layers) */
+    kv_experts experts;
 } kv_layer;
 
 typedef struct {
@@ -120,6 +131,16 @@ typedef struct {
     float *cs2, *sn2;  /* [max_batch, D]: the sliding_rope layers' RoPE tables */
     char *amx;         /* kvserve_amx_work_bytes(act_levels * max_batch, amx_cols, max_threads), 64-byte aligned, or NULL */
     long amx_cols;     /* the widest input it is sized for */
+    /* A mixture of experts' step, for max_batch rows of top_k experts each (R = max_batch * top_k routed rows):
+     * each row's experts and weights [max_batch, top_k], the routed rows ordered by expert (their row, and
+     * each row's routed rows [max_batch, top_k]), per expert (n + 1 each) the first routed row, the first work
+     * chunk of gate_up and of down and the byte offsets of its activations; the routed rows' gate_up [R, 2 ffn],
+     * act [R, ffn] and output [R, hidden]; the router's logits [max_threads, n]. */
+    int64_t *moe_chosen;
+    float *moe_weight;
+    int32_t *moe_row, *moe_at;
+    long *moe_first, *moe_chunk_gu, *moe_chunk_down, *moe_acts_gu, *moe_acts_down;
+    float *moe_gu, *moe_act, *moe_y, *moe_logits;
 } kv_work;
 
 /* The quantized activations' arrays for T input rows of `cols` values at `levels` each, laid over the work buffer. */
@@ -127,6 +148,32 @@ static acts acts_for(char *buf, long T, int levels, const kv_linear *L) {
     int x8 = 0;
     for (int p = 0; p < L->nparts; p++) x8 |= L->type[p] >= X8;
     return acts_over(buf, levels * T, L->cols / 32, x8);
+}
+
+/* The 16-row chunks of L's outputs (each part's apart). */
+static long chunks_of(const kv_linear *L) {
+    long chunks = 0;
+    for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
+    return chunks;
+}
+
+/* Chunk c of L's outputs for the T rows of A into y [T, total_rows] (quant_matmul.c's rows_out), unless
+ * its part's whole tiles were AMX's (skip[part]). */
+static void chunk_out(const kv_linear *L, const acts *A, long T, int levels, long c, float *y, float *part,
+                      const int *skip) {
+    long first = 0, off = 0;
+    int p = 0;
+    for (; p < L->nparts; p++) { /* the part chunk c falls in */
+        const long n = (L->rows[p] + 15) / 16;
+        if (c < first + n) break;
+        first += n;
+        off += L->rows[p];
+    }
+    const int qt = L->type[p];
+    const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
+    const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
+    if (skip && skip[p] && r1 - r0 == 16) return;
+    rows_out(qt, L->w[p], rb, A, T, levels, r0, r1, y + off + r0, L->total_rows, part);
 }
 
 /* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the parts
@@ -154,24 +201,8 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, int leve
         }
     }
 #endif
-    long chunks = 0;
-    for (int p = 0; p < L->nparts; p++) chunks += (L->rows[p] + 15) / 16;
     FOR_STATIC
-    for (long c = 0; c < chunks; c++) {
-        long first = 0, off = 0;
-        int p = 0;
-        for (; p < L->nparts; p++) { /* the part chunk c falls in */
-            const long n = (L->rows[p] + 15) / 16;
-            if (c < first + n) break;
-            first += n;
-            off += L->rows[p];
-        }
-        const int qt = L->type[p];
-        const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
-        const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
-        if (on_tiles[p] && r1 - r0 == 16) continue;
-        rows_out(qt, L->w[p], rb, A, T, levels, r0, r1, y + off + r0, L->total_rows, part);
-    }
+    for (long c = 0; c < chunks_of(L); c++) chunk_out(L, A, T, levels, c, y, part, on_tiles);
     PHASE(phase);
     if (L->bias) {
         FOR_STATIC
@@ -189,6 +220,111 @@ static void linear_in_region(const kv_linear *L, const float *x, long T, int lev
     for (long t = 0; t < T; t++) quantize_input(x + t * L->cols, &A, t, levels);
     PHASE(phase - 1); /* the quantize phase before each linear's */
     matmul_in_region(L, &A, T, levels, y, ws, phase);
+}
+
+/* Bytes of one expert's activations in the work buffer: n routed rows of `cols` values at `levels`, 64-byte
+ * aligned so that the next expert's start where the arrays need them. */
+static long group_bytes(long n, int levels, long cols) {
+    return n ? (act_rows(levels * n) * (cols / 32) * ACT_BYTES + 63) / 64 * 64 : 0;
+}
+
+/* The e (0..E-1) whose span [at[e], at[e + 1]) of a non-decreasing at[0..E] holds x, at[0] <= x < at[E]. */
+static int span_of(const long *at, int E, long x) {
+    int lo = 0, hi = E;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (at[mid] <= x)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* A sparse layer's MLP for the B rows of ws->h into ws->delta, every thread calling it: each row routed
+ * (route_row), the routed rows grouped by expert, then one work-shared loop over every chosen expert's
+ * 16-row chunks of gate_up, SiLU * up, and one over down, so each chosen expert's weights are read once per
+ * step however many rows chose it (the grouped matmul); each row's outputs weighted and added in ascending
+ * expert order, as the per-op path's Experts adds them (model/llama.py). */
+static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_work *ws, int B, int lv) {
+    const int N = m->hidden, E = X->n, k = X->top_k;
+    const long F = X->ffn, R = (long)B * k;
+    const long *first = ws->moe_first, *cgu = ws->moe_chunk_gu, *cdown = ws->moe_chunk_down;
+    float *part = ws->part + (size_t)omp_get_thread_num() * 2 * ws->max_batch * 16;
+    FOR_STATIC
+    for (int t = 0; t < B; t++)
+        route_row(ws->h + (size_t)t * N, X->router, N, E, k, X->renormalize, ws->moe_chosen + (size_t)t * k,
+                  ws->moe_weight + (size_t)t * k, ws->moe_logits + (size_t)omp_get_thread_num() * E);
+    PHASE(PH_NORM2);
+#pragma omp single
+    {
+        long *at = ws->moe_first, fill[E];
+        for (int e = 0; e <= E; e++) at[e] = 0;
+        for (long i = 0; i < R; i++) at[ws->moe_chosen[i] + 1]++;
+        for (int e = 0; e < E; e++) at[e + 1] += at[e], fill[e] = at[e];
+        for (long i = 0; i < R; i++) {
+            const long g = fill[ws->moe_chosen[i]]++;
+            ws->moe_row[g] = (int32_t)(i / k), ws->moe_at[i] = (int32_t)g;
+        }
+        ws->moe_chunk_gu[0] = ws->moe_chunk_down[0] = ws->moe_acts_gu[0] = ws->moe_acts_down[0] = 0;
+        for (int e = 0; e < E; e++) {
+            const long n = at[e + 1] - at[e];
+            ws->moe_chunk_gu[e + 1] = ws->moe_chunk_gu[e] + (n ? chunks_of(&X->gate_up[e]) : 0);
+            ws->moe_chunk_down[e + 1] = ws->moe_chunk_down[e] + (n ? chunks_of(&X->down[e]) : 0);
+            ws->moe_acts_gu[e + 1] = ws->moe_acts_gu[e] + group_bytes(n, lv, N);
+            ws->moe_acts_down[e + 1] = ws->moe_acts_down[e] + group_bytes(n, lv, F);
+        }
+    }
+    FOR_STATIC
+    for (long g = 0; g < R; g++) {
+        const int e = span_of(first, E, g);
+        const acts A = acts_for(ws->acts + ws->moe_acts_gu[e], first[e + 1] - first[e], lv, &X->gate_up[e]);
+        quantize_input(ws->h + (size_t)ws->moe_row[g] * N, &A, g - first[e], lv);
+    }
+    PHASE(PH_NORM2);
+    FOR_STATIC
+    for (long c = 0; c < cgu[E]; c++) {
+        const int e = span_of(cgu, E, c);
+        const long n = first[e + 1] - first[e];
+        const acts A = acts_for(ws->acts + ws->moe_acts_gu[e], n, lv, &X->gate_up[e]);
+        chunk_out(&X->gate_up[e], &A, n, lv, c - cgu[e], ws->moe_gu + (size_t)first[e] * 2 * F, part, NULL);
+    }
+    PHASE(PH_GATE_UP);
+    /* (the gate_up activations are spent: down's are laid over the same buffer) */
+    FOR_STATIC
+    for (long g = 0; g < R; g++) {
+        const int e = span_of(first, E, g);
+        silu_mul_row(ws->moe_gu + (size_t)g * 2 * F, ws->moe_act + (size_t)g * F, (int)F);
+        const acts A = acts_for(ws->acts + ws->moe_acts_down[e], first[e + 1] - first[e], lv, &X->down[e]);
+        quantize_input(ws->moe_act + (size_t)g * F, &A, g - first[e], lv);
+    }
+    PHASE(PH_SILU);
+    FOR_STATIC
+    for (long c = 0; c < cdown[E]; c++) {
+        const int e = span_of(cdown, E, c);
+        const long n = first[e + 1] - first[e];
+        const acts A = acts_for(ws->acts + ws->moe_acts_down[e], n, lv, &X->down[e]);
+        chunk_out(&X->down[e], &A, n, lv, c - cdown[e], ws->moe_y + (size_t)first[e] * N, part, NULL);
+    }
+    PHASE(PH_DOWN);
+    FOR_STATIC
+    for (int t = 0; t < B; t++) {
+        const int64_t *chosen = ws->moe_chosen + (size_t)t * k;
+        int order[k]; /* the row's slots by expert, ascending */
+        for (int s = 0; s < k; s++) {
+            int j = s;
+            for (; j > 0 && chosen[order[j - 1]] > chosen[s]; j--) order[j] = order[j - 1];
+            order[j] = s;
+        }
+        float *d = ws->delta + (size_t)t * N;
+        for (int i = 0; i < N; i++) d[i] = 0.f;
+        for (int s = 0; s < k; s++) {
+            const float w = ws->moe_weight[(size_t)t * k + order[s]];
+            const float *y = ws->moe_y + (size_t)ws->moe_at[(size_t)t * k + order[s]] * N;
+            for (int i = 0; i < N; i++) d[i] += y[i] * w;
+        }
+    }
+    PHASE(PH_DOWN);
 }
 
 /* Row t's query heads of KV head h rotated, and its key and value stored (rope_store_group), the pool's
@@ -295,6 +431,18 @@ int kvserve_argmax(const float *logits, int B, long ld, long cols, int64_t *argm
     return 0;
 }
 
+/* A sparse layer the step takes: SwiGLU experts of quantized weights without biases. */
+static int experts_ok(const kv_model *m, const kv_experts *X) {
+    if (X->n < 1 || X->top_k < 1 || X->top_k > X->n || !X->router || X->ffn < 32 || X->ffn % 32 || m->gelu ||
+        !X->gate_up || !X->down)
+        return 0;
+    for (int e = 0; e < X->n; e++)
+        if (!linear_ok(&X->gate_up[e], m->hidden, 2 * X->ffn) || !linear_ok(&X->down[e], X->ffn, m->hidden) ||
+            X->gate_up[e].bias || X->down[e].bias)
+            return 0;
+    return 1;
+}
+
 /* Shapes the step takes: 0, or -1 (the caller keeps the per-op path). */
 int kvserve_decode_check(const kv_model *m) {
     if (m->n_layers < 1 || m->window < 0 || m->attn_softcap < 0 || (m->gelu != 0 && m->gelu != 1) || m->hidden % 32 || m->ffn % 32 || m->D % 2 || (m->act_levels != 1 && m->act_levels != 2) ||
@@ -304,8 +452,10 @@ int kvserve_decode_check(const kv_model *m) {
     const long qkv_rows = (long)(m->H + 2 * m->Hkv) * m->D;
     for (int l = 0; l < m->n_layers; l++) {
         const kv_layer *L = &m->layers[l];
-        if (!linear_ok(&L->qkv, m->hidden, qkv_rows) || !linear_ok(&L->o, (long)m->H * m->D, m->hidden) ||
-            !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden) || !L->kv ||
+        if (L->experts.n ? !experts_ok(m, &L->experts)
+                         : !linear_ok(&L->gate_up, m->hidden, 2L * m->ffn) || !linear_ok(&L->down, m->ffn, m->hidden))
+            return -1;
+        if (!linear_ok(&L->qkv, m->hidden, qkv_rows) || !linear_ok(&L->o, (long)m->H * m->D, m->hidden) || !L->kv ||
             (m->kv_fmt == FMT_I8 && (!L->kv_scale || m->D > MAX_I8_D)) || L->window < 0 ||
             (L->sliding_rope && !m->sliding_inv_freq))
             return -1;
@@ -345,6 +495,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                         int nthreads) {
     if (B <= 0) return 0;
     if (B > ws->max_batch || nthreads > ws->max_threads) return -4;
+    for (int l = 0; l < m->n_layers; l++)
+        if (m->layers[l].experts.n && !ws->moe_y) return -4; /* no buffers for the experts */
     const long num_slots = m->num_blocks * m->block_size;
     for (int t = 0; t < B; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || slots[t] < 0 || slots[t] >= num_slots || positions[t] < 0) return -3;
@@ -417,9 +569,13 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
             for (int t = 0; t < B; t++) {
                 if (L->attn_out_norm) add_rms_norm_row(ws->o, NULL, L->attn_out_norm, ws->o, t, N, eps, 0);
                 add_rms_norm_row(ws->x, ws->o, L->post_norm, ws->h, t, N, eps, 0);
-                quantize_input(ws->h + (size_t)t * N, &Agu, t, lv);
+                if (!L->experts.n) quantize_input(ws->h + (size_t)t * N, &Agu, t, lv);
             }
             PHASE(PH_NORM2);
+            if (L->experts.n) {
+                experts_in_region(m, &L->experts, ws, B, lv);
+                continue;
+            }
             matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, ws, PH_GATE_UP);
             /* act = silu(gate) * up, or gelu(gate) * up */
             const acts Adown = acts_for(ws->acts, B, lv, &L->down);

@@ -27,10 +27,16 @@ class Linear(ctypes.Structure):
     ]
 
 
+class Experts(ctypes.Structure):
+    _fields_ = [("n", _i), ("top_k", _i), ("renormalize", _i), ("ffn", _l), ("router", _p),
+                ("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear))]
+
+
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
                 ("down", Linear), ("kv", _p), ("kv_scale", _p), ("q_norm", _p), ("k_norm", _p),
-                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("window", _i), ("sliding_rope", _i)]
+                ("attn_out_norm", _p), ("mlp_out_norm", _p), ("window", _i), ("sliding_rope", _i),
+                ("experts", Experts)]
 
 
 class Model(ctypes.Structure):
@@ -43,12 +49,18 @@ class Model(ctypes.Structure):
     ]
 
 
+# A mixture of experts' work buffers (decode_step.c's kv_work), in order.
+MOE_FIELDS = ("moe_chosen", "moe_weight", "moe_row", "moe_at", "moe_first", "moe_chunk_gu", "moe_chunk_down",
+              "moe_acts_gu", "moe_acts_down", "moe_gu", "moe_act", "moe_y", "moe_logits")
+
+
 class Work(ctypes.Structure):
     _fields_ = [
         ("max_batch", _i), ("max_context", _l), ("max_threads", _i),
         *[(name, _p) for name in ("x", "h", "qkv", "q", "k", "att", "o", "gu", "act", "delta", "cs", "sn", "scores")],
         ("acts", _p), ("best_val", _p), ("best_idx", _p), ("part", _p), ("cs2", _p), ("sn2", _p),
         ("amx", _p), ("amx_cols", _l),
+        *[(name, _p) for name in MOE_FIELDS],
     ]
 
 

@@ -63,14 +63,33 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(void *x, cons
     for (int i = 0; i < N; i++) put(h, row + i, get(w, i, bf16) * round_to(get(x, row + i, bf16) * inv, bf16), bf16);
 }
 
-/* x[D] = w * rms_norm(x) in place, float32: one query or key head's norm (Qwen3), as add_rms_norm_row's. */
+/* a . b over n values in eight lanes of fixed order (the rest into the first): the same bits in every build
+ * and every caller, however the compiler vectorizes (an omp simd reduction's order is the compiler's). */
+static inline __attribute__((always_inline)) float dot_lanes(const float *a, const float *b, int n) {
+    float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) lane[0] += a[i] * b[i];
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+}
+
+/* x[D] = w * rms_norm(x) in place, float32: one query or key head's norm (Qwen3). The per-op path (kvserve_head_norms)
+ * and the native step call it from different builds, hence dot_lanes. */
 static inline __attribute__((always_inline)) void rms_norm_head(float *x, const float *w, int D, float eps) {
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int i = 0; i < D; i++) ss += x[i] * x[i];
+    const float ss = dot_lanes(x, x, D);
     const float inv = 1.f / sqrtf(ss / (float)D + eps);
 #pragma omp simd
     for (int i = 0; i < D; i++) x[i] = w[i] * (x[i] * inv);
+}
+
+/* Each query head and each key head of qkv [T, (H + 2 Hkv) * D] float32 normed in place (rms_norm_head). */
+int kvserve_head_norms(float *qkv, const float *q_norm, const float *k_norm, int T, int H, int Hkv, int D, float eps) {
+    for (int t = 0; t < T; t++) {
+        float *row = qkv + (size_t)t * (H + 2 * Hkv) * D;
+        for (int g = 0; g < H + Hkv; g++) rms_norm_head(row + (size_t)g * D, g < H ? q_norm : k_norm, D, eps);
+    }
+    return 0;
 }
 
 int kvserve_add_rms_norm(void *x, const void *delta, const void *w, void *h, int T, int N, float eps, int bf16,
@@ -264,5 +283,43 @@ static inline void rope_table_row(int64_t p, const float *inv_freq, int D, void 
 
 int kvserve_rope_table(const int64_t *positions, const float *inv_freq, int T, int D, void *cs, void *sn, int bf16) {
     for (int t = 0; t < T; t++) rope_table_row(positions[t], inv_freq, D, cs, sn, (size_t)t * D, bf16);
+    return 0;
+}
+
+/* A mixture of experts' router for one row h [N]: the logits h . router_e (dot_lanes), softmax over all E experts (float32, expf), the top k of it (ties to the lower
+ * expert) into chosen [k], their weights into w [k], renormalized over the chosen where asked (Mixtral's,
+ * Qwen3-MoE's norm_topk_prob). The per-op path and the native step both route through it, so a row's
+ * experts and weights do not depend on the path or on the batch. logits: E floats of scratch. */
+static void route_row(const float *h, const float *router, int N, int E, int k, int renorm, int64_t *chosen, float *w,
+                      float *logits) {
+    float top = -INFINITY;
+    for (int e = 0; e < E; e++) {
+        logits[e] = dot_lanes(h, router + (size_t)e * N, N);
+        top = logits[e] > top ? logits[e] : top;
+    }
+    float sum = 0.f;
+    for (int e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - top);
+    for (int e = 0; e < E; e++) logits[e] /= sum;
+    float kept = 0.f;
+    for (int s = 0; s < k; s++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (logits[e] != -1.f && (best < 0 || logits[e] > logits[best])) best = e; /* a NaN row: the lowest left */
+        chosen[s] = best, w[s] = logits[best];
+        kept += w[s];
+        logits[best] = -1.f; /* taken */
+    }
+    if (renorm)
+        for (int s = 0; s < k; s++) w[s] /= kept;
+}
+
+/* h [T, N] float32 -> each row's k experts chosen [T, k] and weights w [T, k] (route_row); -1 when the
+ * shapes do not fit. */
+int kvserve_route(const float *h, const float *router, int T, int N, int E, int k, int renorm, int64_t *chosen,
+                  float *w) {
+    if (k < 1 || k > E) return -1;
+    float logits[E];
+    for (int t = 0; t < T; t++)
+        route_row(h + (size_t)t * N, router, N, E, k, renorm, chosen + (size_t)t * k, w + (size_t)t * k, logits);
     return 0;
 }

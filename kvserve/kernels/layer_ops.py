@@ -1,5 +1,5 @@
 """ctypes binding of layer_ops.c: fused residual-add + RMSNorm, RoPE + KV store; float32 SiLU * up,
-GELU * up and RoPE tables."""
+GELU * up, RoPE tables, Qwen3's head norms and a mixture of experts' router."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +17,8 @@ _SIGNATURES = {
     "kvserve_silu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_gelu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_rope_table": [_p, _p, _i, _i, _p, _p, _i],
+    "kvserve_route": [_p, _p, _i, _i, _i, _i, _i, _p, _p],
+    "kvserve_head_norms": [_p, _p, _p, _i, _i, _i, _i, _f],
 }
 
 
@@ -121,6 +123,31 @@ def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
     f = two_f // 2
     getattr(_need(), f"kvserve_{act}_mul")(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
     return gu.narrow(-1, 0, f)
+
+
+def head_norms(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, H: int, Hkv: int, eps: float) -> None:
+    """Qwen3's RMSNorm of each query and key head, in place in qkv [T, (H + 2 Hkv) * D] float32 (contiguous,
+    as the norms): the native decode step's rms_norm_head."""
+    T, width = qkv.shape
+    D = width // (H + 2 * Hkv)
+    if not supports(qkv, q_norm, k_norm) or qkv.dtype != torch.float32 or q_norm.shape != (D,) or k_norm.shape != (D,):
+        raise ValueError(f"head_norms: qkv {qkv.dtype} {tuple(qkv.shape)}, norms {tuple(q_norm.shape)} do not fit")
+    _need().kvserve_head_norms(qkv.data_ptr(), q_norm.data_ptr(), k_norm.data_ptr(), T, H, Hkv, D, eps)
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' choice for rows h [T, N] float32 over router [E, N] float32: each row's k
+    experts [T, k] int64 and weights [T, k] float32 (softmax over all, the top k, renormalized where asked),
+    the native decode step's own arithmetic (layer_ops.c's route_row)."""
+    T, N = h.shape
+    E = router.shape[0]
+    if h.dtype != torch.float32 or router.dtype != torch.float32 or router.shape[1] != N or not 1 <= k <= E:
+        raise ValueError(f"route: h {h.dtype} {tuple(h.shape)}, router {router.dtype} {tuple(router.shape)}, k {k}")
+    h, router = h.contiguous(), router.contiguous()
+    chosen, weights = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    _need().kvserve_route(h.data_ptr(), router.data_ptr(), T, N, E, k, int(renormalize), chosen.data_ptr(),
+                          weights.data_ptr())
+    return chosen, weights
 
 
 def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,7 +34,7 @@ from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
 from kvserve.model.gpt_oss import attend_with_sinks, clamped_swiglu
 from kvserve.model.linear import LinearLayer
-from kvserve.model.ops import LayerOps, head_norms
+from kvserve.model.ops import LayerOps
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
 
 
@@ -123,9 +123,14 @@ class Experts:
     renormalize: bool
     router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
     softmax_of_top: bool = False
+    # Routed by layer_ops.c's route_row, the native decode step's arithmetic (a model of quantized
+    # weights: LlamaModel sets it), so that either path picks a row's experts with the same bits.
+    native_route: bool = False
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts and their weights, both [T, k]."""
+        if self.native_route and h.dtype == torch.float32:
+            return layer_ops.route(h, self.router, self.top_k, self.renormalize)
         logits = torch.nn.functional.linear(h, self.router, self.router_bias).float()  # [T, E]
         if self.softmax_of_top:
             top, chosen = logits.topk(self.top_k, dim=-1)
@@ -279,6 +284,10 @@ class LlamaModel:
         # quantized layers with the native decode step's SiLU and RoPE tables (model/ops.py).
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].o))
         self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops, native_step_arith=quantized)
+        for lw in self.layers:
+            if lw.experts and self.ops.native_step_arith and lw.experts.router_bias is None and \
+                    not lw.experts.softmax_of_top and lw.experts.router.dtype == torch.float32:
+                lw.experts.native_route = True
 
     @property
     def nbytes(self) -> int:
@@ -366,7 +375,7 @@ class LlamaModel:
             x, h = ops.add_rms_norm(x, delta, lw.input_norm, eps, h_buf)
             qkv = lw.qkv(h)
             if lw.q_norm is not None and lw.k_norm is not None:  # (both or neither)
-                head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
+                ops.head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
             cos, sin = tables[lw.sliding_rope]
             q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
             if lw.sinks is not None:  # gpt-oss: the reference path that applies them (the fused kernel has none)

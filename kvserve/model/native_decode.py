@@ -8,7 +8,8 @@ grown only when a larger batch or a longer context arrives. Python keeps the sch
 batch's index tables and the sampling.
 
 It takes a model whose matrices are all GGML blocks the kernels multiply (the quantized
-default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load), float32 activations and
+default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load; Mixtral's and Qwen3-MoE's
+experts too, each row routed by layer_ops.c's router as the per-op path routes it), float32 activations and
 a CPU KV pool (an int8 one with its row scales); any other model keeps the per-op path (`build()` returns None and says why at
 debug level). Prompt chunks take it too while the per-op forward would multiply them with the same integer
 kernels (every chunk where batches are invariant; below the BLAS crossover otherwise), each row a query of its own
@@ -29,7 +30,7 @@ from kvserve.config import env_switch
 from kvserve.kernels import KV_DTYPES, decode_step
 from kvserve.model.attention import CpuPagedAttention
 from kvserve.model.linear import LinearLayer
-from kvserve.model.llama import LlamaModel, StepModel
+from kvserve.model.llama import Experts, LlamaModel, StepModel
 from kvserve.model.quant import KERNEL_TYPES, ConcatLinear, QuantizedLinear, QuantizedWeight
 
 Best = tuple[list[int], list[float]]  # each row's argmax (its token id) and the logit there
@@ -96,8 +97,8 @@ class NativeDecode:
         if getattr(model, "tensor_parallel_size", 1) > 1:
             raise Unsupported("tensor parallel: the step has no all-reduce between layers")
         c = model.config
-        if c.num_experts:
-            raise Unsupported("a mixture of experts (its experts run in the per-op path)")
+        if c.attention_sinks or c.swiglu_limit is not None:
+            raise Unsupported("attention sinks and clamped SwiGLU experts (gpt-oss) run in the per-op path")
         if model.dtype != torch.float32:
             raise Unsupported(f"activations in {model.dtype} (the step computes in float32)")
         if not isinstance(model.attention, CpuPagedAttention) or not model.ops.native:
@@ -111,6 +112,7 @@ class NativeDecode:
             raise Unsupported("an int8 KV pool without its row scales")
         self._lib = lib
         self._keep: list[torch.Tensor] = []  # every tensor the structs point into
+        self._structs: list[ctypes.Array] = []  # and the experts' arrays of linears
         self.model, self.kv_caches, self.kv_scales = model, kv_caches, kv_scales
         m = decode_step.Model()
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -143,8 +145,7 @@ class NativeDecode:
         layers = (decode_step.Layer * c.num_hidden_layers)()
         for lw, kv, sc, out in zip(model.layers, kv_caches, scales, layers):
             out.input_norm, out.post_norm = _f32(lw.input_norm, self._keep), _f32(lw.post_norm, self._keep)
-            out.qkv, out.o, out.gate_up, out.down = (_linear(lw.qkv, self._keep), _linear(lw.o, self._keep),
-                                                     _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep))
+            out.qkv, out.o = _linear(lw.qkv, self._keep), _linear(lw.o, self._keep)
             out.kv = kv.data_ptr()
             out.kv_scale = kernels.scales_ptr(kv, sc)  # None for a float pool
             if lw.q_norm is not None and lw.k_norm is not None:  # (both or neither)
@@ -152,9 +153,13 @@ class NativeDecode:
             if lw.attn_out_norm is not None and lw.mlp_out_norm is not None:  # (both or neither)
                 out.attn_out_norm, out.mlp_out_norm = _f32(lw.attn_out_norm, self._keep), _f32(lw.mlp_out_norm, self._keep)
             out.window, out.sliding_rope = lw.window, lw.sliding_rope
+            if lw.experts:
+                out.experts = self._experts(lw.experts)
+            else:
+                out.gate_up, out.down = _linear(lw.gate_up, self._keep), _linear(lw.down, self._keep)
         m.layers = layers
         self._layers, self._model = layers, m
-        self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, lw.gate_up, lw.down)
+        self._linears = [p for lw in model.layers for lin in (lw.qkv, lw.o, *model._mlp(lw))
                          for p in _parts(lin) if isinstance(p, QuantizedLinear)]  # (all are: _linear checked)
         if lib.kvserve_decode_check(ctypes.byref(m)) != 0:
             raise Unsupported("shapes the native step does not take")
@@ -162,6 +167,21 @@ class NativeDecode:
         self._work = decode_step.Work()
         self._buffers: dict[str, torch.Tensor] = {}
         self._grow(1, 256, torch.get_num_threads())
+
+    def _experts(self, x: Experts) -> decode_step.Experts:
+        """A sparse layer's router and experts for the step (decode_step.c's kv_experts)."""
+        if not x.native_route:
+            raise Unsupported("a router the step does not compute (biased, or softmax over the top k)")
+        out = decode_step.Experts()
+        out.n, out.top_k, out.renormalize = len(x.gate_up), x.top_k, int(x.renormalize)
+        out.ffn = self.model.config.moe_intermediate_size
+        out.router = _f32(x.router, self._keep)
+        gate_up, down = (decode_step.Linear * out.n)(), (decode_step.Linear * out.n)()
+        for e in range(out.n):
+            gate_up[e], down[e] = _linear(x.gate_up[e], self._keep), _linear(x.down[e], self._keep)
+        self._structs += [gate_up, down]  # what out points into
+        out.gate_up, out.down = gate_up, down
+        return out
 
     @classmethod
     def build(cls, model: StepModel, kv_caches: list[torch.Tensor], block_size: int,
@@ -192,13 +212,26 @@ class NativeDecode:
         # levels x batch + 1 rows (an odd count's last row is stored twice, act_rows), 32-byte aligned; with two
         # levels, each thread's products of both for a 16-row chunk (rows_out).
         levels = self.model.act_levels
-        acts = torch.zeros((levels * batch + 1) * max(N, H * D, F) // 32 * 84 + 64, dtype=torch.uint8)
+        cols = max(N, H * D, F, c.moe_intermediate_size)
+        size = (levels * batch + 1) * cols // 32 * 84 + 64
+        E, k = c.num_experts, c.num_experts_per_tok
+        if E:  # decode_step.c's kv_work: a mixture of experts' buffers; each chosen expert's activations apart
+            R, F_e, groups = batch * k, c.moe_intermediate_size, min(E, batch * k)
+            size = max(size, (levels * R + groups) * cols // 32 * 84 + 64 * groups + 64)
+            moe = {"moe_chosen": torch.zeros(R, dtype=torch.int64), "moe_weight": torch.zeros(R),
+                   "moe_row": torch.zeros(R, dtype=torch.int32), "moe_at": torch.zeros(R, dtype=torch.int32),
+                   **{n: torch.zeros(E + 1, dtype=torch.int64) for n in decode_step.MOE_FIELDS[4:9]},
+                   "moe_gu": torch.zeros(R, 2 * F_e), "moe_act": torch.zeros(R, F_e), "moe_y": torch.zeros(R, N),
+                   "moe_logits": torch.zeros(threads, E)}
+            for name, t in moe.items():
+                b[name] = t
+                setattr(w, name, t.data_ptr())
+        acts = torch.zeros(size, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
         b["part"] = torch.zeros(threads, 2 * batch * 16)
         w.part = b["part"].data_ptr()
         # AMX tiles (quant_matmul_amx.h): each thread's decoded weight tiles, then the activations as tiles.
-        cols = max(N, H * D, F)
         amx = self._lib.kvserve_amx_work_bytes(levels * batch, cols, threads)
         b["amx"] = torch.empty(amx + 64 if amx > 0 else 0, dtype=torch.uint8)
         w.amx = b["amx"].data_ptr() + (-b["amx"].data_ptr()) % 64 if amx > 0 else None

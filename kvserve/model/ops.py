@@ -115,6 +115,15 @@ class LayerOps:
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def head_norms(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, H: int, Hkv: int,
+                   eps: float) -> None:
+        """Qwen3's norm of each query and key head, in place in qkv: float32 under native_step_arith through the
+        kernel (the native decode step's arithmetic), else torch's (head_norms)."""
+        if self.native_step_arith and qkv.dtype == q_norm.dtype == torch.float32 and layer_ops.supports(qkv, q_norm, k_norm):
+            layer_ops.head_norms(qkv, q_norm, k_norm, H, Hkv, eps)
+        else:
+            head_norms(qkv, q_norm, k_norm, H, Hkv, eps)
+
     def glu(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
         """[T, 2F] (gate, then up) -> act(gate) * up [T, F]: act "silu" (SwiGLU) or "gelu_tanh" (Gemma's
         GeGLU). SiLU's in place in gate_up's first half (the caller's temporary). float32 under
