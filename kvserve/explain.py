@@ -41,6 +41,8 @@ class Step:
     cache_tokens: int  # tokens with K/V in the cache after the step
     cache_blocks: int
     cache_bytes: int
+    # a mixture of experts': per sparse layer, the experts the step's last row chose (the router's first first)
+    experts: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class Explanation:
     block_size: int
     block_bytes: int
     kv_bytes_per_token: int
-    weight_bytes_read: int  # per forward pass: every matmul weight and the LM head
-    matmul_params: int  # weights a token multiplies through (LM head apart)
+    weight_bytes_read: int  # per one-token forward pass: every matmul weight it multiplies and the LM head
+    matmul_params: int  # weights a token multiplies through (LM head apart; of experts, its chosen ones)
     lm_head_params: int
     attn_flops_per_pair: int  # FLOPs of one query attending to one cached token, all layers
     steps: list[Step] = field(default_factory=list)
@@ -75,6 +77,8 @@ class Explanation:
     ram_blocks_cached: int = 0  # cached blocks in the pool that no sequence holds
     disk_blocks: int | None = None  # block files in the disk tier; None: no tier
     disk_bytes: int = 0
+    num_experts: int = 0  # a mixture of experts': experts per sparse layer, and chosen per token
+    experts_per_token: int = 0
 
     @property
     def prefill(self) -> Step:
@@ -120,7 +124,10 @@ def _piece(llm: LLM, token_id: int) -> str:
 
 
 def _step(index: int, n: int, seconds: float, token: int, cache: KVCache, llm: LLM) -> Step:
-    return Step(index, n, seconds, token, _piece(llm, token), cache.num_tokens, cache.num_blocks, cache.nbytes)
+    experts = tuple(tuple(lw.experts.last_chosen[-1].tolist()) for lw in llm.model.layers
+                    if lw.experts and lw.experts.last_chosen is not None)
+    return Step(index, n, seconds, token, _piece(llm, token), cache.num_tokens, cache.num_blocks, cache.nbytes,
+                experts)
 
 
 def explain(
@@ -142,6 +149,9 @@ def explain(
     cfg, model = llm.config, llm.model
     d, q, kv = cfg.head_dim, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     h, ffn = cfg.hidden_size, cfg.intermediate_size
+    # a token's MLP weights: a dense layer's, or its chosen experts' in a sparse one
+    mlp = sum(3 * h * (cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.sparse(i) else ffn)
+              for i in range(cfg.num_hidden_layers))
     embed = model.embed  # a tensor, or GGUF blocks kept quantized
     embed_bytes = embed.nbytes if not isinstance(embed, torch.Tensor) else embed.numel() * embed.element_size()
     e = Explanation(
@@ -151,11 +161,29 @@ def explain(
         block_size=llm.manager.block_size, block_bytes=llm.kv_sizing.block_bytes,
         kv_bytes_per_token=llm.kv_sizing.bytes_per_token,
         # The embedding is only looked up (one row per token) unless it doubles as the LM head.
-        weight_bytes_read=model.nbytes - (0 if model.tied else embed_bytes),
-        matmul_params=cfg.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * ffn),
+        weight_bytes_read=model.active_nbytes - (0 if model.tied else embed_bytes),
+        matmul_params=cfg.num_hidden_layers * (h * (q + 2 * kv) + q * h) + mlp,
         lm_head_params=cfg.vocab_size * h,
         attn_flops_per_pair=cfg.num_hidden_layers * cfg.num_attention_heads * 4 * d,  # q.k and p.v
+        num_experts=cfg.num_experts, experts_per_token=cfg.num_experts_per_tok,
     )
+    native = llm.runner.native  # asked to leave its rows' experts where the per-op path does
+    traced = native is not None and native.trace
+    if native is not None:
+        native.trace = True
+    try:
+        _run(llm, ids, params, max_tokens, e, on_step)
+    finally:
+        if native is not None:
+            native.trace = traced
+    if measure:
+        e.ceilings = measure_ceilings(llm.dtype)
+    return e
+
+
+def _run(llm: LLM, ids: list[int], params: SamplingParams, max_tokens: int, e: Explanation,
+         on_step: Callable[[Step, KVCache], None] | None) -> None:
+    """The prefill and the decode steps of `explain`, each timed into e.steps."""
     # One throwaway token first: the first forward pass pays one-time costs (allocator, thread
     # pool, kernel set-up) that would otherwise be counted as prefill. It fills no full block.
     warm, _ = llm.prefill(ids[:1], params)
@@ -183,9 +211,6 @@ def explain(
             e.steps.append(_step(i, 1, time.perf_counter() - t0, token, cache, llm))
             if on_step is not None:
                 on_step(e.steps[-1], cache)
-    if measure:
-        e.ceilings = measure_ceilings(llm.dtype)
-    return e
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -204,6 +229,25 @@ def _ms(s: float) -> str:
 def _bound(flops: float, nbytes: float, c: Ceilings) -> tuple[float, float, str]:
     t_flops, t_bytes = flops / c.matmul_flops, nbytes / c.read_bytes
     return t_flops, t_bytes, "arithmetic (FLOPs)" if t_flops > t_bytes else "memory (bytes moved)"
+
+
+def _experts_section(e: Explanation, layers_shown: int = 4) -> list[str]:
+    """A mixture of experts: which experts each token went through (the first sparse layers), and how many
+    of each layer's experts the tokens used between them."""
+    steps = [s for s in e.steps if s.experts]
+    if not steps:
+        return []
+    sparse = len(steps[0].experts)
+    shown = min(layers_shown, sparse)
+    out = ["", f"   Experts: each token went through {e.experts_per_token} of {e.num_experts} in each of {sparse} sparse "
+           f"layers (first {shown} shown, the router's first choice first)"]
+    for s in steps:
+        out.append(f"   {s.index:4d}  {s.piece!r:<16.16} " + " | ".join(" ".join(f"{x:d}" for x in chosen)
+                                                                         for chosen in s.experts[:shown]))
+    used = [len({x for s in steps for x in s.experts[layer]}) for layer in range(sparse)]
+    out.append(f"   Experts used by these {len(steps)} tokens, per layer: {' '.join(map(str, used))} of {e.num_experts}; "
+               "a decode step reads only its tokens' experts' weights.")
+    return out
 
 
 def format_explanation(e: Explanation, max_rows: int = 24) -> str:
@@ -245,6 +289,7 @@ def format_explanation(e: Explanation, max_rows: int = 24) -> str:
                    f"{e.block_size} tokens.")
     text = "".join(s.piece for s in e.steps)
     out += ["", f"   Output: {text!r}"]
+    out += _experts_section(e)
     c = e.ceilings
     if c is None:
         return "\n".join(out)

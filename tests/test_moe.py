@@ -13,6 +13,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.config import CacheConfig
+from kvserve.explain import explain, format_explanation
 from kvserve.kernels import decode_step, layer_ops
 from kvserve.model.loader import read_model_config
 from kvserve.model.native_decode import NativeDecode
@@ -125,3 +126,30 @@ def test_the_startup_log_says_the_bytes_a_token_reads(moe, caplog) -> None:
     idle = sum(lin.nbytes for lw in llm.model.layers for lin in lw.experts.linears()) * (experts - chosen) // experts
     assert llm.model.active_nbytes == llm.model.nbytes - idle > 0
     assert f"MB read per token: {chosen} of {experts} experts" in caplog.text
+
+
+@native_step
+def test_explain_shows_the_experts_each_token_went_through(moe) -> None:
+    """The native step's trace of the chosen experts equals the per-op path's routing, step by step; the
+    report names them and counts a token's bytes as its chosen experts' (active_nbytes)."""
+    family, _, _, files = moe
+    experts, chosen, _ = EXPERTS[family]
+    llm = LLM(str(files["q8_0"]), cache=CacheConfig(num_blocks=64, enable_prefix_caching=False))
+    ids = prompts(1, seed=11)[0]
+    native = explain(llm, ids, max_tokens=6, measure=False)
+    assert llm.runner.native is not None and not llm.runner.native.trace and llm.runner.native._work.moe_trace is None
+    step, llm.runner.native = llm.runner.native, None
+    try:
+        per_op = explain(llm, ids, max_tokens=6, measure=False)
+    finally:
+        llm.runner.native = step
+    assert [s.token_id for s in native.steps] == [s.token_id for s in per_op.steps]
+    assert [s.experts for s in native.steps] == [s.experts for s in per_op.steps]
+    for s in native.steps:
+        assert len(s.experts) == 3 and all(len(set(c)) == chosen and set(c) <= set(range(experts)) for c in s.experts)
+    assert len({c for s in native.steps for c in s.experts}) > 1  # tokens go through different experts
+    text = format_explanation(native)
+    assert f"Experts: each token went through {chosen} of {experts} in each of 3 sparse layers" in text
+    first = " | ".join(" ".join(map(str, c)) for c in native.steps[1].experts)
+    assert f"{native.steps[1].piece!r:<16.16} {first}" in text
+    assert native.weight_bytes_read == llm.model.active_nbytes - (0 if llm.model.tied else llm.model.embed.nbytes)

@@ -141,6 +141,7 @@ typedef struct {
     int32_t *moe_row, *moe_at;
     long *moe_first, *moe_chunk_gu, *moe_chunk_down, *moe_acts_gu, *moe_acts_down;
     float *moe_gu, *moe_act, *moe_y, *moe_logits;
+    int64_t *moe_trace; /* [n_layers, max_batch, top_k]: each layer's chosen experts, kept for the caller; or NULL */
 } kv_work;
 
 /* The quantized activations' arrays for T input rows of `cols` values at `levels` each, laid over the work buffer. */
@@ -246,7 +247,7 @@ static int span_of(const long *at, int E, long x) {
  * 16-row chunks of gate_up, SiLU * up, and one over down, so each chosen expert's weights are read once per
  * step however many rows chose it (the grouped matmul); each row's outputs weighted and added in ascending
  * expert order, as the per-op path's Experts adds them (model/llama.py). */
-static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_work *ws, int B, int lv) {
+static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_work *ws, int B, int lv, int layer) {
     const int N = m->hidden, E = X->n, k = X->top_k;
     const long F = X->ffn, R = (long)B * k;
     const long *first = ws->moe_first, *cgu = ws->moe_chunk_gu, *cdown = ws->moe_chunk_down;
@@ -259,6 +260,8 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
 #pragma omp single
     {
         long *at = ws->moe_first, fill[E];
+        if (ws->moe_trace)
+            memcpy(ws->moe_trace + (size_t)layer * ws->max_batch * k, ws->moe_chosen, sizeof(int64_t) * (size_t)R);
         for (int e = 0; e <= E; e++) at[e] = 0;
         for (long i = 0; i < R; i++) at[ws->moe_chosen[i] + 1]++;
         for (int e = 0; e < E; e++) at[e + 1] += at[e], fill[e] = at[e];
@@ -573,7 +576,7 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
             }
             PHASE(PH_NORM2);
             if (L->experts.n) {
-                experts_in_region(m, &L->experts, ws, B, lv);
+                experts_in_region(m, &L->experts, ws, B, lv, l);
                 continue;
             }
             matmul_in_region(&L->gate_up, &Agu, B, lv, ws->gu, ws, PH_GATE_UP);

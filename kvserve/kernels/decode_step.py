@@ -51,7 +51,7 @@ class Model(ctypes.Structure):
 
 # A mixture of experts' work buffers (decode_step.c's kv_work), in order.
 MOE_FIELDS = ("moe_chosen", "moe_weight", "moe_row", "moe_at", "moe_first", "moe_chunk_gu", "moe_chunk_down",
-              "moe_acts_gu", "moe_acts_down", "moe_gu", "moe_act", "moe_y", "moe_logits")
+              "moe_acts_gu", "moe_acts_down", "moe_gu", "moe_act", "moe_y", "moe_logits", "moe_trace")
 
 
 class Work(ctypes.Structure):

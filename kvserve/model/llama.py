@@ -126,6 +126,9 @@ class Experts:
     # Routed by layer_ops.c's route_row, the native decode step's arithmetic (a model of quantized
     # weights: LlamaModel sets it), so that either path picks a row's experts with the same bits.
     native_route: bool = False
+    # The experts each row of the last step through this layer chose [T, k] (the native step writes it
+    # where asked: NativeDecode.trace); `kvserve explain` shows them.
+    last_chosen: torch.Tensor | None = None
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts and their weights, both [T, k]."""
@@ -140,6 +143,7 @@ class Experts:
 
     def __call__(self, h: torch.Tensor, glu: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         chosen, weights = self.route(h)
+        self.last_chosen = chosen
         weights = weights.to(h.dtype)
         out = torch.zeros_like(h)
         for e in chosen.unique().tolist():

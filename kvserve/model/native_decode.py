@@ -113,6 +113,7 @@ class NativeDecode:
         self._lib = lib
         self._keep: list[torch.Tensor] = []  # every tensor the structs point into
         self._structs: list[ctypes.Array] = []  # and the experts' arrays of linears
+        self._trace = False
         self.model, self.kv_caches, self.kv_scales = model, kv_caches, kv_scales
         m = decode_step.Model()
         m.n_layers, m.hidden, m.H, m.Hkv, m.D, m.ffn = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads,
@@ -222,10 +223,12 @@ class NativeDecode:
                    "moe_row": torch.zeros(R, dtype=torch.int32), "moe_at": torch.zeros(R, dtype=torch.int32),
                    **{n: torch.zeros(E + 1, dtype=torch.int64) for n in decode_step.MOE_FIELDS[4:9]},
                    "moe_gu": torch.zeros(R, 2 * F_e), "moe_act": torch.zeros(R, F_e), "moe_y": torch.zeros(R, N),
-                   "moe_logits": torch.zeros(threads, E)}
+                   "moe_logits": torch.zeros(threads, E),
+                   "moe_trace": torch.zeros(c.num_hidden_layers, batch, k, dtype=torch.int64)}
             for name, t in moe.items():
                 b[name] = t
                 setattr(w, name, t.data_ptr())
+            w.moe_trace = b["moe_trace"].data_ptr() if self.trace else None
         acts = torch.zeros(size, dtype=torch.uint8)
         b["acts"] = acts
         w.acts = acts.data_ptr() + (-acts.data_ptr()) % 32
@@ -250,6 +253,18 @@ class NativeDecode:
         b["tables"] = torch.zeros(batch * self._max_width + batch, dtype=torch.int32)
         self._index_np, self._tables_np = b["index"].numpy(), b["tables"].numpy()
         w.max_batch, w.max_context, w.max_threads = batch, context, threads
+
+    @property
+    def trace(self) -> bool:
+        """Whether each step leaves the experts its rows chose in each sparse layer's Experts.last_chosen, as
+        the per-op path does (for `kvserve explain`; off, the step copies nothing out)."""
+        return self._trace
+
+    @trace.setter
+    def trace(self, on: bool) -> None:
+        self._trace = on
+        if "moe_trace" in self._buffers:
+            self._work.moe_trace = self._buffers["moe_trace"].data_ptr() if on else None
 
     def use_library(self, lib: ctypes.CDLL) -> ctypes.CDLL:
         """Run the step with another build of decode_step.c (its profiling build, decode_step.library(phases=True),
@@ -304,5 +319,9 @@ class NativeDecode:
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {B} sequences: ids, slots or block tables "
                                "outside the model's vocabulary or the KV pool")
+        if self._trace and "moe_trace" in self._buffers:
+            for lw, chosen in zip(self.model.layers, self._buffers["moe_trace"]):
+                if lw.experts:
+                    lw.experts.last_chosen = chosen[:B].clone()
         picked = (ids_out[:B].tolist(), vals_out[:B].tolist()) if best else None
         return hidden[:B], (self.model.softcap_logits(out[:B]) if out is not None else None), picked
