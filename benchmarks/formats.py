@@ -3,7 +3,7 @@
 The default model as shipped (Q4_1) and as llama.cpp's `llama-quantize` remakes it (Q4_0, Q8_0,
 Q4_K_M: llama.cpp repacks Q4_0, Q8_0 and Q4_K rows for its kernels at load, not Q4_1, so the
 shipped file alone would flatter kvserve); and random-weight models with the shapes of Llama-3.2-1B,
-Qwen3-4B and Gemma-3-4B (SHAPES: their layers, heads, FFN and vocabulary sizes; the default model's
+Qwen3-4B, Gemma-3-4B and the mixture of experts OLMoE-1B-7B (SHAPES: their layers, heads, FFN and vocabulary sizes; the default model's
 tokenizer, padded to the vocabulary), written with the `gguf` library and quantized by
 `llama-quantize` — only speed means anything on them, so EOS is ignored everywhere. Both servers get 2 threads
 and their best settings (llama-server: one server per concurrency, `-np` = clients), the same
@@ -46,6 +46,9 @@ SHAPES = {
                      vocab=151936, tied=True, stem="qwen3-4b-shaped"),
     "gemma3-4b": dict(arch="gemma3", hidden=2560, layers=34, heads=8, kv_heads=4, head_dim=256, ffn=10240,
                       vocab=262144, tied=True, stem="gemma3-4b-shaped"),
+    # OLMoE-1B-7B's shapes as a Qwen3-MoE file (the same layer: q/k norms, 64 SwiGLU experts, top 8)
+    "olmoe": dict(arch="qwen3moe", hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, ffn=1024,
+                  vocab=50304, tied=False, experts=64, experts_used=8, stem="olmoe-1b-7b-shaped"),
 }
 
 
@@ -87,10 +90,12 @@ def model_file(name: str, progress=print) -> Path:
 
 def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int = 2048, layers: int = 16,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 64, ffn: int = 8192, vocab: int | None = None,
-                 tied: bool = False, seed: int = 0) -> None:
-    """A llama / qwen3 / gemma3 GGUF of the given shapes, named as llama.cpp names them: F16 weights
-    ~ N(0, 0.02), norms of 1, the default model's tokenizer (so any client can talk to it) padded with
-    unused tokens to `vocab`. Gemma 3's windows and RoPE bases are Gemma-3-4B's. Only its speed means anything."""
+                 tied: bool = False, seed: int = 0, experts: int = 0, experts_used: int = 0) -> None:
+    """A llama / qwen3 / gemma3 / qwen3moe GGUF of the given shapes, named as llama.cpp names them: F16 weights
+    ~ N(0, 0.02) (a mixture of experts' router in F32, its experts `ffn` wide), norms of 1, the default model's
+    tokenizer (so any client can talk to it) padded with unused tokens to `vocab`. Gemma 3's windows and RoPE
+    bases are Gemma-3-4B's. Only its speed means anything. Tensors are made and written one at a time (an
+    OLMoE-shaped file is 14 GB of F16)."""
     import gguf
     import numpy as np
 
@@ -118,34 +123,48 @@ def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int 
         w.add_sliding_window(1024)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(8.0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(ffn)
     w.add_vocab_size(vocab)
     write_gguf_fields(w, fields)
     rng = np.random.default_rng(seed)
     d = head_dim
-
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", rand(vocab, hidden))
+    # (name, shape, F16 random or F32 ones / F32 random for a router)
+    tensors: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "rand")]
     if not tied:
-        w.add_tensor("output.weight", rand(vocab, hidden))
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    norms = {"llama": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"),
+        tensors.append(("output.weight", (vocab, hidden), "rand"))
+    tensors.append(("output_norm.weight", (hidden,), "ones"))
+    norms = {"llama": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"), "qwen3moe": ("attn_norm", "ffn_norm"),
              "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[arch]
+    mlp = ([("ffn_gate_inp", (experts, hidden), "router"), ("ffn_gate_exps", (experts, ffn, hidden), "rand"),
+            ("ffn_up_exps", (experts, ffn, hidden), "rand"), ("ffn_down_exps", (experts, hidden, ffn), "rand")]
+           if experts else [("ffn_gate", (ffn, hidden), "rand"), ("ffn_up", (ffn, hidden), "rand"),
+                            ("ffn_down", (hidden, ffn), "rand")])
     for i in range(layers):
         p = f"blk.{i}."
-        for name, shape in (("attn_q", (heads * d, hidden)), ("attn_k", (kv_heads * d, hidden)),
-                            ("attn_v", (kv_heads * d, hidden)), ("attn_output", (hidden, heads * d)),
-                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))):
-            w.add_tensor(p + name + ".weight", rand(*shape))
-        for name in norms:
-            w.add_tensor(p + name + ".weight", np.ones(hidden, np.float32))
+        for name, shape, kind in (("attn_q", (heads * d, hidden), "rand"), ("attn_k", (kv_heads * d, hidden), "rand"),
+                                  ("attn_v", (kv_heads * d, hidden), "rand"), ("attn_output", (hidden, heads * d), "rand"),
+                                  *mlp, *((name, (hidden,), "ones") for name in norms)):
+            tensors.append((p + name + ".weight", shape, kind))
         if arch != "llama":  # Qwen3's and Gemma 3's per-head q/k norms
-            w.add_tensor(p + "attn_q_norm.weight", np.ones(d, np.float32))
-            w.add_tensor(p + "attn_k_norm.weight", np.ones(d, np.float32))
+            tensors += [(p + "attn_q_norm.weight", (d,), "ones"), (p + "attn_k_norm.weight", (d,), "ones")]
+
+    def make(shape: tuple[int, ...], kind: str) -> np.ndarray:
+        if kind == "ones":
+            return np.ones(shape, np.float32)
+        x = rng.standard_normal(shape, dtype=np.float32) * 0.02
+        return x if kind == "router" else x.astype(np.float16)
+
+    for name, shape, kind in tensors:
+        dtype = np.float16 if kind == "rand" else np.float32
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, shape, kind in tensors:
+        w.write_tensor_data(make(shape, kind))
     w.close()
 
 

@@ -58,7 +58,7 @@ class WeightFormat:
     """How one contender holds the model's weights."""
 
     name: str  # e.g. "float32", "GGUF Q4_1 + Q8_0"
-    bytes_per_step: int  # weights read by one decode step (the tied LM head counted once)
+    bytes_per_step: int  # weights one sequence's decode step reads (the tied LM head once; of experts, its chosen ones)
     num_params: int
     compute_dtype: str  # the matmul peak that bounds large batches
 
@@ -68,8 +68,16 @@ def gguf_format(path: Path) -> WeightFormat:
 
     reader = GGUFReader(path)
     types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
-    nbytes = sum(int(t.n_bytes) for t in reader.tensors)
-    params = sum(int(t.n_elements) for t in reader.tensors)
+    # a mixture of experts' step reads its chosen experts only (one sequence: used of count in each layer)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    count, used = (int(reader.fields[f"{arch}.expert_{k}"].parts[-1][0]) if f"{arch}.expert_{k}" in reader.fields else 0
+                   for k in ("count", "used_count"))
+
+    def read(t, n: int) -> int:
+        return n * used // count if count and "_exps." in t.name else n
+
+    nbytes = sum(read(t, int(t.n_bytes)) for t in reader.tensors)
+    params = sum(read(t, int(t.n_elements)) for t in reader.tensors)
     return WeightFormat(f"GGUF {' + '.join(types)}", nbytes, params, "float32")
 
 
