@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from tiny_models import DEFAULT_VOCAB, _add_default_vocab, default_tokenizer
+from tiny_models import DEFAULT_VOCAB, _add_default_vocab, add_shape, default_tokenizer
 
 SMALL = dict(vocab_size=DEFAULT_VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -83,12 +83,7 @@ def write_gpt_oss_gguf(path: Path, model: Any, experts: Q = Q.MXFP4) -> Path:
     c = model.config
     rope = c.rope_parameters
     w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_shape(w, c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_rope_freq_base(rope["rope_theta"])

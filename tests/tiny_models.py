@@ -153,6 +153,16 @@ def _encode(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q]:
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype  # BF16, Q8_0, Q4_0, Q4_1, Q5_*
 
 
+def add_shape(writer: Any, config: Any) -> None:
+    """The shape keys every architecture's GGUF starts with, from a transformers config."""
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+
+
 def write_tiny_gguf(
     path: str | Path,
     hf_model_or_state: Any,
@@ -187,12 +197,7 @@ def write_tiny_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_shape(writer, config)
     if head_dim != config.hidden_size // config.num_attention_heads and arch != "gemma2":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -242,6 +242,20 @@ static int span_of(const long *at, int E, long x) {
     return lo;
 }
 
+/* One linear of every chosen expert (Ls[e]) over its routed rows, whose activations lie at acts_at[e] bytes into
+ * the work buffer, into y from its first routed row on (ldy apart): the chunks of all of them in one work-shared
+ * loop (chunk_at[e]: expert e's first), so each chosen expert's weights are read once, by whichever thread. */
+static void experts_matmul(const kv_linear *Ls, const long *chunk_at, const long *acts_at, const long *first, int E,
+                           int lv, float *y, long ldy, const kv_work *ws, float *part) {
+    FOR_STATIC
+    for (long c = 0; c < chunk_at[E]; c++) {
+        const int e = span_of(chunk_at, E, c);
+        const long n = first[e + 1] - first[e];
+        const acts A = acts_for(ws->acts + acts_at[e], n, lv, &Ls[e]);
+        chunk_out(&Ls[e], &A, n, lv, c - chunk_at[e], y + (size_t)first[e] * ldy, part, NULL);
+    }
+}
+
 /* A sparse layer's MLP for the B rows of ws->h into ws->delta, every thread calling it: each row routed
  * (route_row), the routed rows grouped by expert, then one work-shared loop over every chosen expert's
  * 16-row chunks of gate_up, SiLU * up, and one over down, so each chosen expert's weights are read once per
@@ -285,13 +299,7 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
         quantize_input(ws->h + (size_t)ws->moe_row[g] * N, &A, g - first[e], lv);
     }
     PHASE(PH_NORM2);
-    FOR_STATIC
-    for (long c = 0; c < cgu[E]; c++) {
-        const int e = span_of(cgu, E, c);
-        const long n = first[e + 1] - first[e];
-        const acts A = acts_for(ws->acts + ws->moe_acts_gu[e], n, lv, &X->gate_up[e]);
-        chunk_out(&X->gate_up[e], &A, n, lv, c - cgu[e], ws->moe_gu + (size_t)first[e] * 2 * F, part, NULL);
-    }
+    experts_matmul(X->gate_up, cgu, ws->moe_acts_gu, first, E, lv, ws->moe_gu, 2 * F, ws, part);
     PHASE(PH_GATE_UP);
     /* (the gate_up activations are spent: down's are laid over the same buffer) */
     FOR_STATIC
@@ -302,13 +310,7 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
         quantize_input(ws->moe_act + (size_t)g * F, &A, g - first[e], lv);
     }
     PHASE(PH_SILU);
-    FOR_STATIC
-    for (long c = 0; c < cdown[E]; c++) {
-        const int e = span_of(cdown, E, c);
-        const long n = first[e + 1] - first[e];
-        const acts A = acts_for(ws->acts + ws->moe_acts_down[e], n, lv, &X->down[e]);
-        chunk_out(&X->down[e], &A, n, lv, c - cdown[e], ws->moe_y + (size_t)first[e] * N, part, NULL);
-    }
+    experts_matmul(X->down, cdown, ws->moe_acts_down, first, E, lv, ws->moe_y, N, ws, part);
     PHASE(PH_DOWN);
     FOR_STATIC
     for (int t = 0; t < B; t++) {
