@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.kv.kv_size import human
+from kvserve.kv.kv_size import human, read_bandwidth
 from kvserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,19 +104,16 @@ def measure_ceilings(dtype: torch.dtype, seconds: float = 0.3) -> Ceilings:
     """Best-of-several matmul FLOP/s and read bytes/s (a quick probe, noisy on a shared machine)."""
     n = 1024
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    big = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB, well past any cache
-    best_mm = best_rd = float("inf")
-    deadline = time.perf_counter() + seconds
+    best = float("inf")
+    deadline = time.perf_counter() + seconds / 2
     for i in range(50):
         t0 = time.perf_counter()
         torch.mm(a, b)
         t1 = time.perf_counter()
-        big.sum()
-        t2 = time.perf_counter()
-        best_mm, best_rd = min(best_mm, t1 - t0), min(best_rd, t2 - t1)
-        if i >= 3 and t2 > deadline:
+        best = min(best, t1 - t0)
+        if i >= 3 and t1 > deadline:
             break
-    return Ceilings(matmul_flops=2 * n**3 / best_mm, read_bytes=big.numel() * big.element_size() / best_rd)
+    return Ceilings(matmul_flops=2 * n**3 / best, read_bytes=read_bandwidth(seconds / 2))
 
 
 def _piece(llm: LLM, token_id: int) -> str:

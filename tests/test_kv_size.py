@@ -93,6 +93,30 @@ def test_cli_spells_out_the_formula_and_json() -> None:
     assert r.returncode == 2 and r.stderr.startswith("kvserve: error: 'nope' is neither a preset")
 
 
+def test_a_gguf_counts_its_bytes_as_stored_and_a_token_its_chosen_experts(tmp_path) -> None:
+    from gguf import GGUFReader
+
+    from benchmarks.formats import write_random
+    from kvserve.model.loader import resolve_model_path
+
+    path = tmp_path / "moe.gguf"
+    write_random(path, resolve_model_path("smollm2-135m"), arch="qwen3moe", hidden=128, layers=2, heads=2, kv_heads=1,
+                 head_dim=64, ffn=64, experts=8, experts_used=2)
+    tensors = GGUFReader(path).tensors
+    total, experts = sum(int(t.n_bytes) for t in tensors), sum(int(t.n_bytes) for t in tensors if "_exps." in t.name)
+    s = kv_size(path, memory="1GiB", bandwidth=20e9)
+    assert s.weight_bytes == total and s.active_bytes == total - experts * 6 // 8
+    assert s.num_parameters == sum(int(t.n_elements) for t in tensors)
+    report = format_report(s)
+    assert "as the file stores them (F16 + F32)" in report and "2 of 8 experts per token" in report
+    roofline = f"at 20 GB/s of memory read, one sequence decodes at most {20e9 / s.active_bytes:,.1f} tokens/s"
+    assert roofline in report
+    r = _cli(str(path), "--bandwidth", "20", "--memory", "1GiB")
+    assert r.returncode == 0 and roofline in r.stdout, r.stderr
+    # a weight type given counts the parameters at its size instead of the file's
+    assert kv_size(path, memory="1GiB", weight_dtype="int4").weight_bytes == s.num_parameters // 2
+
+
 def test_the_disk_tier_in_tokens() -> None:
     # smollm2-135m in float16: 23,040 bytes per token; a 16-token block's file is its 368,640 bytes
     # of K/V, 16 token ids (128 bytes) and a 68-byte header.

@@ -18,15 +18,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-disk-gib", type=float, default=None,
                    help="also show how many tokens a disk tier of this size holds (kvserve serve --kv-disk-gib)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block, for the disk tier (default: 16)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="memory read GB/s for the bytes roofline (default: measured now, a 256 MiB read)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.kv.kv_size import format_report, kv_size
+    from kvserve.kv.kv_size import format_report, kv_size, read_bandwidth
 
     disk = int(args.kv_disk_gib * (1 << 30)) if args.kv_disk_gib is not None else None
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth is not None else read_bandwidth()
     s = kv_size(args.model, context=args.context, dtype=args.dtype, memory=args.memory, weight_dtype=args.weight_dtype,
-                disk=disk, block_size=args.block_size)
+                disk=disk, block_size=args.block_size, bandwidth=bandwidth)
     print(json.dumps(s.to_json(), indent=2) if args.json else format_report(s))
     return 0

@@ -55,6 +55,11 @@ class Architecture:
     dense_layers: int = 0
     qk_norm: bool = False  # Qwen3's, Gemma 3's norms of each query and key head
     sandwich_norms: bool = False  # Gemma's norms of the attention's and the MLP's outputs
+    # A GGUF's own bytes as stored (its quantized types), all and those a one-sequence decode step reads
+    # (the chosen experts' share of the experts' tensors), and its types; None: the file lists none
+    file_bytes: int | None = None
+    file_active_bytes: int | None = None
+    file_types: str = ""
 
     @property
     def parameters(self) -> int:
@@ -120,6 +125,7 @@ def _from_model(model: str | Path) -> Architecture:
 
     config = read_model_config(model)
     path = Path(model)
+    stored = _stored_bytes(path, config.num_experts, config.num_experts_per_tok) if path.is_file() else {}
     return Architecture(
         name=config.name or path.stem, source="gguf" if path.is_file() else "config.json",
         num_hidden_layers=config.num_hidden_layers,
@@ -138,7 +144,19 @@ def _from_model(model: str | Path) -> Architecture:
         dense_layers=len(config.dense_layers) if config.num_experts else 0,
         qk_norm=config.qk_norm,
         sandwich_norms=config.sandwich_norms,
+        **stored,
     )
+
+
+def _stored_bytes(path: Path, experts: int, chosen: int) -> dict[str, Any]:
+    """A GGUF's tensor bytes (Architecture's file_* fields): all, those one token reads, the matrices' types."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+    total = sum(int(t.n_bytes) for t in tensors)
+    idle = sum(int(t.n_bytes) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
+    types = " + ".join(sorted({t.tensor_type.name for t in tensors if len(t.shape) > 1}))
+    return dict(file_bytes=total, file_active_bytes=total - idle, file_types=types)
 
 
 def read_architecture(model: str | Path) -> Architecture:
@@ -193,6 +211,8 @@ class KVSize:
     num_experts_per_tok: int = 0
     active_parameters: int = 0  # read per token by a one-sequence decode step
     active_bytes: int = 0  # the same in weight_dtype: a decode step's bytes, whose ceiling is bandwidth / this
+    weight_format: str = ""  # a GGUF's types when the weights are counted as the file stores them
+    bandwidth: float | None = None  # memory read bytes/s the roofline is stated at
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,14 +227,17 @@ def kv_size(
     weight_dtype: str | None = None,
     disk: int | str | None = None,
     block_size: int = 16,
+    bandwidth: float | None = None,
 ) -> KVSize:
     """The KV cache of `model`: per token, at `context` tokens (default: the model's context),
     against full multi-head attention, and how many tokens fit in `memory` bytes (default: this
-    machine's available RAM) after the weights (stored as `weight_dtype`, default `dtype`), and
-    with `disk` bytes how many tokens the KV disk tier holds in files of `block_size` tokens."""
+    machine's available RAM) after the weights (a GGUF's as the file stores them, else stored as
+    `weight_dtype`, default `dtype`), with `disk` bytes how many tokens the KV disk tier holds in files
+    of `block_size` tokens, and at `bandwidth` bytes/s of memory read a one-sequence decode's ceiling."""
     arch = model if isinstance(model, Architecture) else read_architecture(model)
     if dtype not in KV_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
+    as_stored = weight_dtype is None and arch.file_bytes is not None
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in DTYPE_BYTES:
         raise ValueError(f"weight dtype must be one of {', '.join(DTYPE_BYTES)}, got {weight_dtype!r}")
@@ -230,6 +253,9 @@ def kv_size(
     per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, elem, scale)
     mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem, scale)
     weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
+    active = int(arch.active_parameters * DTYPE_BYTES[weight_dtype])
+    if as_stored:
+        weights, active = arch.file_bytes or 0, arch.file_active_bytes or 0
     free = max(0, memory - weights)
     disk_fields = {}
     if disk is not None:
@@ -248,8 +274,26 @@ def kv_size(
         num_parameters=arch.parameters, weight_dtype=weight_dtype, weight_bytes=weights,
         memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token, **disk_fields,
         num_experts=arch.num_experts, num_experts_per_tok=arch.num_experts_per_tok,
-        active_parameters=arch.active_parameters, active_bytes=int(arch.active_parameters * DTYPE_BYTES[weight_dtype]),
+        active_parameters=arch.active_parameters, active_bytes=active,
+        weight_format=arch.file_types if as_stored else "", bandwidth=bandwidth,
     )
+
+
+def read_bandwidth(seconds: float = 0.15) -> float:
+    """This machine's memory read, bytes/s: the best of several sums of 256 MiB (past any cache) in `seconds`
+    (a quick probe, noisy on a shared machine)."""
+    import time
+
+    big = torch.ones(64 << 20, dtype=torch.float32)
+    best, deadline = float("inf"), time.perf_counter() + seconds
+    for i in range(50):
+        t0 = time.perf_counter()
+        big.sum()
+        t1 = time.perf_counter()
+        best = min(best, t1 - t0)
+        if i >= 3 and t1 > deadline:
+            break
+    return big.numel() * big.element_size() / best
 
 
 def human(n: float) -> str:
@@ -289,16 +333,17 @@ def format_report(s: KVSize) -> str:
             f"= {human(s.mha_bytes_per_token)} per token; GQA saves {s.gqa_saving:g}x "
             f"({human(s.mha_bytes_per_token * s.context)} at {s.context:,} tokens)"
         )
-    lines += [
-        "",
-        f"Weights: {s.num_parameters / 1e9:.3g} B parameters x {_elem(DTYPE_BYTES[s.weight_dtype])} bytes "
-        f"({s.weight_dtype}) = {human(s.weight_bytes)}",
-    ]
+    stored = (f"as the file stores them ({s.weight_format})" if s.weight_format else
+              f"x {_elem(DTYPE_BYTES[s.weight_dtype])} bytes ({s.weight_dtype})")
+    lines += ["", f"Weights: {s.num_parameters / 1e9:.3g} B parameters {stored} = {human(s.weight_bytes)}"]
     if s.num_experts:
         lines.append(
             f"Mixture of experts: {s.num_experts_per_tok} of {s.num_experts} experts per token, so a one-sequence decode "
             f"step reads {s.active_parameters / 1e9:.3g} B parameters = {human(s.active_bytes)} "
-            f"({s.active_parameters / s.num_parameters:.0%} of the weights): tokens/s at most bandwidth / that")
+            f"({s.active_bytes / s.weight_bytes:.0%} of the weights)")
+    if s.bandwidth:
+        lines.append(f"Bytes roofline: at {s.bandwidth / 1e9:.3g} GB/s of memory read, one sequence decodes at most "
+                     f"{s.bandwidth / s.active_bytes:,.1f} tokens/s (each step reads {human(s.active_bytes)} of weights)")
     if s.free_for_cache_bytes == 0:
         lines.append(f"In {human(s.memory_bytes)}: the weights alone do not fit; no room for any KV cache")
     else:
