@@ -25,7 +25,8 @@ from server_harness import MODEL_NAME, gone, grammar_processes, slow_schema, sta
 
 
 def chain(n: int, tag: str = "x") -> str:
-    """An EBNF chain of n + 2 rules; its compile time grows steeply with n (1400: ~1 s here)."""
+    """An EBNF chain of n + 2 rules; its compile time grows steeply with n (1400: 0.35-1 s in a worker, by CPU;
+    2100: about five times that)."""
     return "root ::= r0\n" + "\n".join(f'r{i} ::= "{tag}{i}" | r{i + 1}' for i in range(n)) + f'\nr{n} ::= "end"'
 
 
@@ -140,8 +141,8 @@ def test_slow_compiles_time_out_fill_only_their_own_pool_and_are_killed_when_the
     cached = len(compiler.cache)
 
     async def scenario():
-        slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", chain(1400, tag), "guided_grammar")))
-                for tag in ("a", "b")]
+        slow = [asyncio.ensure_future(pool.compile(compiler, Constraint("grammar", chain(2100, tag), "guided_grammar")))
+                for tag in ("a", "b")]  # past the 0.5 s timeout on every CPU here
         await asyncio.sleep(0.1)
         queued_constraint = Constraint("grammar", 'root ::= "queued"', "guided_grammar")
         queued = asyncio.ensure_future(pool.compile(compiler, queued_constraint))
@@ -291,7 +292,8 @@ def test_a_schema_that_compiled_past_its_timeout_is_refused_at_once_when_sent_ag
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        slow = Constraint("grammar", chain(1400, "t"), "guided_grammar")
+        # past the 0.5 s timeout on every CPU here (chain(1400) compiled in 0.35 s in a worker on a Zen 4)
+        slow = Constraint("grammar", chain(2100, "t"), "guided_grammar")
         answers = []
         for _ in range(2):  # its client sends it again after the 400
             t0 = time.monotonic()
@@ -299,7 +301,7 @@ def test_a_schema_that_compiled_past_its_timeout_is_refused_at_once_when_sent_ag
                 await pool.compile(compiler, Constraint(slow.kind, slow.value, slow.param))
             answers.append((str(error.value), time.monotonic() - t0, slow.key in pool._compiling))
         # One whose client left early ran for a fraction of the timeout: sent again, it compiles again.
-        left = Constraint("grammar", chain(1400, "u"), "guided_grammar")
+        left = Constraint("grammar", chain(2100, "u"), "guided_grammar")
         leaving = asyncio.ensure_future(pool.compile(compiler, left, receive))
         await asyncio.sleep(0.1)
         gone.set()

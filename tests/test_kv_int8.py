@@ -148,11 +148,12 @@ def i8():
 
 
 def test_native_step_equals_the_per_op_path_over_an_int8_pool(i8) -> None:
-    from test_native_decode import _decode_both, _prompts
+    from family_checks import decode_both
+    from test_native_decode import _prompts
 
     saved = i8.runner.native
     try:
-        _decode_both(i8.runner, _prompts(3, seed=7), steps=3)
+        decode_both(i8.runner, _prompts(3, seed=7), steps=3)
     finally:
         i8.runner.native = saved
 
