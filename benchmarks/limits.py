@@ -64,21 +64,12 @@ class WeightFormat:
 
 
 def gguf_format(path: Path) -> WeightFormat:
-    from gguf import GGUFReader
+    """The GGUF as one sequence's decode step reads it (of a mixture of experts, its chosen experts)."""
+    from kvserve.kv.kv_size import read_architecture
 
-    reader = GGUFReader(path)
-    types = sorted({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
-    # a mixture of experts' step reads its chosen experts only (one sequence: used of count in each layer)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    count, used = (int(reader.fields[f"{arch}.expert_{k}"].parts[-1][0]) if f"{arch}.expert_{k}" in reader.fields else 0
-                   for k in ("count", "used_count"))
-
-    def read(t, n: int) -> int:
-        return n * used // count if count and "_exps." in t.name else n
-
-    nbytes = sum(read(t, int(t.n_bytes)) for t in reader.tensors)
-    params = sum(read(t, int(t.n_elements)) for t in reader.tensors)
-    return WeightFormat(f"GGUF {' + '.join(types)}", nbytes, params, "float32")
+    s = read_architecture(path).stored
+    assert s is not None  # (a file lists its tensors)
+    return WeightFormat(f"GGUF {s.types}", s.active_bytes, s.active_params, "float32")
 
 
 def dense_format(num_params: int, dtype: str) -> WeightFormat:

@@ -14,6 +14,7 @@ config.json (or its directory), or a GGUF file's metadata; kv_size() returns the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,34 @@ DTYPE_BYTES: dict[str, float] = {
     "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
 }
 KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "int8")
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """A GGUF's tensors as stored (their quantized types): all of them, and what one sequence's decode step
+    reads (of a mixture of experts' tensors, the chosen experts' share)."""
+
+    nbytes: int
+    active_bytes: int
+    params: int
+    active_params: int
+    types: str  # the matrices' GGML types, e.g. "Q4_0 + Q6_K"
+
+
+def stored_weights(path: Path, experts: int = 0, chosen: int = 0) -> StoredWeights:
+    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path).tensors
+
+    def total(n: Callable[[Any], int]) -> tuple[int, int]:  # all, and what one token reads
+        idle = sum(n(t) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
+        return sum(n(t) for t in tensors), sum(n(t) for t in tensors) - idle
+
+    nbytes, active_bytes = total(lambda t: int(t.n_bytes))
+    params, active_params = total(lambda t: int(t.n_elements))
+    types = " + ".join(sorted({t.tensor_type.name for t in tensors if len(t.shape) > 1}))
+    return StoredWeights(nbytes, active_bytes, params, active_params, types)
 
 
 @dataclass(frozen=True)
@@ -55,11 +84,7 @@ class Architecture:
     dense_layers: int = 0
     qk_norm: bool = False  # Qwen3's, Gemma 3's norms of each query and key head
     sandwich_norms: bool = False  # Gemma's norms of the attention's and the MLP's outputs
-    # A GGUF's own bytes as stored (its quantized types), all and those a one-sequence decode step reads
-    # (the chosen experts' share of the experts' tensors), and its types; None: the file lists none
-    file_bytes: int | None = None
-    file_active_bytes: int | None = None
-    file_types: str = ""
+    stored: StoredWeights | None = None  # a GGUF's tensors as the file stores them
 
     @property
     def parameters(self) -> int:
@@ -125,7 +150,7 @@ def _from_model(model: str | Path) -> Architecture:
 
     config = read_model_config(model)
     path = Path(model)
-    stored = _stored_bytes(path, config.num_experts, config.num_experts_per_tok) if path.is_file() else {}
+    stored = stored_weights(path, config.num_experts, config.num_experts_per_tok) if path.is_file() else None
     return Architecture(
         name=config.name or path.stem, source="gguf" if path.is_file() else "config.json",
         num_hidden_layers=config.num_hidden_layers,
@@ -144,19 +169,8 @@ def _from_model(model: str | Path) -> Architecture:
         dense_layers=len(config.dense_layers) if config.num_experts else 0,
         qk_norm=config.qk_norm,
         sandwich_norms=config.sandwich_norms,
-        **stored,
+        stored=stored,
     )
-
-
-def _stored_bytes(path: Path, experts: int, chosen: int) -> dict[str, Any]:
-    """A GGUF's tensor bytes (Architecture's file_* fields): all, those one token reads, the matrices' types."""
-    from gguf import GGUFReader
-
-    tensors = GGUFReader(path).tensors
-    total = sum(int(t.n_bytes) for t in tensors)
-    idle = sum(int(t.n_bytes) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
-    types = " + ".join(sorted({t.tensor_type.name for t in tensors if len(t.shape) > 1}))
-    return dict(file_bytes=total, file_active_bytes=total - idle, file_types=types)
 
 
 def read_architecture(model: str | Path) -> Architecture:
@@ -237,7 +251,7 @@ def kv_size(
     arch = model if isinstance(model, Architecture) else read_architecture(model)
     if dtype not in KV_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {dtype!r}")
-    as_stored = weight_dtype is None and arch.file_bytes is not None
+    stored = arch.stored if weight_dtype is None else None
     weight_dtype = weight_dtype or dtype
     if weight_dtype not in DTYPE_BYTES:
         raise ValueError(f"weight dtype must be one of {', '.join(DTYPE_BYTES)}, got {weight_dtype!r}")
@@ -254,8 +268,8 @@ def kv_size(
     mha = kv_bytes_per_token(arch.num_hidden_layers, arch.num_attention_heads, arch.head_dim, elem, scale)
     weights = int(arch.parameters * DTYPE_BYTES[weight_dtype])
     active = int(arch.active_parameters * DTYPE_BYTES[weight_dtype])
-    if as_stored:
-        weights, active = arch.file_bytes or 0, arch.file_active_bytes or 0
+    if stored is not None:
+        weights, active = stored.nbytes, stored.active_bytes
     free = max(0, memory - weights)
     disk_fields = {}
     if disk is not None:
@@ -275,7 +289,7 @@ def kv_size(
         memory_bytes=memory, free_for_cache_bytes=free, max_tokens_in_memory=free // per_token, **disk_fields,
         num_experts=arch.num_experts, num_experts_per_tok=arch.num_experts_per_tok,
         active_parameters=arch.active_parameters, active_bytes=active,
-        weight_format=arch.file_types if as_stored else "", bandwidth=bandwidth,
+        weight_format=stored.types if stored is not None else "", bandwidth=bandwidth,
     )
 
 
