@@ -2,8 +2,9 @@
 windowed and full alternating with a window of 8, 4 experts, top 2, YaRN as gpt-oss configures it).
 Exact greedy tokens in float32 from Hugging Face directories (float experts, and MXFP4 ones as
 gpt-oss publishes them) and from GGUFs written as llama.cpp names gpt-oss (MXFP4 experts and F32);
-MXFP4 is dequantized at load, and the experts' weights are MXFP4 values, so every file is the same
-model. Each piece shown to matter (the tokens differ without the sinks, the clamp, the windows or
+the experts' weights are MXFP4 values, so every file is the same model. Loaded as it comes, an MXFP4
+GGUF keeps its experts as Q5_0 blocks of the same values (model/mxfp4.py), multiplied by the integer
+kernels: the quantized path's agreement with transformers, and equal values. Each piece shown to matter (the tokens differ without the sinks, the clamp, the windows or
 YaRN; the log-probabilities without the sinks); the native step and tensor parallel refused; a
 request's tokens the same alone and batched."""
 from __future__ import annotations
@@ -14,14 +15,15 @@ import shutil
 
 import pytest
 import torch
-from family_checks import greedy, prompts, reference
+from family_checks import agreement, greedy, prompts, reference
 from gguf import GGMLQuantizationType as Q
 from gpt_oss_models import make_gpt_oss, save_mxfp4_directory, write_gpt_oss_gguf
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig, RopeScaling, SchedulerConfig
 from kvserve.model.llama import LlamaModel
-from kvserve.model.loader import read_model_config
+from kvserve.model.loader import load_checkpoint, read_model_config
+from kvserve.model.quant import QuantizedLinear, QuantizedWeight
 from kvserve.parallel.shard import TensorParallelError, plan
 
 PROMPTS = prompts(3, seed=7)  # 4 to 39 tokens, then 24 generated: past the window of 8 everywhere
@@ -39,8 +41,8 @@ def gpt_oss(tmp_path_factory):
     return hf, directory, files, [reference(hf, p) for p in PROMPTS]
 
 
-def _llm(path) -> LLM:
-    return LLM(str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
+def _llm(path, quantization: str = "none") -> LLM:
+    return LLM(str(path), dtype="float32", quantization=quantization, cache=CacheConfig(num_blocks=64))
 
 
 def test_the_config_from_both_sources(gpt_oss) -> None:
@@ -97,9 +99,28 @@ def test_yarn_matters(gpt_oss, tmp_path) -> None:
     assert greedy(_llm(plain), PROMPTS) != want
 
 
+@pytest.mark.parametrize("source", ["mxfp4", "hf-mxfp4"])
+def test_mxfp4_experts_stay_quantized_with_the_same_values_and_agree_with_transformers(gpt_oss, source) -> None:
+    """As it comes, an MXFP4 GGUF or directory keeps every expert as Q5_0 blocks (22 bytes a block where
+    float32 takes 128) holding the float path's very weights; through the integer kernels the greedy
+    choice, fed transformers' tokens, is transformers' at nearly every step, as for the other quantized
+    families."""
+    hf, _, files, _ = gpt_oss
+    kept, exact = (load_checkpoint(files[source], quantization=q).tensors for q in ("auto", "none"))
+    experts = [n for n in exact if ".mlp.experts." in n and n.endswith("_proj.weight")]
+    assert len(experts) == 4 * 4 * 3  # layers x experts x (gate, up, down)
+    for name in experts:
+        assert isinstance(kept[name], QuantizedWeight) and kept[name].qtype == Q.Q5_0, name
+        assert torch.equal(kept[name].dequantize(), exact[name]), name
+    llm = _llm(files[source], "auto")
+    assert all(isinstance(lin, QuantizedLinear) for lw in llm.model.layers for lin in lw.experts.down)
+    agree, steps = agreement(llm, hf, PROMPTS)
+    assert agree >= 0.9 * steps, f"{agree}/{steps}"
+
+
 def test_a_request_is_the_same_alone_and_batched(gpt_oss) -> None:
     _, _, files, _ = gpt_oss
-    llm = _llm(files["mxfp4"])
+    llm = _llm(files["mxfp4"], "auto")  # experts on the integer kernels
     batch = prompts(4, seed=8)
     alone = [greedy(llm, [p])[0] for p in batch]
     assert greedy(llm, batch) == alone

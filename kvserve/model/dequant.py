@@ -16,6 +16,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as np_dequantize
 
+from kvserve.model.mxfp4 import E2M1_DOUBLED
+
 QK_K = 256  # elements in one K-quant super-block
 
 
@@ -72,16 +74,12 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * q).reshape(n, QK_K)
 
 
-# MXFP4's e2m1 values, doubled (ggml's kvalues_mxfp4): halving the e8m0 scale makes up for it
-_E2M1_DOUBLED = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
-
-
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     # e: e8m0 (a power of two, 2^(e - 127)), qs: 4-bit e2m1 codes[32], values 0-15 in the low
     # nibbles, 16-31 in the high ones (gpt-oss's experts, as llama.cpp's converter repacks them)
     e = b[:, :1].to(torch.int32) - 127  # [n, 1]
     half_scale = torch.ldexp(torch.full(e.shape, 0.5), e)
-    return half_scale * _E2M1_DOUBLED[_nibbles(b[:, 1:]).long()]
+    return half_scale * E2M1_DOUBLED[_nibbles(b[:, 1:]).long()]
 
 
 _BLOCK_DECODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4}

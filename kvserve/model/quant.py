@@ -42,6 +42,7 @@ from gguf import GGMLQuantizationType as Q
 from kvserve import hugepages
 from kvserve.config import ModelConfig, env_switch
 from kvserve.kernels import quant_matmul
+from kvserve.model import mxfp4
 from kvserve.model.dequant import dequantize
 from kvserve.model.linear import Linear, bf16_packing_available
 
@@ -49,6 +50,9 @@ log = logging.getLogger("kvserve.model")
 
 # The GGML types the kernels multiply directly; others are dequantized on load.
 KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# Types kept as another kernel type's blocks holding the same values (model/mxfp4.py), and all kept.
+CARRIED_AS: dict[Q, Q] = {Q.MXFP4: Q.Q5_0}
+KEPT_TYPES: frozenset[Q] = KERNEL_TYPES | frozenset(CARRIED_AS)
 # Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
@@ -198,8 +202,12 @@ def x8_enabled() -> bool:
 
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
-    """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight."""
+    """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight
+    (MXFP4's as Q5_0's: CARRIED_AS)."""
     per, size = GGML_QUANT_SIZES[qtype]
+    if qtype == Q.MXFP4:
+        q5 = mxfp4.gguf_as_q5_0(raw.reshape(-1, size))
+        return QuantizedWeight(q5.reshape(shape[0], -1), Q.Q5_0, shape)
     return QuantizedWeight(raw.reshape(shape[0], shape[1] // per * size), qtype, shape)
 
 
