@@ -49,6 +49,11 @@ SHAPES = {
     # OLMoE-1B-7B's shapes as a Qwen3-MoE file (the same layer: q/k norms, 64 SwiGLU experts, top 8)
     "olmoe": dict(arch="qwen3moe", hidden=2048, layers=16, heads=16, kv_heads=16, head_dim=128, ffn=1024,
                   vocab=50304, tied=False, experts=64, experts_used=8, stem="olmoe-1b-7b-shaped"),
+    # gpt-oss-20b's shapes at half its depth (12 of 24 layers, so that a load fits this 24 GiB machine beside
+    # the page cache): 64 heads of 64, 8 KV heads, 32 experts of 2880, top 4, o200k's vocabulary; windows of
+    # 128 in every other layer, YaRN, sinks and the biases. Experts written as MXFP4 (llama.cpp's MXFP4_MOE).
+    "gpt-oss-20b": dict(arch="gpt-oss", hidden=2880, layers=12, heads=64, kv_heads=8, head_dim=64, ffn=2880,
+                        vocab=201088, tied=False, experts=32, experts_used=4, stem="gpt-oss-20b-shaped-12l"),
 }
 
 
@@ -91,8 +96,9 @@ def model_file(name: str, progress=print) -> Path:
 def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int = 2048, layers: int = 16,
                  heads: int = 32, kv_heads: int = 8, head_dim: int = 64, ffn: int = 8192, vocab: int | None = None,
                  tied: bool = False, seed: int = 0, experts: int = 0, experts_used: int = 0) -> None:
-    """A llama / qwen3 / gemma3 / qwen3moe GGUF of the given shapes, named as llama.cpp names them: F16 weights
-    ~ N(0, 0.02) (a mixture of experts' router in F32, its experts `ffn` wide), norms of 1, the default model's
+    """A llama / qwen3 / gemma3 / qwen3moe / gpt-oss GGUF of the given shapes, named as llama.cpp names them: F16
+    weights ~ N(0, 0.02) (a mixture of experts' router in F32, its experts `ffn` wide; gpt-oss's experts MXFP4 of
+    random codes at a scale of 2^-8, its biases and sinks F32 ~ N(0, 0.02)), norms of 1, the default model's
     tokenizer (so any client can talk to it) padded with unused tokens to `vocab`. Gemma 3's windows and RoPE
     bases are Gemma-3-4B's. Only its speed means anything. Tensors are made and written one at a time (an
     OLMoE-shaped file is 14 GB of F16)."""
@@ -117,12 +123,17 @@ def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int 
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base({"llama": 500000.0}.get(arch, 1e6))
+    w.add_rope_freq_base({"llama": 500000.0, "gpt-oss": 150000.0}.get(arch, 1e6))
     w.add_layer_norm_rms_eps(1e-6)
     if arch == "gemma3":
         w.add_sliding_window(1024)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(8.0)
+    if arch == "gpt-oss":
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
@@ -137,9 +148,11 @@ def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int 
         tensors.append(("output.weight", (vocab, hidden), "rand"))
     tensors.append(("output_norm.weight", (hidden,), "ones"))
     norms = {"llama": ("attn_norm", "ffn_norm"), "qwen3": ("attn_norm", "ffn_norm"), "qwen3moe": ("attn_norm", "ffn_norm"),
-             "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[arch]
-    mlp = ([("ffn_gate_inp", (experts, hidden), "router"), ("ffn_gate_exps", (experts, ffn, hidden), "rand"),
-            ("ffn_up_exps", (experts, ffn, hidden), "rand"), ("ffn_down_exps", (experts, hidden, ffn), "rand")]
+             "gemma3": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"),
+             "gpt-oss": ("attn_norm", "post_attention_norm")}[arch]
+    kind = "mxfp4" if arch == "gpt-oss" else "rand"
+    mlp = ([("ffn_gate_inp", (experts, hidden), "router"), ("ffn_gate_exps", (experts, ffn, hidden), kind),
+            ("ffn_up_exps", (experts, ffn, hidden), kind), ("ffn_down_exps", (experts, hidden, ffn), kind)]
            if experts else [("ffn_gate", (ffn, hidden), "rand"), ("ffn_up", (ffn, hidden), "rand"),
                             ("ffn_down", (hidden, ffn), "rand")])
     for i in range(layers):
@@ -148,16 +161,29 @@ def write_random(path: Path, vocab_from: Path, arch: str = "llama", hidden: int 
                                   ("attn_v", (kv_heads * d, hidden), "rand"), ("attn_output", (hidden, heads * d), "rand"),
                                   *mlp, *((name, (hidden,), "ones") for name in norms)):
             tensors.append((p + name + ".weight", shape, kind))
-        if arch != "llama":  # Qwen3's and Gemma 3's per-head q/k norms
+        if arch in ("qwen3", "qwen3moe", "gemma3"):  # per-head q/k norms
             tensors += [(p + "attn_q_norm.weight", (d,), "ones"), (p + "attn_k_norm.weight", (d,), "ones")]
+        if arch == "gpt-oss":  # biases everywhere, each head's sink
+            tensors += [(p + name, shape, "router") for name, shape in (
+                ("attn_q.bias", (heads * d,)), ("attn_k.bias", (kv_heads * d,)), ("attn_v.bias", (kv_heads * d,)),
+                ("attn_output.bias", (hidden,)), ("attn_sinks.weight", (heads,)), ("ffn_gate_inp.bias", (experts,)),
+                ("ffn_gate_exps.bias", (experts, ffn)), ("ffn_up_exps.bias", (experts, ffn)),
+                ("ffn_down_exps.bias", (experts, hidden)))]
 
     def make(shape: tuple[int, ...], kind: str) -> np.ndarray:
         if kind == "ones":
             return np.ones(shape, np.float32)
+        if kind == "mxfp4":  # [..., blocks, 17]: the scale byte 120 (2^-8 for the doubled codes), random codes
+            blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // 32, 17), dtype=np.uint8)
+            blocks[..., 0] = 120
+            return blocks.reshape(*shape[:-1], -1)
         x = rng.standard_normal(shape, dtype=np.float32) * 0.02
         return x if kind == "router" else x.astype(np.float16)
 
     for name, shape, kind in tensors:
+        if kind == "mxfp4":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) // 32 * 17, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            continue
         dtype = np.float16 if kind == "rand" else np.float32
         w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()

@@ -62,10 +62,14 @@ def test_a_gguf_keeps_a_tensor_with_such_a_scale_in_float_and_says_so(tmp_path, 
 
 
 def test_kv_size_counts_the_experts_as_kept(tmp_path) -> None:
-    """`kvserve kv-size` counts an MXFP4 file's weights as the loader keeps them: Q5_0 experts, float rest."""
+    """`kvserve kv-size` counts an MXFP4 file's weights as the loader keeps them (Q5_0 experts, float rest),
+    the benchmarks as the file stores them."""
     hf, _ = make_gpt_oss(tmp_path / "hf", seed=1)
     path = write_gpt_oss_gguf(tmp_path / "m.gguf", hf)
     kept = load_checkpoint(path, quantization="auto").tensors
     stored = stored_weights(path)
     assert stored.nbytes == sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * 4 for w in kept.values())
     assert stored.types == "F32 + MXFP4 (as Q5_0)"
+    as_stored = stored_weights(path, as_kept=False)  # (the benchmarks' roofline: the least any server reads)
+    assert as_stored.nbytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) < stored.nbytes
+    assert as_stored.types == "F32 + MXFP4"

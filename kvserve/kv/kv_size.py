@@ -43,8 +43,9 @@ class StoredWeights:
     types: str  # the matrices' GGML types, e.g. "Q4_0 + Q6_K"
 
 
-def stored_weights(path: Path, experts: int = 0, chosen: int = 0) -> StoredWeights:
-    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model)."""
+def stored_weights(path: Path, experts: int = 0, chosen: int = 0, as_kept: bool = True) -> StoredWeights:
+    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model); its bytes as kvserve
+    keeps them, or (as_kept=False) as the file stores them: the least any server reads."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 
@@ -56,9 +57,10 @@ def stored_weights(path: Path, experts: int = 0, chosen: int = 0) -> StoredWeigh
         idle = sum(n(t) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
         return sum(n(t) for t in tensors), sum(n(t) for t in tensors) - idle
 
-    nbytes, active_bytes = total(lambda t: mxfp4.kept_nbytes(int(t.n_bytes)) if t.tensor_type == Q.MXFP4 else int(t.n_bytes))
+    carried = Q.MXFP4 if as_kept else None  # (held as Q5_0: model/mxfp4.py)
+    nbytes, active_bytes = total(lambda t: mxfp4.kept_nbytes(int(t.n_bytes)) if t.tensor_type == carried else int(t.n_bytes))
     params, active_params = total(lambda t: int(t.n_elements))
-    types = " + ".join(sorted({t.tensor_type.name + (" (as Q5_0)" if t.tensor_type == Q.MXFP4 else "")
+    types = " + ".join(sorted({t.tensor_type.name + (" (as Q5_0)" if t.tensor_type == carried else "")
                                for t in tensors if len(t.shape) > 1}))
     return StoredWeights(nbytes, active_bytes, params, active_params, types)
 
