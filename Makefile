@@ -66,7 +66,7 @@ test: setup lint  ## lint, the whole suite, slow tests included, then the kernel
 KERNEL_TESTS ?= tests/test_kernels.py tests/test_quant.py tests/test_native_decode.py tests/test_kv_int8.py tests/test_quality.py
 # and each family's native decode step against its per-op path, which those files do not reach: Gemma's
 # sandwich norms, GeGLU, soft caps and windows; Qwen3's q/k norms; Phi-3's partial rotary; Qwen2's and
-# Qwen3's mixed windows.
+# Qwen3's mixed windows; the experts of Mixtral, Qwen3-MoE and gpt-oss (its sinks too).
 NATIVE_STEP_TESTS ?= \
 	tests/test_gemma.py::test_the_converters_q8_0_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
 	tests/test_qwen3.py::test_a_quantized_gguf_runs_the_native_step_as_the_per_op_path_does_and_agrees_with_transformers \
@@ -74,7 +74,8 @@ NATIVE_STEP_TESTS ?= \
 	tests/test_sliding_window.py::test_mixed_windows_run_the_native_step_as_the_per_op_path_does \
 	tests/test_moe.py::test_the_native_step_routes_and_adds_the_experts_bit_for_bit_as_the_per_op_path \
 	tests/test_moe.py::test_a_quantized_qwen3_moe_with_a_dense_layer_and_unrenormalized_weights_takes_the_native_step \
-	tests/test_moe.py::test_the_router_kernel_picks_the_experts_and_weights_torch_does
+	tests/test_moe.py::test_the_router_kernel_picks_the_experts_and_weights_torch_does \
+	tests/test_gpt_oss.py::test_the_native_step_gives_the_per_op_paths_logits_and_tokens
 # Test by test over the workers, not file by file: one file (test_native_decode.py) is most of the
 # plain C path's time. Its kernels are built first (BUILD_KERNELS), so no two workers compile them.
 ISA_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load)

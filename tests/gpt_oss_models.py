@@ -77,9 +77,10 @@ def _expert_tensors(layer: str, name: str, t: np.ndarray) -> dict[str, np.ndarra
     return {f"{layer}.ffn_down_exps.bias": t}
 
 
-def write_gpt_oss_gguf(path: Path, model: Any, experts: Q = Q.MXFP4) -> Path:
-    """The model as llama.cpp's converter writes gpt-oss: experts' matrices as `experts` (MXFP4 or F32),
-    everything else F32; YaRN as rope.scaling metadata; the window and the expert sizes."""
+def write_gpt_oss_gguf(path: Path, model: Any, experts: Q = Q.MXFP4, attention: Q = Q.F32) -> Path:
+    """The model as llama.cpp's converter writes gpt-oss: experts' matrices as `experts` (MXFP4 or F32), the
+    attention's as `attention` (F32, or Q8_0 as llama.cpp's MXFP4_MOE files have them), everything else F32;
+    YaRN as rope.scaling metadata; the window and the expert sizes."""
     c = model.config
     rope = c.rope_parameters
     w = gguf.GGUFWriter(str(path), "gpt-oss")
@@ -112,8 +113,10 @@ def write_gpt_oss_gguf(path: Path, model: Any, experts: Q = Q.MXFP4) -> Path:
         else:
             tensors[f"blk.{i}.{_NAMES[rest]}"] = a
     for name, a in tensors.items():
-        if name.endswith("_exps.weight") and experts != Q.F32:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a), experts), raw_dtype=experts)
+        kind = experts if name.endswith("_exps.weight") else attention if ".attn_" in name and name.endswith(
+            ("_q.weight", "_k.weight", "_v.weight", "_output.weight")) else Q.F32
+        if kind != Q.F32:
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a), kind), raw_dtype=kind)
         else:
             w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
     w.write_header_to_file()

@@ -3,10 +3,11 @@ windowed and full alternating with a window of 8, 4 experts, top 2, YaRN as gpt-
 Exact greedy tokens in float32 from Hugging Face directories (float experts, and MXFP4 ones as
 gpt-oss publishes them) and from GGUFs written as llama.cpp names gpt-oss (MXFP4 experts and F32);
 the experts' weights are MXFP4 values, so every file is the same model. Loaded as it comes, an MXFP4
-GGUF keeps its experts as Q5_0 blocks of the same values (model/mxfp4.py), multiplied by the integer
-kernels: the quantized path's agreement with transformers, and equal values. Each piece shown to matter (the tokens differ without the sinks, the clamp, the windows or
-YaRN; the log-probabilities without the sinks); the native step and tensor parallel refused; a
-request's tokens the same alone and batched."""
+file keeps its experts as Q5_0 blocks of the same values (model/mxfp4.py) for the integer kernels:
+equal values, and the quantized path's agreement with transformers; with quantized attention too,
+the native decode step, equal to the per-op path. Each piece shown to matter (the tokens differ
+without the sinks, the clamp, the windows or YaRN; the log-probabilities without the sinks); tensor
+parallel refused; a request's tokens the same alone and batched."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,18 +16,20 @@ import shutil
 
 import pytest
 import torch
-from family_checks import agreement, greedy, prompts, reference
+from family_checks import agreement, decode_both, greedy, native_and_per_op, prompts, reference
 from gguf import GGMLQuantizationType as Q
 from gpt_oss_models import make_gpt_oss, save_mxfp4_directory, write_gpt_oss_gguf
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig, RopeScaling, SchedulerConfig
+from kvserve.kernels import decode_step, layer_ops
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_checkpoint, read_model_config
 from kvserve.model.quant import QuantizedLinear, QuantizedWeight
 from kvserve.parallel.shard import TensorParallelError, plan
 
-PROMPTS = prompts(3, seed=7)  # 4 to 39 tokens, then 24 generated: past the window of 8 everywhere
+PROMPTS = prompts(3, seed=7)
+native_step = pytest.mark.skipif(decode_step.library() is None, reason="no C compiler: the native step cannot build")  # 4 to 39 tokens, then 24 generated: past the window of 8 everywhere
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,7 @@ def gpt_oss(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss")
     hf, directory = make_gpt_oss(root / "hf", seed=1)
     files = {"mxfp4": write_gpt_oss_gguf(root / "mxfp4.gguf", hf),
+             "mxfp4-q8_0": write_gpt_oss_gguf(root / "mxfp4-q8_0.gguf", hf, attention=Q.Q8_0),
              "f32": write_gpt_oss_gguf(root / "f32.gguf", hf, experts=Q.F32),
              "hf-mxfp4": save_mxfp4_directory(directory, root / "hf-mxfp4")}
     return hf, directory, files, [reference(hf, p) for p in PROMPTS]
@@ -62,7 +66,7 @@ def test_the_config_from_both_sources(gpt_oss) -> None:
 def test_float32_greedy_tokens_equal_transformers(gpt_oss, source) -> None:
     _, directory, files, want = gpt_oss
     llm = _llm(directory if source == "hf" else files[source])
-    assert llm.runner.native is None  # refused: the experts and the sinks run in the per-op path
+    assert llm.runner.native is None  # float weights: the per-op path (its decode steps' sinks in the fused kernel)
     assert greedy(llm, PROMPTS) == want
 
 
@@ -114,6 +118,26 @@ def test_mxfp4_experts_stay_quantized_with_the_same_values_and_agree_with_transf
         assert torch.equal(kept[name].dequantize(), exact[name]), name
     llm = _llm(files[source], "auto")
     assert all(isinstance(lin, QuantizedLinear) for lw in llm.model.layers for lin in lw.experts.down)
+    agree, steps = agreement(llm, hf, PROMPTS)
+    assert agree >= 0.9 * steps, f"{agree}/{steps}"
+
+
+@native_step
+def test_the_native_step_gives_the_per_op_paths_logits_and_tokens(gpt_oss) -> None:
+    """With quantized attention (as llama.cpp's MXFP4_MOE files have it) gpt-oss runs the native decode step:
+    sinks in the fused attention, the biased router's softmax of the top k, biased experts and the clamped
+    SwiGLU in C, and the per-op path computes the same bits (its decode through the same kernels); windowed
+    layers are past their window of 8 in 12 steps. Greedy tokens equal, and they agree with transformers."""
+    hf, _, files, _ = gpt_oss
+    llm = _llm(files["mxfp4-q8_0"], "auto")
+    native = llm.runner.native
+    assert native is not None
+    layers = native._layers
+    assert [bool(layers[i].sinks) for i in range(4)] == [True] * 4 and layers[0].experts.router_bias
+    assert layers[0].experts.how == layer_ops.ROUTE_TOP_LOGITS and native._model.swiglu_limit == 7.0
+    decode_both(llm.runner, prompts(4, seed=8), steps=12)
+    ours, per_op = native_and_per_op(llm, PROMPTS)
+    assert ours == per_op
     agree, steps = agreement(llm, hf, PROMPTS)
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
 

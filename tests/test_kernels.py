@@ -37,8 +37,9 @@ def random_case(B, H, Hkv, D, bs, lens, dtype, seed=0):
     return q, kv, tables
 
 
-def exact(q, kv, tables, lens, bs, scale, window=0):
-    """float64 attention of each query over its own context (its last `window` keys, if given)."""
+def exact(q, kv, tables, lens, bs, scale, window=0, sinks=None):
+    """float64 attention of each query over its own context (its last `window` keys, if given); sinks [H]:
+    each head's sink logit in its softmax, its share dropped (gpt-oss)."""
     B, H, D = q.shape
     Hkv = kv.shape[1]
     out = torch.empty(B, H, D, dtype=torch.float64)
@@ -48,7 +49,10 @@ def exact(q, kv, tables, lens, bs, scale, window=0):
             ctx = ctx[:, :, -window:]
         k = ctx[0].repeat_interleave(H // Hkv, 0)
         v = ctx[1].repeat_interleave(H // Hkv, 0)
-        p = torch.softmax((k @ q[b].double().unsqueeze(-1)).squeeze(-1) * scale, -1)  # [H, L]
+        scores = (k @ q[b].double().unsqueeze(-1)).squeeze(-1) * scale  # [H, L]
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().unsqueeze(1)], 1)
+        p = torch.softmax(scores, -1)[:, : ctx.shape[2]]
         out[b] = (p.unsqueeze(1) @ v).squeeze(1)
     return out
 
@@ -106,6 +110,21 @@ def test_paged_decode_sliding_window_matches_exact_attention(window, dtype, kv_d
     assert (out.double() - exact(q, kv, tables, lens, bs, 0.125, window)).abs().max().item() < tol
     full = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125)
     assert not torch.equal(out[6], full[6])  # the window changes a long context's output
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_decode_with_sinks_matches_exact_attention(window) -> None:
+    """gpt-oss's sinks: each head's logit joins its softmax and takes no value; sinks of -inf change no bit."""
+    bs, lens, H = 16, [1, 4, 17, 38, 70], 8
+    q, kv, tables = random_case(len(lens), H, 2, 64, bs, lens, torch.float32)
+    sinks = 2.0 * torch.randn(H, generator=torch.Generator().manual_seed(1))
+    out = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125, window=window, sinks=sinks)
+    assert (out.double() - exact(q, kv, tables, lens, bs, 0.125, window, sinks)).abs().max().item() < 2e-6
+    plain = paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125, window=window)
+    assert (out - plain).abs().max().item() > 1e-2
+    none = torch.full((H,), float("-inf"))
+    assert torch.equal(paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), 0.125, window=window, sinks=none),
+                       plain)
 
 
 def slid_out(tables, lens, bs, window, pool, poison=float("nan")):

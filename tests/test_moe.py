@@ -97,7 +97,7 @@ def test_a_quantized_qwen3_moe_with_a_dense_layer_and_unrenormalized_weights_tak
                                       mlp_only_layers=[1])
     llm = LLM(str(directory), quantization="q8_0", cache=CacheConfig(num_blocks=128, enable_prefix_caching=False))
     layers = llm.runner.native._layers
-    assert (layers[0].experts.n, layers[0].experts.top_k, layers[0].experts.renormalize) == (8, 3, 0)
+    assert (layers[0].experts.n, layers[0].experts.top_k, layers[0].experts.how) == (8, 3, layer_ops.ROUTE_SOFTMAX)
     assert layers[1].experts.n == 0 and layers[1].gate_up.nparts == 1 and layers[2].experts.n == 8
     decode_both(llm.runner, prompts(4, seed=8), steps=5)
     native, per_op = native_and_per_op(llm, prompts(3, seed=9))
@@ -105,17 +105,23 @@ def test_a_quantized_qwen3_moe_with_a_dense_layer_and_unrenormalized_weights_tak
 
 
 def test_the_router_kernel_picks_the_experts_and_weights_torch_does() -> None:
-    """layer_ops.route (both paths' router on quantized models) against torch's softmax and top k."""
+    """layer_ops.route (both paths' router on quantized models) against torch's softmax and top k: Mixtral's
+    and Qwen3-MoE's (softmax over all, renormalized or not) and gpt-oss's (biased logits, softmax of the top k)."""
     torch.manual_seed(0)
-    h, router = torch.randn(37, 64), torch.randn(16, 64) * 0.2
+    h, router, bias = torch.randn(37, 64), torch.randn(16, 64) * 0.2, torch.randn(16) * 0.5
     for renorm in (True, False):
-        chosen, w = layer_ops.route(h, router, 4, renorm)
+        chosen, w = layer_ops.route(h, router, 4, layer_ops.ROUTE_RENORM if renorm else layer_ops.ROUTE_SOFTMAX)
         want_w, want = torch.softmax(h @ router.T, dim=-1).topk(4, dim=-1)
         want_w = want_w / want_w.sum(-1, keepdim=True) if renorm else want_w
         assert torch.equal(chosen, want)
         assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+    chosen, w = layer_ops.route(h, router, 4, layer_ops.ROUTE_TOP_LOGITS, bias)
+    top, want = torch.nn.functional.linear(h, router, bias).topk(4, dim=-1)
+    assert torch.equal(chosen, want)
+    assert torch.allclose(w, torch.softmax(top, dim=-1), rtol=1e-5, atol=1e-6)
     nan = torch.full((1, 64), float("nan"))
-    assert layer_ops.route(nan, router, 2, True)[0].tolist() == [[0, 1]]  # a NaN row still names two experts
+    for how in (layer_ops.ROUTE_RENORM, layer_ops.ROUTE_TOP_LOGITS):  # a NaN row still names two experts
+        assert layer_ops.route(nan, router, 2, how)[0].tolist() == [[0, 1]]
 
 
 def test_the_startup_log_says_the_bytes_a_token_reads(moe, caplog) -> None:

@@ -76,12 +76,14 @@ typedef struct {
     const float *bias; /* [total_rows] or NULL */
 } kv_linear;
 
-/* A mixture of experts' sparse layer (Mixtral, Qwen3-MoE): each row's top_k of n SwiGLU experts by the router
- * (layer_ops.c's route_row), their outputs weighted by it. n 0: the layer's MLP is dense. */
+/* A mixture of experts' sparse layer (Mixtral, Qwen3-MoE, gpt-oss): each row's top_k of n SwiGLU experts by the
+ * router (layer_ops.c's route_row), their outputs weighted by it. n 0: the layer's MLP is dense. The experts'
+ * linears may carry biases (gpt-oss's), added to their outputs before the activation and the weighting. */
 typedef struct {
-    int n, top_k, renormalize;
+    int n, top_k, how;               /* how: route_row's ROUTE_* */
     long ffn;                        /* each expert's width */
     const float *router;             /* [n, hidden] */
+    const float *router_bias;        /* [n] or NULL */
     const kv_linear *gate_up, *down; /* [n] each: hidden -> 2 ffn (gate rows, then up), ffn -> hidden */
 } kv_experts;
 
@@ -95,6 +97,7 @@ typedef struct {
     int window;       /* this layer's sliding window (keys per query), 0: none */
     int sliding_rope; /* turned by the model's sliding_inv_freq (Gemma 3's windowed layers) */
     kv_experts experts;
+    const float *sinks; /* [H]: each query head's attention sink logit (gpt-oss), else NULL */
 } kv_layer;
 
 typedef struct {
@@ -116,6 +119,7 @@ typedef struct {
     float embed_scale;             /* each embedding row multiplied by it (Gemma: sqrt(hidden)), 1: none */
     int gelu;                      /* the MLP's activation: 0 SiLU, 1 tanh GELU */
     float attn_softcap;            /* > 0: attention scores soft-capped to it (Gemma 2; paged_attention.c) */
+    float swiglu_alpha, swiglu_limit; /* limit > 0: the experts' clamped SwiGLU (gpt-oss; layer_ops.c) */
 } kv_model;
 
 /* Buffers for a batch of up to max_batch rows, allocated once by the caller. */
@@ -256,6 +260,12 @@ static void experts_matmul(const kv_linear *Ls, const long *chunk_at, const long
     }
 }
 
+/* y[n] += bias[n] where there is one: a biased expert's outputs, as the per-op path's linear adds them. */
+static inline void add_bias(float *y, const float *bias, long n) {
+    if (bias)
+        for (long i = 0; i < n; i++) y[i] += bias[i];
+}
+
 /* A sparse layer's MLP for the B rows of ws->h into ws->delta, every thread calling it: each row routed
  * (route_row), the routed rows grouped by expert, then one work-shared loop over every chosen expert's
  * 16-row chunks of gate_up, SiLU * up, and one over down, so each chosen expert's weights are read once per
@@ -268,7 +278,7 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
     float *part = ws->part + (size_t)omp_get_thread_num() * 2 * ws->max_batch * 16;
     FOR_STATIC
     for (int t = 0; t < B; t++)
-        route_row(ws->h + (size_t)t * N, X->router, N, E, k, X->renormalize, ws->moe_chosen + (size_t)t * k,
+        route_row(ws->h + (size_t)t * N, X->router, X->router_bias, N, E, k, X->how, ws->moe_chosen + (size_t)t * k,
                   ws->moe_weight + (size_t)t * k, ws->moe_logits + (size_t)omp_get_thread_num() * E);
     PHASE(PH_NORM2);
 #pragma omp single
@@ -305,7 +315,12 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
     FOR_STATIC
     for (long g = 0; g < R; g++) {
         const int e = span_of(first, E, g);
-        silu_mul_row(ws->moe_gu + (size_t)g * 2 * F, ws->moe_act + (size_t)g * F, (int)F);
+        float *gu = ws->moe_gu + (size_t)g * 2 * F;
+        add_bias(gu, X->gate_up[e].bias, 2 * F);
+        if (m->swiglu_limit > 0.f)
+            clamped_swiglu_row(gu, ws->moe_act + (size_t)g * F, (int)F, m->swiglu_alpha, m->swiglu_limit);
+        else
+            silu_mul_row(gu, ws->moe_act + (size_t)g * F, (int)F);
         const acts A = acts_for(ws->acts + ws->moe_acts_down[e], first[e + 1] - first[e], lv, &X->down[e]);
         quantize_input(ws->moe_act + (size_t)g * F, &A, g - first[e], lv);
     }
@@ -325,7 +340,8 @@ static void experts_in_region(const kv_model *m, const kv_experts *X, const kv_w
         for (int i = 0; i < N; i++) d[i] = 0.f;
         for (int s = 0; s < k; s++) {
             const float w = ws->moe_weight[(size_t)t * k + order[s]];
-            const float *y = ws->moe_y + (size_t)ws->moe_at[(size_t)t * k + order[s]] * N;
+            float *y = ws->moe_y + (size_t)ws->moe_at[(size_t)t * k + order[s]] * N;
+            add_bias(y, X->down[chosen[order[s]]].bias, N);
             for (int i = 0; i < N; i++) d[i] += y[i] * w;
         }
     }
@@ -436,14 +452,13 @@ int kvserve_argmax(const float *logits, int B, long ld, long cols, int64_t *argm
     return 0;
 }
 
-/* A sparse layer the step takes: SwiGLU experts of quantized weights without biases. */
+/* A sparse layer the step takes: SwiGLU experts (clamped or not) of quantized weights. */
 static int experts_ok(const kv_model *m, const kv_experts *X) {
     if (X->n < 1 || X->top_k < 1 || X->top_k > X->n || !X->router || X->ffn < 32 || X->ffn % 32 || m->gelu ||
-        !X->gate_up || !X->down)
+        !X->gate_up || !X->down || X->how < ROUTE_SOFTMAX || X->how > ROUTE_TOP_LOGITS)
         return 0;
     for (int e = 0; e < X->n; e++)
-        if (!linear_ok(&X->gate_up[e], m->hidden, 2 * X->ffn) || !linear_ok(&X->down[e], X->ffn, m->hidden) ||
-            X->gate_up[e].bias || X->down[e].bias)
+        if (!linear_ok(&X->gate_up[e], m->hidden, 2 * X->ffn) || !linear_ok(&X->down[e], X->ffn, m->hidden))
             return 0;
     return 1;
 }
@@ -553,7 +568,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 for (int h = 0; h < Hkv; h++) {
                     rope_store(m, L, ws, slots, 0, h, num_slots);
                     attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables, seq_lens[0], L->window, 0, h, H, Hkv,
-                                (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, FMT_F32, m->kv_fmt, scores);
+                                (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, L->sinks, FMT_F32,
+                                m->kv_fmt, scores);
                 }
             } else {
                 FOR_STATIC
@@ -564,7 +580,8 @@ int kvserve_decode_step(const kv_model *m, const kv_work *ws, int B, const int64
                 for (int item = 0; item < B * Hkv; item++) {
                     const int b = item / Hkv, h = item % Hkv;
                     attend_item(ws->q, L->kv, L->kv_scale, ws->att, tables + (size_t)b * max_blocks, seq_lens[b], L->window, b, h,
-                                H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, FMT_F32, m->kv_fmt, scores);
+                                H, Hkv, (size_t)num_slots, m->block_size, D, m->scale, m->attn_softcap, L->sinks, FMT_F32,
+                                m->kv_fmt, scores);
                 }
             }
             PHASE(PH_ATTN);

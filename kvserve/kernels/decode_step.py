@@ -28,7 +28,7 @@ class Linear(ctypes.Structure):
 
 
 class Experts(ctypes.Structure):
-    _fields_ = [("n", _i), ("top_k", _i), ("renormalize", _i), ("ffn", _l), ("router", _p),
+    _fields_ = [("n", _i), ("top_k", _i), ("how", _i), ("ffn", _l), ("router", _p), ("router_bias", _p),
                 ("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear))]
 
 
@@ -36,7 +36,7 @@ class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
                 ("down", Linear), ("kv", _p), ("kv_scale", _p), ("q_norm", _p), ("k_norm", _p),
                 ("attn_out_norm", _p), ("mlp_out_norm", _p), ("window", _i), ("sliding_rope", _i),
-                ("experts", Experts)]
+                ("experts", Experts), ("sinks", _p)]
 
 
 class Model(ctypes.Structure):
@@ -46,6 +46,7 @@ class Model(ctypes.Structure):
         ("window", _i), ("inv_freq", _p), ("embed_type", _i), ("embed", _p), ("vocab", _l), ("final_norm", _p),
         ("lm_head", Linear), ("layers", ctypes.POINTER(Layer)), ("act_levels", _i),
         ("sliding_inv_freq", _p), ("embed_scale", _f), ("gelu", _i), ("attn_softcap", _f),
+        ("swiglu_alpha", _f), ("swiglu_limit", _f),
     ]
 
 

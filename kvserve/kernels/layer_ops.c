@@ -268,6 +268,25 @@ int kvserve_gelu_mul(const float *gu, float *act, int T, int F, long ld, int nth
     return 0;
 }
 
+/* act[F] = (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g), g = min(gate, limit), float32: gpt-oss's clamped
+ * SwiGLU (a NaN stays NaN, as torch's clamp keeps it), g sigmoid(alpha g) through silu_mul_row's exp. */
+static inline __attribute__((always_inline)) void clamped_swiglu_row(const float *gu, float *act, int F, float alpha,
+                                                                     float limit) {
+    const float *up = gu + F;
+#pragma omp simd
+    for (int i = 0; i < F; i++) {
+        const float g = gu[i] > limit ? limit : gu[i], u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+        act[i] = (u + 1.f) * (g / (1.f + exp_approx(-alpha * g)));
+    }
+}
+
+int kvserve_clamped_swiglu(const float *gu, float *act, int T, int F, long ld, float alpha, float limit, int nthreads) {
+    const long work = (long)T * F;
+    PARALLEL_ROWS
+    for (int t = 0; t < T; t++) clamped_swiglu_row(gu + (size_t)t * 2 * F, act + (size_t)t * ld, F, alpha, limit);
+    return 0;
+}
+
 /* cos and sin [D] of position p: angle p * inv_freq[i] in float32, the D/2 frequencies twice
  * over, rounded to the model's dtype (the rotate-half convention's tables). */
 static inline void rope_table_row(int64_t p, const float *inv_freq, int D, void *cs, void *sn, size_t o, int bf16) {
@@ -286,40 +305,57 @@ int kvserve_rope_table(const int64_t *positions, const float *inv_freq, int T, i
     return 0;
 }
 
-/* A mixture of experts' router for one row h [N]: the logits h . router_e (dot_lanes), softmax over all E experts (float32, expf), the top k of it (ties to the lower
- * expert) into chosen [k], their weights into w [k], renormalized over the chosen where asked (Mixtral's,
- * Qwen3-MoE's norm_topk_prob). The per-op path and the native step both route through it, so a row's
- * experts and weights do not depend on the path or on the batch. logits: E floats of scratch. */
-static void route_row(const float *h, const float *router, int N, int E, int k, int renorm, int64_t *chosen, float *w,
-                      float *logits) {
+/* How a router turns its logits into the chosen experts' weights. */
+enum {
+    ROUTE_SOFTMAX = 0,  /* softmax over all E experts, the top k of it */
+    ROUTE_RENORM = 1,   /* the same, renormalized over the chosen (Mixtral's, Qwen3-MoE's norm_topk_prob) */
+    ROUTE_TOP_LOGITS = 2 /* the top k logits, softmax over them (gpt-oss) */
+};
+
+/* A mixture of experts' router for one row h [N]: the logits h . router_e (dot_lanes), plus bias[e] where given,
+ * then the top k (ties to the lower expert) into chosen [k] and their weights into w [k] as `how` says (float32,
+ * expf). The per-op path and the native step both route through it, so a row's experts and weights do not
+ * depend on the path or on the batch. logits: E floats of scratch. */
+static void route_row(const float *h, const float *router, const float *bias, int N, int E, int k, int how,
+                      int64_t *chosen, float *w, float *logits) {
     float top = -INFINITY;
     for (int e = 0; e < E; e++) {
         logits[e] = dot_lanes(h, router + (size_t)e * N, N);
+        if (bias) logits[e] += bias[e];
         top = logits[e] > top ? logits[e] : top;
     }
-    float sum = 0.f;
-    for (int e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - top);
-    for (int e = 0; e < E; e++) logits[e] /= sum;
+    if (how != ROUTE_TOP_LOGITS) {
+        float sum = 0.f;
+        for (int e = 0; e < E; e++) sum += logits[e] = expf(logits[e] - top);
+        for (int e = 0; e < E; e++) logits[e] /= sum;
+    }
+    unsigned char taken[E];
+    memset(taken, 0, (size_t)E);
     float kept = 0.f;
     for (int s = 0; s < k; s++) {
         int best = -1;
         for (int e = 0; e < E; e++)
-            if (logits[e] != -1.f && (best < 0 || logits[e] > logits[best])) best = e; /* a NaN row: the lowest left */
-        chosen[s] = best, w[s] = logits[best];
+            if (!taken[e] && (best < 0 || logits[e] > logits[best])) best = e; /* a NaN row: the lowest left */
+        chosen[s] = best, w[s] = logits[best], taken[best] = 1;
         kept += w[s];
-        logits[best] = -1.f; /* taken */
     }
-    if (renorm)
+    if (how == ROUTE_RENORM)
         for (int s = 0; s < k; s++) w[s] /= kept;
+    if (how == ROUTE_TOP_LOGITS) {
+        const float m = w[0]; /* the largest */
+        float sum = 0.f;
+        for (int s = 0; s < k; s++) sum += w[s] = expf(w[s] - m);
+        for (int s = 0; s < k; s++) w[s] /= sum;
+    }
 }
 
 /* h [T, N] float32 -> each row's k experts chosen [T, k] and weights w [T, k] (route_row); -1 when the
  * shapes do not fit. */
-int kvserve_route(const float *h, const float *router, int T, int N, int E, int k, int renorm, int64_t *chosen,
-                  float *w) {
-    if (k < 1 || k > E) return -1;
+int kvserve_route(const float *h, const float *router, const float *bias, int T, int N, int E, int k, int how,
+                  int64_t *chosen, float *w) {
+    if (k < 1 || k > E || how < ROUTE_SOFTMAX || how > ROUTE_TOP_LOGITS) return -1;
     float logits[E];
     for (int t = 0; t < T; t++)
-        route_row(h + (size_t)t * N, router, N, E, k, renorm, chosen + (size_t)t * k, w + (size_t)t * k, logits);
+        route_row(h + (size_t)t * N, router, bias, N, E, k, how, chosen + (size_t)t * k, w + (size_t)t * k, logits);
     return 0;
 }

@@ -17,7 +17,8 @@ _SIGNATURES = {
     "kvserve_silu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_gelu_mul": [_p, _p, _i, _i, _l, _i],
     "kvserve_rope_table": [_p, _p, _i, _i, _p, _p, _i],
-    "kvserve_route": [_p, _p, _i, _i, _i, _i, _i, _p, _p],
+    "kvserve_route": [_p, _p, _p, _i, _i, _i, _i, _i, _p, _p],
+    "kvserve_clamped_swiglu": [_p, _p, _i, _i, _l, _f, _f, _i],
     "kvserve_head_norms": [_p, _p, _p, _i, _i, _i, _i, _f],
 }
 
@@ -116,12 +117,18 @@ def gelu_mul(gu: torch.Tensor) -> torch.Tensor:
     return _glu(gu, "gelu")
 
 
-def _glu(gu: torch.Tensor, act: str) -> torch.Tensor:
+def clamped_swiglu(gu: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gu [T, 2F] float32 (gate, then up) -> gpt-oss's clamped SwiGLU (model/gpt_oss.py), written into gu's first half."""
+    return _glu(gu, "clamped_swiglu", alpha, limit)
+
+
+def _glu(gu: torch.Tensor, act: str, *args: float) -> torch.Tensor:
     T, two_f = gu.shape
     if gu.dtype != torch.float32 or not gu.is_contiguous() or two_f % 2:
         raise ValueError(f"{act}_mul: gu must be contiguous float32 [T, 2F], got {gu.dtype} {tuple(gu.shape)}")
     f = two_f // 2
-    getattr(_need(), f"kvserve_{act}_mul")(gu.data_ptr(), gu.data_ptr(), T, f, two_f, torch.get_num_threads())
+    name = f"kvserve_{act}" if args else f"kvserve_{act}_mul"
+    getattr(_need(), name)(gu.data_ptr(), gu.data_ptr(), T, f, two_f, *args, torch.get_num_threads())
     return gu.narrow(-1, 0, f)
 
 
@@ -135,18 +142,27 @@ def head_norms(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, H:
     _need().kvserve_head_norms(qkv.data_ptr(), q_norm.data_ptr(), k_norm.data_ptr(), T, H, Hkv, D, eps)
 
 
-def route(h: torch.Tensor, router: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture of experts' choice for rows h [T, N] float32 over router [E, N] float32: each row's k
-    experts [T, k] int64 and weights [T, k] float32 (softmax over all, the top k, renormalized where asked),
-    the native decode step's own arithmetic (layer_ops.c's route_row)."""
+# How a router weighs its chosen experts (layer_ops.c's ROUTE_*)
+ROUTE_SOFTMAX, ROUTE_RENORM, ROUTE_TOP_LOGITS = 0, 1, 2
+
+
+def route(h: torch.Tensor, router: torch.Tensor, k: int, how: int,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' choice for rows h [T, N] float32 over router [E, N] float32 (+ bias [E]): each
+    row's k experts [T, k] int64 and weights [T, k] float32 (`how`: softmax over all and the top k of it,
+    renormalized over them, or softmax over the top k logits), the native decode step's own arithmetic
+    (layer_ops.c's route_row)."""
     T, N = h.shape
     E = router.shape[0]
-    if h.dtype != torch.float32 or router.dtype != torch.float32 or router.shape[1] != N or not 1 <= k <= E:
+    if h.dtype != torch.float32 or router.dtype != torch.float32 or router.shape[1] != N or not 1 <= k <= E or \
+            (bias is not None and (bias.dtype != torch.float32 or bias.shape != (E,))):
         raise ValueError(f"route: h {h.dtype} {tuple(h.shape)}, router {router.dtype} {tuple(router.shape)}, k {k}")
     h, router = h.contiguous(), router.contiguous()
+    bias = None if bias is None else bias.contiguous()
     chosen, weights = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
-    _need().kvserve_route(h.data_ptr(), router.data_ptr(), T, N, E, k, int(renormalize), chosen.data_ptr(),
-                          weights.data_ptr())
+    if _need().kvserve_route(h.data_ptr(), router.data_ptr(), None if bias is None else bias.data_ptr(), T, N, E, k,
+                             how, chosen.data_ptr(), weights.data_ptr()):
+        raise ValueError(f"route: how {how!r}")
     return chosen, weights
 
 

@@ -63,13 +63,15 @@ static inline __attribute__((always_inline)) void scaled_queries(const void *q, 
 }
 
 /* Each head's n scores → its softmax weights, in place; cap > 0 first soft-caps each score to cap * tanh(s / cap)
- * (Gemma 2). The sum runs in 8 partial sums, value t into sum t % 8,
+ * (Gemma 2); sinks (NULL: none) are the G heads' sink logits (gpt-oss), each a score that joins its head's softmax
+ * and takes no value. The sum runs in 8 partial sums, value t into sum t % 8,
  * added up in a fixed order, and the function is compiled once (noinline): neither where the row lies in memory
  * (a vectorized reduction peels to an alignment: the scores buffers are per thread, malloc'd in
  * kvserve_paged_decode) nor the code around a call can change how a head's weights round. */
-static __attribute__((noinline)) void softmax_rows(float *restrict scores, int G, int n, float cap) {
+static __attribute__((noinline)) void softmax_rows(float *restrict scores, int G, int n, float cap,
+                                                   const float *sinks) {
     for (int g = 0; g < G; g++) {
-        float *s = scores + (size_t)g * n, m = -INFINITY, part[8] = {0.f};
+        float *s = scores + (size_t)g * n, m = sinks ? sinks[g] : -INFINITY, part[8] = {0.f};
         if (cap > 0.f)
             for (int t = 0; t < n; t++) s[t] = tanhf(s[t] / cap) * cap;
         for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
@@ -83,7 +85,8 @@ static __attribute__((noinline)) void softmax_rows(float *restrict scores, int G
             s[t] = exp_approx(s[t] - m);
             part[t % 8] += s[t];
         }
-        const float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+        const float sum = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7])) +
+                          (sinks ? exp_approx(sinks[g] - m) : 0.f);
         const float inv = 1.f / sum;
         for (t = 0; t < n; t++) s[t] *= inv;
     }
@@ -105,7 +108,7 @@ static inline __attribute__((always_inline)) void store_heads(void *out, float (
 static inline __attribute__((always_inline)) void attend_one(const void *q, const void *kv,
                                                              const uint16_t *kv_scale, void *out,
                                                              const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
-                                                             size_t head_rows, int bs, int D, float scale, float cap,
+                                                             size_t head_rows, int bs, int D, float scale, float cap, const float *sinks,
                                                              int q_fmt, int kv_fmt, float *restrict scores) {
     const int G = H / Hkv;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D];
@@ -124,7 +127,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q, cons
             scores[(size_t)g * n + t - t0] = kv_fmt == FMT_I8 ? s * ks : s;
         }
     }
-    softmax_rows(scores, G, n, cap);
+    softmax_rows(scores, G, n, cap, sinks ? sinks + (size_t)h * G : NULL);
     for (int g = 0; g < G; g++) memset(acc[g], 0, sizeof(float) * D);
     for (int t = t0; t < L; t++) { /* out_g = sum_t p_g[t] v_t */
         const size_t r = v_head + (size_t)table[t / bs] * bs + t % bs;
@@ -257,7 +260,7 @@ static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D
 #define PV_PASS(NG) pv_pass(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 static inline __attribute__((always_inline)) void attend_simd(const void *q, const void *kv, const uint16_t *kv_scale, void *out,
                                                               const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
-                                                              size_t head_rows, int bs, int D, float scale, float cap,
+                                                              size_t head_rows, int bs, int D, float scale, float cap, const float *sinks,
                                                               int q_fmt, int kv_fmt, float *restrict scores) {
     const int G = H / Hkv, n = L - t0;
     float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D];
@@ -271,7 +274,7 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
         default: QK_PASS(4); break;
         }
     }
-    softmax_rows(scores, G, n, cap);
+    softmax_rows(scores, G, n, cap, sinks ? sinks + (size_t)h * G : NULL);
     for (int g0 = 0; g0 < G; g0 += QPASS) {
         switch (G - g0 < QPASS ? G - g0 : QPASS) {
         case 1: PV_PASS(1); break;
@@ -292,12 +295,12 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
  * pair works, slower. Also called by decode_step.c, inside its own parallel region. */
 static void attend_item(const void *q, const void *kv, const uint16_t *kv_scale, void *out, const int32_t *table,
                         int L, int window, int b,
-                        int h, int H, int Hkv, size_t head_rows, int bs, int D, float scale, float cap, int q_fmt,
+                        int h, int H, int Hkv, size_t head_rows, int bs, int D, float scale, float cap, const float *sinks, int q_fmt,
                         int kv_fmt, float *restrict scores) {
     const int t0 = window_start(L, window);
-#define ATTEND(DIM, QF, KVF) attend_one(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, cap, QF, KVF, scores)
+#define ATTEND(DIM, QF, KVF) attend_one(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, cap, sinks, QF, KVF, scores)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define ATTEND_V(DIM, QF, KVF) attend_simd(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, cap, QF, KVF, scores)
+#define ATTEND_V(DIM, QF, KVF) attend_simd(q, kv, kv_scale, out, table, t0, L, b, h, H, Hkv, head_rows, bs, DIM, scale, cap, sinks, QF, KVF, scores)
 #define ATTEND_D(QF, KVF) if (D == 64) ATTEND_V(64, QF, KVF); else if (D == 128) ATTEND_V(128, QF, KVF); \
                           else if (D % 32 == 0) ATTEND_V(D, QF, KVF); else ATTEND(D, QF, KVF)
 #else
@@ -347,12 +350,12 @@ static int attention_tables_ok(const int32_t *tables, int max_blocks, const int3
 }
 
 /* window: 0, or the sliding window (keys seen per query); kv_scale: an int8 pool's row scales
- * (NULL for the float formats). Returns 0; -1 for shapes this kernel does not take; -3 when a
+ * (NULL for the float formats); sinks: each query head's sink logit [H] float32 (gpt-oss), or NULL. Returns 0; -1 for shapes this kernel does not take; -3 when a
  * context length or block id would read outside the tables or the pool (nothing is read then);
  * -2 when out of memory. */
 int kvserve_paged_decode(const void *q, const void *kv, const void *kv_scale, void *out, const int32_t *tables,
                          int max_blocks, const int32_t *seq_lens, int B, int H, int Hkv, int num_blocks, int bs, int D,
-                         float scale, float cap, int q_fmt, int kv_fmt, int window, int nthreads) {
+                         float scale, float cap, const float *sinks, int q_fmt, int kv_fmt, int window, int nthreads) {
     if (attention_shapes_check(H, Hkv, D, q_fmt, kv_fmt) || window < 0 || (kv_fmt == FMT_I8 && !kv_scale)) return -1;
     const int max_len = attention_tables_ok(tables, max_blocks, seq_lens, B, num_blocks, bs, window);
     if (max_len < 0) return max_len;
@@ -370,7 +373,7 @@ int kvserve_paged_decode(const void *q, const void *kv, const void *kv_scale, vo
             const int b = item / Hkv, h = item % Hkv;
             if (scores)
                 attend_item(q, kv, kv_scale, out, tables + (size_t)b * max_blocks, seq_lens[b], window, b, h, H, Hkv, head_rows,
-                            bs, D, scale, cap, q_fmt, kv_fmt, scores);
+                            bs, D, scale, cap, sinks, q_fmt, kv_fmt, scores);
         }
         free(scores);
     }

@@ -11,7 +11,7 @@ from kvserve.kernels import KV_DTYPES as _KV_DTYPES
 
 _p, _i = ctypes.c_void_p, ctypes.c_int
 _f = ctypes.c_float
-_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, _f, _f, _i, _i, _i, _i]}
+_SIGNATURES = {"kvserve_paged_decode": [_p, _p, _p, _p, _p, _i, _p, _i, _i, _i, _i, _i, _i, _f, _f, _p, _i, _i, _i, _i]}
 
 
 def available() -> bool:
@@ -51,6 +51,7 @@ def paged_decode(
     window: int = 0,  # sliding window: each query sees its last `window` keys (0: all)
     kv_scale: torch.Tensor | None = None,  # an int8 pool's [2, Hkv, num_blocks, block_size] float16
     softcap: float = 0.0,  # > 0: each score soft-capped to softcap * tanh(score / softcap) (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [H] float32: each head's sink logit, in its softmax with no value (gpt-oss)
 ) -> torch.Tensor:  # [B, H, D]
     lib = _lib()
     assert lib is not None and (checked or supports(q, kv_cache))
@@ -63,10 +64,14 @@ def paged_decode(
     if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
         seq_lens = seq_lens.to(torch.int32).contiguous()
     assert block_tables.shape[0] == B and seq_lens.shape == (B,)
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.shape == (H,)
+        sinks = sinks.contiguous()
     out = torch.empty_like(q)
     rc = lib.kvserve_paged_decode(
         q.data_ptr(), kv_cache.data_ptr(), kernels.scales_ptr(kv_cache, kv_scale), out.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, softcap, _DTYPES[q.dtype], _KV_DTYPES[kv_cache.dtype],
+        seq_lens.data_ptr(), B, H, hkv, nb, bs, D, scale, softcap, None if sinks is None else sinks.data_ptr(),
+        _DTYPES[q.dtype], _KV_DTYPES[kv_cache.dtype],
         window, torch.get_num_threads(),
     )
     if rc != 0:

@@ -69,6 +69,7 @@ class AttentionBackend(ABC):
         window: int = 0,  # sliding window: keys per query (0: the whole context)
         kv_scale: torch.Tensor | None = None,  # an int8 pool's row scales [2, Hkv, num_blocks, block_size]
         softcap: float = 0.0,  # > 0: each scaled score soft-capped to softcap * tanh(score / softcap) (Gemma 2)
+        sinks: torch.Tensor | None = None,  # [H] float32: each head's sink logit (gpt-oss: attend_with_sinks)
     ) -> torch.Tensor:  # [T, H, D]
         """Each new token attends to its sequence's context (itself included) in the pool."""
 
@@ -135,9 +136,11 @@ class TorchAttention(AttentionBackend):
     The gather copies the context out of the pool; CpuPagedAttention's kernel reads it in place.
     """
 
-    def forward(self, q, k, v, kv_cache, meta, scale, window=0, kv_scale=None, softcap=0.0):
+    def forward(self, q, k, v, kv_cache, meta, scale, window=0, kv_scale=None, softcap=0.0, sinks=None):
+        if sinks is not None and not (meta.decode_only and self._decodes_sinks(q, kv_cache)):
+            return attend_with_sinks(q, kv_cache, meta, scale, window, kv_scale, sinks)
         if meta.decode_only:  # a pure decode step: one batched call
-            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window, kv_scale, softcap)
+            return self._decode(q, kv_cache, meta, range(meta.num_seqs), scale, window, kv_scale, softcap, sinks)
         out = torch.empty_like(q)
         decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
         starts = [0]
@@ -152,6 +155,10 @@ class TorchAttention(AttentionBackend):
                 out[s : s + n] = self._prefill(q[s : s + n], k[s : s + n], v[s : s + n], kv_cache, meta, i, scale,
                                                window, kv_scale, softcap)
         return out
+
+    def _decodes_sinks(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether _decode applies sinks (else attend_with_sinks takes every step that has them)."""
+        return False
 
     def _prefill(self, q, k, v, kv_cache, meta, i, scale, window=0, kv_scale=None, softcap=0.0):
         n, L = meta.query_lens[i], meta.seq_lens[i]
@@ -196,7 +203,8 @@ class TorchAttention(AttentionBackend):
             kv_scale.view(2 * hkv, -1, bs).index_select(1, table).view(2, hkv, len(seqs), max_blocks * bs)
         return _widened(kv, sc, dtype or kv.dtype)
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0):
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0, sinks=None):
+        assert sinks is None  # (forward sends them to attend_with_sinks)
         B = len(seqs)
         lens = [meta.seq_lens[i] for i in seqs]
         starts = firsts = None
@@ -228,10 +236,14 @@ class CpuPagedAttention(TorchAttention):
 
     The kernel walks each sequence's block table and attends in float32 straight from the pool:
     no gathered copy, no padding to the longest context, and each sequence's result does not
-    depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch.
+    depend on what else is in the batch. Shapes or dtypes it does not take fall back to torch. It
+    applies attention sinks too (gpt-oss's decode steps, as the native decode step does).
     """
 
-    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0):
+    def _decodes_sinks(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return paged_attention.supports(q, kv_cache)
+
+    def _decode(self, q, kv_cache, meta, seqs, scale, window=0, kv_scale=None, softcap=0.0, sinks=None):
         # Everything but the kernel call is worked out once per step (the same in every layer).
         key = ("paged_decode", seqs if isinstance(seqs, range) else tuple(seqs))
         step = meta.scratch.get(key)
@@ -250,7 +262,60 @@ class CpuPagedAttention(TorchAttention):
             return super()._decode(q, kv_cache, meta, list(seqs), scale, window, kv_scale, softcap)
         tables, lens = step
         return paged_attention.paged_decode(q, kv_cache, tables, lens, scale, checked=True, window=window,
-                                            kv_scale=kv_scale, softcap=softcap)
+                                            kv_scale=kv_scale, softcap=softcap, sinks=sinks)
+
+
+def attend_with_sinks(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D], the step's k and v already stored
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,  # keys per query (0: the whole context)
+    kv_scale: torch.Tensor | None,  # an int8 pool's row scales [2, Hkv, num_blocks, block_size]
+    sinks: torch.Tensor,  # [H]: each head's sink logit
+) -> torch.Tensor:  # [T, H, D]
+    """Each new token attends to its sequence's context in the pool, each head's softmax over its
+    scores and its sink logit, the sink's share dropped (gpt-oss; "Efficient Streaming Language Models
+    with Attention Sinks", Xiao et al. 2023). Prefill chunks and decode tokens alike read their keys
+    out of the pool (as stored, so a prefix-cache hit changes nothing): the reference path."""
+    out = torch.empty_like(q)
+    _, hkv, _, bs, d = kv_cache.shape
+    start = 0
+    for i, (n, L) in enumerate(zip(meta.query_lens, meta.seq_lens)):
+        first = first_key(L - n, window) // bs  # the first block any query of the sequence sees
+        blocks = meta.block_tables[i][first: -(-L // bs)]
+        base = first * bs  # position of the gathered keys' first row
+        kv = kv_cache[:, :, blocks].view(2, hkv, len(blocks) * bs, d)[:, :, : L - base]  # [2, Hkv, L', D]
+        if kv_scale is None:
+            kv = kv.to(q.dtype)
+        else:
+            sc = kv_scale[:, :, blocks].view(2, hkv, len(blocks) * bs)[:, :, : L - base]
+            kv = kv_int8.dequantize(kv, sc, q.dtype)
+        # Query j sits at position L - n + j and sees keys 0 (or, in a window, L - n + j - window + 1) .. L - n + j.
+        qpos = torch.arange(L - n, L).unsqueeze(1)
+        kpos = torch.arange(base, L).unsqueeze(0)
+        mask = kpos <= qpos  # [n, L']
+        if window:
+            mask &= kpos > qpos - window
+        out[start: start + n] = _attend_sinks(q[start: start + n], kv[0], kv[1], mask, scale, sinks)
+        start += n
+    return out
+
+
+def _attend_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  sinks: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D] over k, v [Hkv, L, D] under mask [n, L] -> [n, H, D], as transformers' eager
+    gpt-oss attention: the sink appended to each row of scores, the row's max subtracted, softmax,
+    the sink's column dropped."""
+    n, H, _ = q.shape
+    g = H // k.shape[0]
+    k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)  # [H, L, D]
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(-1, -2)) * scale  # [H, n, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.to(scores.dtype).view(H, 1, 1).expand(H, n, 1)], dim=-1)  # [H, n, L + 1]
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]  # [H, n, L]: the sink takes no value
+    return torch.matmul(probs.to(v.dtype), v).transpose(0, 1)  # [n, H, D]
 
 
 def default_backend(device: torch.device | str = "cpu") -> AttentionBackend:

@@ -32,7 +32,6 @@ from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported
 from kvserve.errors import ModelFormatError
 from kvserve.kernels import layer_ops
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, default_backend
-from kvserve.model.gpt_oss import attend_with_sinks, clamped_swiglu
 from kvserve.model.linear import LinearLayer
 from kvserve.model.ops import LayerOps
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, Weight, embedding, make_linear, nbytes
@@ -130,10 +129,17 @@ class Experts:
     # where asked: NativeDecode.trace); `kvserve explain` shows them.
     last_chosen: torch.Tensor | None = None
 
+    @property
+    def how(self) -> int:
+        """How the router weighs the chosen experts (layer_ops.ROUTE_*)."""
+        if self.softmax_of_top:
+            return layer_ops.ROUTE_TOP_LOGITS
+        return layer_ops.ROUTE_RENORM if self.renormalize else layer_ops.ROUTE_SOFTMAX
+
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts and their weights, both [T, k]."""
         if self.native_route and h.dtype == torch.float32:
-            return layer_ops.route(h, self.router, self.top_k, self.renormalize)
+            return layer_ops.route(h, self.router, self.top_k, self.how, self.router_bias)
         logits = torch.nn.functional.linear(h, self.router, self.router_bias).float()  # [T, E]
         if self.softmax_of_top:
             top, chosen = logits.topk(self.top_k, dim=-1)
@@ -289,8 +295,8 @@ class LlamaModel:
         quantized = any(isinstance(lin, (QuantizedLinear, ConcatLinear)) for lin in (self.layers[0].qkv, self.layers[0].o))
         self.ops = LayerOps(layer_ops.available() if native_ops is None else native_ops, native_step_arith=quantized)
         for lw in self.layers:
-            if lw.experts and self.ops.native_step_arith and lw.experts.router_bias is None and \
-                    not lw.experts.softmax_of_top and lw.experts.router.dtype == torch.float32:
+            if lw.experts and self.ops.native_step_arith and lw.experts.router.dtype == torch.float32 and \
+                    (lw.experts.router_bias is None or lw.experts.router_bias.dtype == torch.float32):
                 lw.experts.native_route = True
 
     @property
@@ -382,10 +388,8 @@ class LlamaModel:
                 ops.head_norms(qkv, lw.q_norm, lw.k_norm, H, c.num_key_value_heads, eps)
             cos, sin = tables[lw.sliding_rope]
             q, k, v = ops.rope_and_store(qkv, cos, sin, kv_cache, meta.slot_mapping, H, qk_buf, kv_scale)
-            if lw.sinks is not None:  # gpt-oss: the reference path that applies them (the fused kernel has none)
-                o = attend_with_sinks(q, kv_cache, meta, self.scale, lw.window, kv_scale, lw.sinks)
-            else:
-                o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, lw.window, kv_scale, softcap)  # [T, H, D]
+            o = self.attention.forward(q, k, v, kv_cache, meta, self.scale, lw.window, kv_scale, softcap,
+                                       lw.sinks)  # [T, H, D]
             o = lw.o(o.reshape(T, H * D))
             if lw.attn_out_norm is not None:
                 o = ops.add_rms_norm(o, None, lw.attn_out_norm, eps)[1]
@@ -403,7 +407,7 @@ class LlamaModel:
         """An expert's [T, 2F] -> [T, F]: gpt-oss's clamped SwiGLU, else the model's act(gate) * up."""
         c = self.config
         if c.swiglu_limit is not None:
-            return functools.partial(clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit)
+            return functools.partial(ops.clamped_swiglu, alpha=c.swiglu_alpha, limit=c.swiglu_limit)
         return functools.partial(ops.glu, act=c.hidden_act)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ grown only when a larger batch or a longer context arrives. Python keeps the sch
 batch's index tables and the sampling.
 
 It takes a model whose matrices are all GGML blocks the kernels multiply (the quantized
-default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load; Mixtral's and Qwen3-MoE's
-experts too, each row routed by layer_ops.c's router as the per-op path routes it), float32 activations and
+default, Q4_0/Q4_1/Q8_0/K-quant GGUFs, checkpoints quantized on load; Mixtral's, Qwen3-MoE's and
+gpt-oss's experts too, each row routed by layer_ops.c's router as the per-op path routes it; gpt-oss's
+sinks in the fused attention, as the per-op decode applies them), float32 activations and
 a CPU KV pool (an int8 one with its row scales); any other model keeps the per-op path (`build()` returns None and says why at
 debug level). Prompt chunks take it too while the per-op forward would multiply them with the same integer
 kernels (every chunk where batches are invariant; below the BLAS crossover otherwise), each row a query of its own
@@ -97,8 +98,6 @@ class NativeDecode:
         if getattr(model, "tensor_parallel_size", 1) > 1:
             raise Unsupported("tensor parallel: the step has no all-reduce between layers")
         c = model.config
-        if c.attention_sinks or c.swiglu_limit is not None:
-            raise Unsupported("attention sinks and clamped SwiGLU experts (gpt-oss) run in the per-op path")
         if model.dtype != torch.float32:
             raise Unsupported(f"activations in {model.dtype} (the step computes in float32)")
         if not isinstance(model.attention, CpuPagedAttention) or not model.ops.native:
@@ -126,6 +125,8 @@ class NativeDecode:
             m.sliding_inv_freq = _f32(model.sliding_inv_freq.float(), self._keep)
         m.embed_scale, m.gelu = c.embedding_multiplier, {"silu": 0, "gelu_tanh": 1}[c.hidden_act]
         m.attn_softcap = c.attn_logit_softcapping or 0.0
+        if c.swiglu_limit is not None:  # gpt-oss's clamped SwiGLU experts
+            m.swiglu_alpha, m.swiglu_limit = c.swiglu_alpha, c.swiglu_limit
         embed = model.embed
         if isinstance(embed, QuantizedWeight):
             if embed.qtype not in KERNEL_TYPES:
@@ -154,6 +155,8 @@ class NativeDecode:
             if lw.attn_out_norm is not None and lw.mlp_out_norm is not None:  # (both or neither)
                 out.attn_out_norm, out.mlp_out_norm = _f32(lw.attn_out_norm, self._keep), _f32(lw.mlp_out_norm, self._keep)
             out.window, out.sliding_rope = lw.window, lw.sliding_rope
+            if lw.sinks is not None:
+                out.sinks = _f32(lw.sinks, self._keep)
             if lw.experts:
                 out.experts = self._experts(lw.experts)
             else:
@@ -172,11 +175,13 @@ class NativeDecode:
     def _experts(self, x: Experts) -> decode_step.Experts:
         """A sparse layer's router and experts for the step (decode_step.c's kv_experts)."""
         if not x.native_route:
-            raise Unsupported("a router the step does not compute (biased, or softmax over the top k)")
+            raise Unsupported("a router the step does not compute (not float32)")
         out = decode_step.Experts()
-        out.n, out.top_k, out.renormalize = len(x.gate_up), x.top_k, int(x.renormalize)
+        out.n, out.top_k, out.how = len(x.gate_up), x.top_k, x.how
         out.ffn = self.model.config.moe_intermediate_size
         out.router = _f32(x.router, self._keep)
+        if x.router_bias is not None:
+            out.router_bias = _f32(x.router_bias, self._keep)
         gate_up, down = (decode_step.Linear * out.n)(), (decode_step.Linear * out.n)()
         for e in range(out.n):
             gate_up[e], down[e] = _linear(x.gate_up[e], self._keep), _linear(x.down[e], self._keep)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.kernels import layer_ops
+from kvserve.model import gpt_oss
 from kvserve.model.attention import store_kv
 
 
@@ -133,3 +134,9 @@ class LayerOps:
         f = gate_up.shape[-1] // 2
         gate, up = gate_up.narrow(-1, 0, f), gate_up.narrow(-1, f, f)  # narrow: one dispatch, chunk: five
         return (F.silu(gate, inplace=True) if act == "silu" else F.gelu(gate, approximate="tanh")).mul_(up)
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's experts' [T, 2F] -> [T, F] (model/gpt_oss.py), through the kernel as glu goes."""
+        if self.native_step_arith and gate_up.dtype == torch.float32 and (self.checked or layer_ops.supports(gate_up)):
+            return layer_ops.clamped_swiglu(gate_up, alpha, limit)
+        return gpt_oss.clamped_swiglu(gate_up, alpha, limit)
