@@ -127,7 +127,8 @@ def test_the_native_step_gives_the_per_op_paths_logits_and_tokens(gpt_oss) -> No
     """With quantized attention (as llama.cpp's MXFP4_MOE files have it) gpt-oss runs the native decode step:
     sinks in the fused attention, the biased router's softmax of the top k, biased experts and the clamped
     SwiGLU in C, and the per-op path computes the same bits (its decode through the same kernels); windowed
-    layers are past their window of 8 in 12 steps. Greedy tokens equal, and they agree with transformers."""
+    layers are past their window of 8 in 12 steps. Greedy tokens equal, each request's the same alone as in the
+    batch, and they agree with transformers."""
     hf, _, files, _ = gpt_oss
     llm = _llm(files["mxfp4-q8_0"], "auto")
     native = llm.runner.native
@@ -138,6 +139,7 @@ def test_the_native_step_gives_the_per_op_paths_logits_and_tokens(gpt_oss) -> No
     decode_both(llm.runner, prompts(4, seed=8), steps=12)
     ours, per_op = native_and_per_op(llm, PROMPTS)
     assert ours == per_op
+    assert [greedy(llm, [p])[0] for p in PROMPTS] == greedy(llm, PROMPTS)  # alone as in a batch
     agree, steps = agreement(llm, hf, PROMPTS)
     assert agree >= 0.9 * steps, f"{agree}/{steps}"
 
