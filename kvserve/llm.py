@@ -110,11 +110,10 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter: allocations of this size an
 LOAD_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD = 4 << 20, 32 << 20
 
 
-def _mallopt_mmap_threshold(nbytes: int) -> None:
-    try:
-        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes)
-    except (AttributeError, OSError):  # not glibc: its allocator decides
-        pass
+def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (mallopt, malloc_trim), else None: that allocator decides."""
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def _map_large_allocations() -> None:
@@ -124,7 +123,8 @@ def _map_large_allocations() -> None:
     has risen past them (it follows the largest chunk freed, up to 32 MiB), and what the load freed below a
     live block stayed resident: on a server's loader thread (an arena of its own) the gpt-oss-20b shape
     (12 layers, Zen 4) peaked at 12.2 GB of anonymous memory, 8.1 on the main thread, 7.7 with this."""
-    _mallopt_mmap_threshold(LOAD_MMAP_THRESHOLD)
+    if libc := _glibc():
+        libc.mallopt(_M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
 
 
 def _release_freed_memory() -> None:
@@ -133,11 +133,9 @@ def _release_freed_memory() -> None:
     temporaries freed (parsed metadata, staging copies; ~20 MB for the default model) until malloc_trim.
     (A load that fails leaves the threshold at 4 MiB: larger allocations are mapped anew, nothing worse.)"""
     gc.collect()
-    _mallopt_mmap_threshold(SERVE_MMAP_THRESHOLD)
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (AttributeError, OSError):
-        pass
+    if libc := _glibc():
+        libc.mallopt(_M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD)
+        libc.malloc_trim(0)
 
 
 class KVCache:

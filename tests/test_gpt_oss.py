@@ -23,6 +23,7 @@ from gpt_oss_models import make_gpt_oss, save_mxfp4_directory, write_gpt_oss_ggu
 from kvserve import LLM, SamplingParams
 from kvserve.config import CacheConfig, RopeScaling, SchedulerConfig
 from kvserve.kernels import decode_step, layer_ops
+from kvserve.model import attention
 from kvserve.model.llama import LlamaModel
 from kvserve.model.loader import load_checkpoint, read_model_config
 from kvserve.model.quant import QuantizedLinear, QuantizedWeight
@@ -171,6 +172,16 @@ def test_prompt_logprobs_through_chunked_prefill_equal_transformers_and_the_sink
     torch.testing.assert_close(_prompt_logprobs(llm, prompt), want, atol=1e-4, rtol=0)
     _without(llm.model, "sinks")
     assert (_prompt_logprobs(llm, prompt) - want).abs().max() > 1e-2
+
+
+def test_a_long_prompts_scores_are_made_a_slice_of_queries_at_a_time(gpt_oss, monkeypatch) -> None:
+    """The reference attention's scores are bounded (attention.SINK_SCORES_BYTES): sliced down to one query at a
+    time, a 48-token prompt's log-probabilities are the whole chunk's, within float rounding."""
+    _, directory, _, _ = gpt_oss
+    prompt = [100 + 7919 * i % 40000 for i in range(48)]
+    whole = _prompt_logprobs(_llm(directory), prompt)
+    monkeypatch.setattr(attention, "SINK_SCORES_BYTES", 1)
+    torch.testing.assert_close(_prompt_logprobs(_llm(directory), prompt), whole, atol=1e-5, rtol=0)
 
 
 def test_tensor_parallel_refuses_it(gpt_oss) -> None:

@@ -265,6 +265,9 @@ class CpuPagedAttention(TorchAttention):
                                             kv_scale=kv_scale, softcap=softcap, sinks=sinks)
 
 
+SINK_SCORES_BYTES = 64 << 20  # attend_with_sinks' scores per slice of queries
+
+
 def attend_with_sinks(
     q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D], the step's k and v already stored
@@ -297,7 +300,12 @@ def attend_with_sinks(
         mask = kpos <= qpos  # [n, L']
         if window:
             mask &= kpos > qpos - window
-        out[start: start + n] = _attend_sinks(q[start: start + n], kv[0], kv[1], mask, scale, sinks)
+        # Queries in slices, so that a long prompt's scores stay within SINK_SCORES_BYTES (each temporary
+        # [H, rows, L'] float32): the whole chunk at once was H x n x L' (64 x 2048 x 8192 x 4 B = 4 GiB).
+        rows = max(1, SINK_SCORES_BYTES // (4 * q.shape[1] * kv.shape[2]))
+        for j in range(0, n, rows):
+            s, e = start + j, start + min(j + rows, n)
+            out[s:e] = _attend_sinks(q[s:e], kv[0], kv[1], mask[j: j + rows], scale, sinks)
         start += n
     return out
 

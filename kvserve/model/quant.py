@@ -50,9 +50,8 @@ log = logging.getLogger("kvserve.model")
 
 # The GGML types the kernels multiply directly; others are dequantized on load.
 KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# Types kept as another kernel type's blocks holding the same values (model/mxfp4.py), and all kept.
-CARRIED_AS: dict[Q, Q] = {Q.MXFP4: Q.Q5_0}
-KEPT_TYPES: frozenset[Q] = KERNEL_TYPES | frozenset(CARRIED_AS)
+# ... and the types kept quantized: those, and MXFP4 as Q5_0 blocks of the same values (model/mxfp4.py).
+KEPT_TYPES: frozenset[Q] = KERNEL_TYPES | {Q.MXFP4}
 # Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
@@ -203,7 +202,7 @@ def x8_enabled() -> bool:
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
     """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight
-    (MXFP4's as Q5_0's: CARRIED_AS)."""
+    (MXFP4's as Q5_0's: model/mxfp4.py)."""
     per, size = GGML_QUANT_SIZES[qtype]
     if qtype == Q.MXFP4:
         q5 = mxfp4.gguf_as_q5_0(raw.reshape(-1, size))
