@@ -65,11 +65,11 @@ class WeightFormat:
 
 def gguf_format(path: Path) -> WeightFormat:
     """The GGUF as one sequence's decode step reads it (of a mixture of experts, its chosen experts) as the file
-    stores it: the least any server reads (kvserve holds MXFP4 as Q5_0, 22 bytes a block for 17)."""
+    stores it: the least any server reads."""
     from kvserve.kv.kv_size import read_architecture, stored_weights
 
     arch = read_architecture(path)
-    s = stored_weights(path, arch.num_experts, arch.num_experts_per_tok, as_kept=False)
+    s = stored_weights(path, arch.num_experts, arch.num_experts_per_tok)
     return WeightFormat(f"GGUF {s.types}", s.active_bytes, s.active_params, "float32")
 
 

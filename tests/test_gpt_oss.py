@@ -3,7 +3,7 @@ windowed and full alternating with a window of 8, 4 experts, top 2, YaRN as gpt-
 Exact greedy tokens in float32 from Hugging Face directories (float experts, and MXFP4 ones as
 gpt-oss publishes them) and from GGUFs written as llama.cpp names gpt-oss (MXFP4 experts and F32);
 the experts' weights are MXFP4 values, so every file is the same model. Loaded as it comes, an MXFP4
-file keeps its experts as Q5_0 blocks of the same values (model/mxfp4.py) for the integer kernels:
+file keeps its experts as MXFP4 blocks (model/mxfp4.py) for the integer kernels:
 equal values, and the quantized path's agreement with transformers; with quantized attention too,
 the native decode step, equal to the per-op path. Each piece shown to matter (the tokens differ
 without the sinks, the clamp, the windows or YaRN; the log-probabilities without the sinks); tensor
@@ -106,7 +106,7 @@ def test_yarn_matters(gpt_oss, tmp_path) -> None:
 
 @pytest.mark.parametrize("source", ["mxfp4", "hf-mxfp4"])
 def test_mxfp4_experts_stay_quantized_with_the_same_values_and_agree_with_transformers(gpt_oss, source) -> None:
-    """As it comes, an MXFP4 GGUF or directory keeps every expert as Q5_0 blocks (22 bytes a block where
+    """As it comes, an MXFP4 GGUF or directory keeps every expert as MXFP4 blocks (17 bytes a block where
     float32 takes 128) holding the float path's very weights; through the integer kernels the greedy
     choice, fed transformers' tokens, is transformers' at nearly every step, as for the other quantized
     families."""
@@ -115,7 +115,7 @@ def test_mxfp4_experts_stay_quantized_with_the_same_values_and_agree_with_transf
     experts = [n for n in exact if ".mlp.experts." in n and n.endswith("_proj.weight")]
     assert len(experts) == 4 * 4 * 3  # layers x experts x (gate, up, down)
     for name in experts:
-        assert isinstance(kept[name], QuantizedWeight) and kept[name].qtype == Q.Q5_0, name
+        assert isinstance(kept[name], QuantizedWeight) and kept[name].qtype == Q.MXFP4, name
         assert torch.equal(kept[name].dequantize(), exact[name]), name
     llm = _llm(files[source], "auto")
     assert all(isinstance(lin, QuantizedLinear) for lw in llm.model.layers for lin in lw.experts.down)

@@ -29,13 +29,13 @@ from kvserve.model import quant
 from kvserve.model.quant import ConcatLinear, QuantizedLinear, QuantizedWeight, make_linear
 from family_checks import greedy_along
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 HERE = Path(__file__).parent
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random bytes as blocks of `qtype`, with the f16 scales set to sane values (random bytes there
-    would be NaN/inf half the time); every code, sign and 6-bit scale pattern occurs."""
+    """Random bytes as blocks of `qtype`, with the f16 (MXFP4: e8m0) scales set to sane values (random bytes
+    there would be NaN/inf half the time); every code, sign and 6-bit scale pattern occurs."""
     rng = np.random.default_rng(seed)
     per, size = GGML_QUANT_SIZES[qtype]
     b = rng.integers(0, 256, size=(rows * cols // per, size), dtype=np.uint8)
@@ -44,7 +44,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     def f16(lo: float, hi: float) -> np.ndarray:
         return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
 
-    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
+    if qtype == Q.MXFP4:  # e8m0 scales 2^-16 .. 2^-1; every code
+        b[:, 0] = rng.integers(111, 127, n)
+    elif qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
         b[:, 0:2] = f16(-0.02, 0.02)
     elif qtype in (Q.Q4_1, Q.Q5_1):
         b[:, 0:2], b[:, 2:4] = f16(0, 0.02), f16(-0.1, 0.1)

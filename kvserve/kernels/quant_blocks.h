@@ -22,7 +22,7 @@
 #include "numerics.h"
 
 /* GGML type ids (gguf GGMLQuantizationType) */
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39 };
 
 #define KV_BYTES __attribute__((__may_alias__))
 
@@ -49,6 +49,14 @@ typedef struct {
     uint8_t qh[4];
     uint8_t qs[16];
 } KV_BYTES block_q5_1; /* x = d q + m */
+/* MXFP4 (OCP Microscaling, gpt-oss's experts): an e8m0 scale byte e and 32 e2m1 codes, value i in the low nibble
+ * of qs[i], 16 + i in the high. Doubled, a code's value is an integer (MX_VALUES) at half the scale, 2^(e - 128)
+ * (mx_half_scale). The kernels take code c as the unsigned MX_VALUES[c] + 12 (mx_codes: one byte shuffle), the 12
+ * coming off through the activation sums as Q4_0's 8 does: x = d (q - 12). */
+typedef struct {
+    uint8_t e;
+    uint8_t qs[16];
+} KV_BYTES block_mxfp4;
 /* Q4_K / Q5_K: sub-block j's 6-bit scale sc_j and minimum mn_j packed in scales (k_scale_min); qs[32 c + l]
  * holds value l of sub-block 2c (low nibble) and of 2c + 1 (high); Q5_K: bit j of qh[l] is bit 4 of
  * sub-block j's value l. x = d sc_j q - dmin mn_j. */
@@ -95,6 +103,10 @@ typedef struct {
     uint8_t qh[8][4];
     uint8_t qs[4][32];
 } KV_BYTES x8_q5_1;
+typedef struct {
+    uint8_t e[8];
+    uint8_t qs[4][32];
+} KV_BYTES x8_mxfp4;
 /* A K-quant super-block: the header as stored; sub-block j's 32 codes laid out as a Q4_0 block's in lane j
  * (Q5_K: its fifth bits as a Q5_0 block's qh in lane j). */
 typedef struct {
@@ -118,11 +130,11 @@ typedef struct {
 } KV_BYTES x8_q6_K;
 
 _Static_assert(sizeof(block_q8_0) == 34 && sizeof(block_q4_0) == 18 && sizeof(block_q4_1) == 20, "GGML block sizes");
-_Static_assert(sizeof(block_q5_0) == 22 && sizeof(block_q5_1) == 24, "GGML block sizes");
+_Static_assert(sizeof(block_q5_0) == 22 && sizeof(block_q5_1) == 24 && sizeof(block_mxfp4) == 17, "GGML block sizes");
 _Static_assert(sizeof(block_q4_K) == 144 && sizeof(block_q5_K) == 176 && sizeof(block_q6_K) == 210, "GGML block sizes");
 _Static_assert(sizeof(x8_q8_0) == 8 * sizeof(block_q8_0) && sizeof(x8_q4_0) == 8 * sizeof(block_q4_0) &&
                    sizeof(x8_q4_1) == 8 * sizeof(block_q4_1) && sizeof(x8_q5_0) == 8 * sizeof(block_q5_0) &&
-                   sizeof(x8_q5_1) == 8 * sizeof(block_q5_1),
+                   sizeof(x8_q5_1) == 8 * sizeof(block_q5_1) && sizeof(x8_mxfp4) == 8 * sizeof(block_mxfp4),
                "an x8 group holds the bytes of its 8 blocks");
 _Static_assert(sizeof(x8_q4_K) == sizeof(block_q4_K) && sizeof(x8_q5_K) == sizeof(block_q5_K) &&
                    sizeof(x8_q6_K) == sizeof(block_q6_K),
@@ -132,7 +144,9 @@ _Static_assert(sizeof(x8_q4_K) == sizeof(block_q4_K) && sizeof(x8_q5_K) == sizeo
  * the GGML id + X8; its block sizes are the base type's. */
 #define X8 1000
 static inline int base_type(int t) { return t >= X8 ? t - X8 : t; }
-static inline int x8_packs(int t) { return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
+static inline int x8_packs(int t) {
+    return t == T_Q4_0 || t == T_Q4_1 || t == T_Q8_0 || t == T_Q5_0 || t == T_Q5_1 || t == T_MXFP4 || t == T_Q4_K || t == T_Q5_K || t == T_Q6_K;
+}
 static inline int k_type(int t) { return base_type(t) == T_Q4_K || base_type(t) == T_Q5_K || base_type(t) == T_Q6_K; }
 
 /* Bytes and values per block of each type (stored or x8); 0 for an unknown type. */
@@ -144,6 +158,7 @@ static int block_bytes(int t) {
     case T_Q4_1: return sizeof(block_q4_1);
     case T_Q5_0: return sizeof(block_q5_0);
     case T_Q5_1: return sizeof(block_q5_1);
+    case T_MXFP4: return sizeof(block_mxfp4);
     case T_Q4_K: return sizeof(block_q4_K);
     case T_Q5_K: return sizeof(block_q5_K);
     case T_Q6_K: return sizeof(block_q6_K);
@@ -152,7 +167,18 @@ static int block_bytes(int t) {
 }
 static int block_values(int t) { return k_type(t) ? 256 : 32; }
 
-/* A stored 32-value block b of type t (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): its scale, minimum (Q4_1 / Q5_1),
+/* MXFP4: a code's value doubled; the unsigned codes the kernels multiply (value + 12); the scale of the doubled
+ * values, 2^(e - 128) exactly for every byte (ggml's e8m0_to_fp32_half: e < 2 are subnormal floats). */
+static const int8_t MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define MX_OFFSET 12
+static inline float mx_half_scale(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
+
+/* A stored 32-value block b of type t (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4): its scale, minimum (Q4_1 / Q5_1),
  * fifth bits (Q5_0 / Q5_1) and codes (Q8_0) or nibbles. t is a constant where the kernels call these. */
 static inline uint16_t block_d(const uint8_t *b) { return ((const block_q4_0 *)b)->d; } /* first in every type */
 static inline uint16_t block_m(int t, const uint8_t *b) {
@@ -167,6 +193,7 @@ static inline const uint8_t *block_qs(int t, const uint8_t *b) {
     case T_Q4_0: return ((const block_q4_0 *)b)->qs;
     case T_Q4_1: return ((const block_q4_1 *)b)->qs;
     case T_Q5_0: return ((const block_q5_0 *)b)->qs;
+    case T_MXFP4: return ((const block_mxfp4 *)b)->qs;
     default: return ((const block_q5_1 *)b)->qs;
     }
 }
@@ -179,6 +206,7 @@ static inline int x8_qs_at(int t) {
     case T_Q4_1: return offsetof(x8_q4_1, qs);
     case T_Q5_0: return offsetof(x8_q5_0, qs);
     case T_Q5_1: return offsetof(x8_q5_1, qs);
+    case T_MXFP4: return offsetof(x8_mxfp4, qs);
     case T_Q4_K: return offsetof(x8_q4_K, qs);
     default: return offsetof(x8_q5_K, qs);
     }
@@ -225,6 +253,15 @@ static void dequant_block(int t, const uint8_t *w, float *out) {
         for (int i = 0; i < 16; i++) {
             out[i] = d * (float)((qs[i] & 15) | (((qh >> i) & 1) << 4)) + mn;
             out[i + 16] = d * (float)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) + mn;
+        }
+        return;
+    }
+    case T_MXFP4: {
+        const block_mxfp4 *b = (const block_mxfp4 *)w;
+        const float d = mx_half_scale(b->e);
+        for (int i = 0; i < 16; i++) {
+            out[i] = d * (float)MX_VALUES[b->qs[i] & 15];
+            out[i + 16] = d * (float)MX_VALUES[b->qs[i] >> 4];
         }
         return;
     }

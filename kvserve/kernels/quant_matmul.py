@@ -23,12 +23,13 @@ _SIGNATURES: dict[str, list[Any]] = {
 DOTS = ("portable", "avx2", "avx512_vnni")
 LEVELS = (1, 2)  # int8 levels an activation row is quantized at (quant_acts.h's quantize_input)  # kvserve_quant_dot()'s answers, by number
 # GGML type id → (values per block, bytes per block) of the types the kernels multiply.
-BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-# The x8 layout (quant_x8.h): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows repacked 8 blocks at a time, Q4_K, Q5_K and Q6_K rows
+BLOCKS = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 39: (32, 17), 12: (256, 144), 13: (256, 176),
+          14: (256, 210)}
+# The x8 layout (quant_x8.h): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows repacked 8 blocks at a time, Q4_K, Q5_K and Q6_K rows
 # a super-block's 8 sub-blocks at a time, for the kernel to advance 8 blocks' dots per instruction; its type
 # id is the GGML id + X8.
 X8 = 1000
-X8_TYPES = (8, 2, 3, 6, 7, 12, 13, 14)
+X8_TYPES = (8, 2, 3, 6, 7, 39, 12, 13, 14)
 BLOCKS.update({X8 + t: BLOCKS[t] for t in X8_TYPES})
 
 

@@ -114,14 +114,35 @@ static inline __m256i fifth_bits(const uint8_t *qh) {
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL); /* bit j % 8 of byte j */
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
+/* MXFP4: 32 codes (0..15, as nibbles16 or an x8 word's nibbles give them) → the unsigned values the kernels
+ * multiply, MX_VALUES + MX_OFFSET (0..24: two maddubs' int16 pairs still add without overflow). */
+static inline __m256i mx_codes(__m256i nibbles) {
+    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(lut, nibbles);
+}
+/* 8 e8m0 bytes (as int32 lanes) → their half scales 2^(e - 128), as mx_half_scale makes each. */
+static inline __m256 mx_scales(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
 static inline __m256i lanes_below(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
 /* n <= 8 floats, lanes past n zero (never read past the row) */
 static inline __m256 load_n(const float *p, int n, __m256i mask) { return n == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, mask); }
 
-/* f16 scale d (and Q4_1's minimum m, the next 2 bytes) of n <= 8 consecutive blocks bs bytes apart.
+/* f16 scale d (and Q4_1's minimum m, the next 2 bytes; MXFP4: its d and -12 d) of n <= 8 consecutive blocks of t.
  * Plain loads paired in 64-bit registers: cheaper here than a gather, which also stalled on the
  * first touch of weights that stream from memory. */
-KV_INLINE void block_scales(const uint8_t *w, int bs, int n, __m256 *d, __m256 *m) {
+KV_INLINE void block_scales(int t, const uint8_t *w, int n, __m256 *d, __m256 *m) {
+    const int bs = block_bytes(t);
+    if (t == T_MXFP4) { /* one byte e a block */
+        uint64_t e = 0;
+        for (int j = 0; j < n; j++) e |= (uint64_t)w[j * bs] << (8 * j);
+        *d = mx_scales(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)e)));
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(-(float)MX_OFFSET));
+        return;
+    }
     uint64_t v[4] = {0, 0, 0, 0};
     for (int j = 0; j < 8; j++) {
         uint32_t x = 0;
@@ -198,7 +219,7 @@ static inline void k_scale_min_words(const uint8_t *s, uint64_t *sc, uint64_t *m
     *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
 }
 
-/* Stored Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 rows (quant_blocks.h): the sums of blocks g0.. (a multiple of 8) of RW weight rows (w: row 0's block g0, rows rb apart) and RT
+/* Stored Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 rows (quant_blocks.h): the sums of blocks g0.. (a multiple of 8) of RW weight rows (w: row 0's block g0, rows rb apart) and RT
  * activation rows, into acc. */
 KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0, int RW, int RT, __m256 acc[][RTMAX],
                      long g0) {
@@ -212,7 +233,7 @@ KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0,
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
-            block_scales(w + i * rb + (g - g0) * bs, bs, n, &d, &m);
+            block_scales(t, w + i * rb + (g - g0) * bs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
             if (t == T_Q5_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
             if (t == T_Q8_0 && Q8_OFFSET) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
@@ -236,7 +257,7 @@ KV_INLINE void acc32(int t, const uint8_t *w, size_t rb, const acts *A, long t0,
                 } else if (t == T_Q5_0 || t == T_Q5_1) {
                     u[i] = _mm256_or_si256(nibbles16(block_qs(t, b)), fifth_bits(block_qh(t, b)));
                 } else {
-                    u[i] = nibbles16(block_qs(t, b));
+                    u[i] = t == T_MXFP4 ? mx_codes(nibbles16(block_qs(t, b))) : nibbles16(block_qs(t, b));
                 }
             }
             KV_UNROLL
@@ -259,7 +280,7 @@ KV_INLINE void tile32(int t, const uint8_t *w, size_t rb, const acts *A, long t0
     store_sums(acc, RW, RT, y, ldy);
 }
 
-/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K repacked by kvserve_pack_x8; Q6_K: tile_x8_q6k): per group of 8 blocks (a
+/* x8 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K repacked by kvserve_pack_x8; Q6_K: tile_x8_q6k): per group of 8 blocks (a
  * K-quant's super-block: 8 sub-blocks) the integer dots of all 8 blocks advance together, block j's in int32
  * lane j (Q4: 4 words of low nibbles, codes 0-15 against activation words 0-3, and of high nibbles, codes
  * 16-31 against words 4-7, Q5's with their fifth bits; Q8_0: 8 words), then one convert and one FMA by the 8
@@ -289,7 +310,14 @@ KV_INLINE void x8_scales(int t, const uint8_t *G, __m256 *d, __m256 *m) {
         *m = _mm256_mul_ps(_mm256_set1_ps(-fp16_to_f32(K->dmin)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
         return;
     }
-    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const x8_q4_0 *)G)->d)); /* d[8] leads every type */
+    if (t == T_MXFP4) {
+        long long e;
+        memcpy(&e, ((const x8_mxfp4 *)G)->e, 8);
+        *d = mx_scales(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(e)));
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(-(float)MX_OFFSET));
+        return;
+    }
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const x8_q4_0 *)G)->d)); /* d[8] leads every other type */
     *m = _mm256_setzero_ps();
     if (t == T_Q4_1 || t == T_Q5_1) *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const x8_q4_1 *)G)->m)); /* m[8] next */
     if (t == T_Q4_0) *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.f));
@@ -329,6 +357,7 @@ KV_INLINE void x8_dots(int t, const uint8_t *w, size_t rs, const acts *A, long t
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(w + i * rs + codes + 32 * s));
                 lo[i] = _mm256_and_si256(v, m4);
                 hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (t == T_MXFP4) lo[i] = mx_codes(lo[i]), hi[i] = mx_codes(hi[i]);
                 if (five) {
                     lo[i] = _mm256_or_si256(lo[i], x8_fifth_bits(qh[i], s / 2, s));
                     hi[i] = _mm256_or_si256(hi[i], x8_fifth_bits(qh[i], 2 + s / 2, s));
@@ -593,6 +622,7 @@ KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int R
     case T_Q4_1 + X8: tile_x8(T_Q4_1, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_0 + X8: tile_x8(T_Q5_0, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_1 + X8: tile_x8(T_Q5_1, R, A, t0, RW, RT, y, ldy); return;
+    case T_MXFP4 + X8: tile_x8(T_MXFP4, R, A, t0, RW, RT, y, ldy); return;
     case T_Q4_K + X8: tile_x8(T_Q4_K, R, A, t0, RW, RT, y, ldy); return;
     case T_Q5_K + X8: tile_x8(T_Q5_K, R, A, t0, RW, RT, y, ldy); return;
     case T_Q6_K + X8: tile_x8_q6k(R, A, t0, RW, RT, y, ldy); return;
@@ -601,6 +631,7 @@ KV_INLINE void tile(int t, const wrows *R, const acts *A, long t0, int RW, int R
     case T_Q4_1: tile32(T_Q4_1, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q5_0: tile32(T_Q5_0, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q5_1: tile32(T_Q5_1, w, rb, A, t0, RW, RT, y, ldy); return;
+    case T_MXFP4: tile32(T_MXFP4, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q4_K: tile_q45_k(T_Q4_K, w, rb, A, t0, RW, RT, y, ldy); return;
     case T_Q5_K: tile_q45_k(T_Q5_K, w, rb, A, t0, RW, RT, y, ldy); return;
     default: tile_q6_k(w, rb, A, t0, RW, RT, y, ldy); return;

@@ -126,7 +126,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             __m256 d, m;
-            block_scales(R->tail + i * R->trs, bs, n, &d, &m);
+            block_scales(t, R->tail + i * R->trs, n, &d, &m);
             if (t == T_Q4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
             if (t == T_Q8_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
             const __m512 d2 = _mm512_broadcast_f32x8(d), m2 = _mm512_broadcast_f32x8(m);

@@ -58,6 +58,20 @@ static float dot_q4(int t, const uint8_t *w, const acts *A, long o, long b0, lon
     return sum;
 }
 
+/* MXFP4 (x = d (q - 12), q = MX_VALUES[code] + 12: quant_blocks.h). */
+static float dot_mxfp4(const uint8_t *w, const acts *A, long o, long b0, long b1, float sum) {
+    for (long b = b0; b < b1; b++, w += sizeof(block_mxfp4)) {
+        const block_mxfp4 *B = (const block_mxfp4 *)w;
+        const int8_t *a = A->q + 32 * (o + b);
+        int isum = 0;
+        for (int i = 0; i < 16; i++)
+            isum += (MX_VALUES[B->qs[i] & 15] + MX_OFFSET) * a[i] + (MX_VALUES[B->qs[i] >> 4] + MX_OFFSET) * a[i + 16];
+        const float d = mx_half_scale(B->e), m = -(float)MX_OFFSET * d;
+        sum += d * A->d[o + b] * (float)isum + m * A->s[o + b];
+    }
+    return sum;
+}
+
 /* Q5_0 (x = d (q - 16)) and Q5_1 (x = d q + m). */
 static float dot_q5(int t, const uint8_t *w, const acts *A, long o, long b0, long b1, float sum) {
     const int bs = block_bytes(t);
@@ -131,6 +145,7 @@ static float dot_blocks(int t, const uint8_t *w, const acts *A, long o, long b0,
     case T_Q4_1: return dot_q4(T_Q4_1, w, A, o, b0, b1, sum);
     case T_Q5_0: return dot_q5(T_Q5_0, w, A, o, b0, b1, sum);
     case T_Q5_1: return dot_q5(T_Q5_1, w, A, o, b0, b1, sum);
+    case T_MXFP4: return dot_mxfp4(w, A, o, b0, b1, sum);
     case T_Q4_K: return dot_q45_k(w, A, o, b0, b1, sum, 0);
     case T_Q5_K: return dot_q45_k(w, A, o, b0, b1, sum, 1);
     default: return dot_q6_k(w, A, o, b0, b1, sum);
@@ -161,6 +176,7 @@ static void x8_codes(int t, const uint8_t *G, int8_t c[256]) {
         c[k] = (int8_t)(qs[k] & 15);
         c[k + 128] = (int8_t)(qs[k] >> 4);
     }
+    for (int k = 0; t == T_MXFP4 && k < 256; k++) c[k] = (int8_t)(MX_VALUES[c[k]] + MX_OFFSET);
     /* 4 fifth bits (values 4 s.., one word's bytes) → 16 in each byte whose bit is set (little-endian words) */
     static const uint32_t spread[16] = {0x0, 0x10, 0x1000, 0x1010, 0x100000, 0x100010, 0x101000, 0x101010, 0x10000000,
                                         0x10000010, 0x10001000, 0x10001010, 0x10100000, 0x10100010, 0x10101000, 0x10101010};
@@ -221,8 +237,13 @@ static void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, int R
                 } else {
                     const int has_min = t == T_Q4_1 || t == T_Q5_1;
                     for (int j = 0; j < 8; j++) {
-                        const float d = fp16_to_f32(((const x8_q4_0 *)G)->d[j]); /* d[8] leads every type, m[8] next */
                         const int is = isum[j][0] + isum[j][1];
+                        if (t == T_MXFP4) {
+                            const float d = mx_half_scale(((const x8_mxfp4 *)G)->e[j]), m = -(float)MX_OFFSET * d;
+                            sum[k] += d * A->d[o + blk + j] * (float)is + m * A->s[o + blk + j];
+                            continue;
+                        }
+                        const float d = fp16_to_f32(((const x8_q4_0 *)G)->d[j]); /* d[8] leads every other type, m[8] next */
                         if (t == T_Q8_0) {
                             sum[k] += d * A->d[o + blk + j] * (float)is;
                         } else {

@@ -79,10 +79,11 @@ static wrows rows_at(int t, const uint8_t *w, size_t rb, long nb, long r, long r
 static inline void x8_copy(int pack, void *in_group, const void *in_block, size_t n) {
     memcpy(pack ? in_group : (void *)in_block, pack ? in_block : in_group, n);
 }
-/* Lane j of the x8 group G (Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0) from the stored block b (pack), or back into b:
- * its d to d[j], its m to m[j], its fifth bits to qh[j], its 4-byte words w to bytes 4j.. of word w. */
+/* Lane j of the x8 group G (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or MXFP4) from the stored block b (pack), or back into b:
+ * its d (MXFP4: e) to d[j] (e[j]), its m to m[j], its fifth bits to qh[j], its 4-byte words w to bytes 4j.. of word w. */
 static void x8_lane(int t, uint8_t *G, int j, uint8_t *b, int pack) {
-    x8_copy(pack, &((x8_q4_0 *)G)->d[j], &((block_q4_0 *)b)->d, 2); /* d leads every type */
+    if (t == T_MXFP4) x8_copy(pack, &((x8_mxfp4 *)G)->e[j], &((block_mxfp4 *)b)->e, 1);
+    else x8_copy(pack, &((x8_q4_0 *)G)->d[j], &((block_q4_0 *)b)->d, 2); /* d leads every other type */
     if (t == T_Q4_1 || t == T_Q5_1) x8_copy(pack, &((x8_q4_1 *)G)->m[j], &((block_q4_1 *)b)->m, 2); /* m follows it in both */
     if (t == T_Q5_0 || t == T_Q5_1) x8_copy(pack, G + x8_qh_at(t) + 4 * j, block_qh(t, b), 4);
     for (int w = 0; w < (t == T_Q8_0 ? 8 : 4); w++) x8_copy(pack, G + x8_qs_at(t) + 32 * w + 4 * j, block_qs(t, b) + 4 * w, 4);

@@ -33,8 +33,7 @@ KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "i
 
 @dataclass(frozen=True)
 class StoredWeights:
-    """A GGUF's tensors as kvserve keeps them (their quantized types; MXFP4 as Q5_0, model/mxfp4.py): all of
-    them, and what one sequence's decode step reads (of a mixture of experts' tensors, the chosen experts' share)."""
+    """A GGUF's tensors as stored, which is how kvserve keeps them (their quantized types): all of them, and what one sequence's decode step reads (of a mixture of experts' tensors, the chosen experts' share)."""
 
     nbytes: int
     active_bytes: int
@@ -43,13 +42,9 @@ class StoredWeights:
     types: str  # the matrices' GGML types, e.g. "Q4_0 + Q6_K"
 
 
-def stored_weights(path: Path, experts: int = 0, chosen: int = 0, as_kept: bool = True) -> StoredWeights:
-    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model); its bytes as kvserve
-    keeps them, or (as_kept=False) as the file stores them: the least any server reads."""
-    from gguf import GGMLQuantizationType as Q
+def stored_weights(path: Path, experts: int = 0, chosen: int = 0) -> StoredWeights:
+    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model)."""
     from gguf import GGUFReader
-
-    from kvserve.model import mxfp4
 
     tensors = GGUFReader(path).tensors
 
@@ -57,11 +52,9 @@ def stored_weights(path: Path, experts: int = 0, chosen: int = 0, as_kept: bool 
         idle = sum(n(t) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
         return sum(n(t) for t in tensors), sum(n(t) for t in tensors) - idle
 
-    carried = Q.MXFP4 if as_kept else None  # (held as Q5_0: model/mxfp4.py)
-    nbytes, active_bytes = total(lambda t: mxfp4.kept_nbytes(int(t.n_bytes)) if t.tensor_type == carried else int(t.n_bytes))
+    nbytes, active_bytes = total(lambda t: int(t.n_bytes))
     params, active_params = total(lambda t: int(t.n_elements))
-    types = " + ".join(sorted({t.tensor_type.name + (" (as Q5_0)" if t.tensor_type == carried else "")
-                               for t in tensors if len(t.shape) > 1}))
+    types = " + ".join(sorted({t.tensor_type.name for t in tensors if len(t.shape) > 1}))
     return StoredWeights(nbytes, active_bytes, params, active_params, types)
 
 

@@ -9,11 +9,10 @@ they are decoded). Two quirks of llama.cpp's converter are undone here:
   not as metadata; it is recognised and turned back into RopeScaling("llama3").
 gpt-oss files say less than its config.json: the windowed layers' pattern, the SwiGLU clamp and
 YaRN's unrounded ramp are gpt-oss's own (as llama.cpp hard-codes them); its MXFP4 experts are
-kept as Q5_0 blocks of the same values (model/mxfp4.py), or decoded to float where nothing is kept.
+kept as stored (model/mxfp4.py), or decoded to float where nothing is kept.
 """
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,8 @@ from gguf.gguf_reader import ReaderTensor
 
 from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, yarn_mscale
 from kvserve.errors import ModelFormatError
-from kvserve.model import mxfp4
 from kvserve.model.dequant import SUPPORTED_TYPES, dequantize, single_threaded
-from kvserve.model.quant import KEPT_TYPES, QuantizedWeight, from_gguf
-
-log = logging.getLogger("kvserve.model")
+from kvserve.model.quant import KERNEL_TYPES, QuantizedWeight, from_gguf
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")  # llama: Mixtral too
 _GLOBAL_NAMES = {
@@ -288,15 +284,9 @@ def hf_name(path: Path, gguf_name: str, arch: str = "llama") -> str:
 
 
 def _kept(t: ReaderTensor, shape: tuple[int, int]) -> QuantizedWeight | None:
-    """A matrix's blocks as the kernels keep them, or None where it is decoded to float: a type no kernel
-    takes, or MXFP4 scales beyond float16's range (model/mxfp4.py)."""
-    if t.tensor_type not in KEPT_TYPES:
-        return None
-    try:
-        return from_gguf(torch.from_numpy(t.data), t.tensor_type, shape)
-    except mxfp4.ScaleOutOfRange as e:
-        log.warning("%s: %s; its weights are decoded to float", t.name, e)
-        return None
+    """A matrix's blocks as the kernels keep them, or None where it is decoded to float (a type no kernel
+    takes)."""
+    return from_gguf(torch.from_numpy(t.data), t.tensor_type, shape) if t.tensor_type in KERNEL_TYPES else None
 
 
 def _experts(t: ReaderTensor, name: str, shape: tuple[int, ...], dtype: torch.dtype, keep_quantized: bool

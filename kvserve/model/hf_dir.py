@@ -6,7 +6,6 @@ from a single model.safetensors or the shards listed in model.safetensors.index.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,6 @@ from kvserve.config import ModelConfig, RopeScaling, rope_scaling_unsupported, y
 from kvserve.errors import ModelFormatError
 from kvserve.model import mxfp4
 from kvserve.model.quant import QuantizedWeight, Weight
-
-log = logging.getLogger("kvserve.model")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3", "mixtral",
                          "qwen3_moe", "gpt_oss")
@@ -288,8 +285,8 @@ def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def _gpt_oss_mxfp4(f: Any, stored: str, name: str, file: Path, keep: bool
                    ) -> tuple[str, torch.Tensor | QuantizedWeight] | None:
     """An MXFP4 expert tensor's name without the suffix and its weights, read when its `_blocks` half
-    comes (None for the `_scales` half, read then): kept as Q5_0 blocks of the same values [E, out, in]
-    (model/mxfp4.py) where `keep` and the scales allow, else decoded to float [E, in, out]."""
+    comes (None for the `_scales` half, read then): kept as ggml's MXFP4 blocks [E, out, in] (model/mxfp4.py)
+    where `keep`, else decoded to float [E, in, out]."""
     if name.endswith("_scales"):
         return None
     scales = stored.removesuffix("_blocks") + "_scales"
@@ -298,12 +295,9 @@ def _gpt_oss_mxfp4(f: Any, stored: str, name: str, file: Path, keep: bool
     blocks, e = f.get_tensor(stored), f.get_tensor(scales)
     name = name.removesuffix("_blocks")
     if keep:
-        try:
-            experts, rows, n, _ = blocks.shape
-            return name, QuantizedWeight(mxfp4.hf_as_q5_0(blocks, e).reshape(experts * rows, -1), Q.Q5_0,
-                                         (experts * rows, 32 * n))
-        except mxfp4.ScaleOutOfRange as err:
-            log.warning("%s: %s; its weights are decoded to float", stored, err)
+        experts, rows, n, _ = blocks.shape
+        return name, QuantizedWeight(mxfp4.hf_blocks(blocks, e).reshape(experts * rows, -1), Q.MXFP4,
+                                     (experts * rows, 32 * n))
     return name, _mxfp4_experts(blocks, e)
 
 

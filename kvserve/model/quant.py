@@ -14,7 +14,7 @@ early for the Q8_0 LM head (cheap to expand, a dearer integer dot: ~40 rows on A
 VNNI). The embedding table dequantizes only the rows it looks up, and a tied LM head multiplies
 with the same blocks.
 
-make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K weights into the kernels' x8 layout (8 blocks of
+make_linear repacks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K and Q6_K weights into the kernels' x8 layout (8 blocks of
 a row, or a K-quant super-block's 8 sub-blocks, interleaved by 32-bit word, kernels/quant_x8.h; the Q4 / Q5 / K types'
 rows, and Q8_0's on AVX-512 builds,
 in slabs of four interleaved group by group, their blocks past the last group two at a time as one more group of
@@ -42,16 +42,13 @@ from gguf import GGMLQuantizationType as Q
 from kvserve import hugepages
 from kvserve.config import ModelConfig, env_switch
 from kvserve.kernels import quant_matmul
-from kvserve.model import mxfp4
 from kvserve.model.dequant import dequantize
 from kvserve.model.linear import Linear, bf16_packing_available
 
 log = logging.getLogger("kvserve.model")
 
 # The GGML types the kernels multiply directly; others are dequantized on load.
-KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
-# ... and the types kept quantized: those, and MXFP4 as Q5_0 blocks of the same values (model/mxfp4.py).
-KEPT_TYPES: frozenset[Q] = KERNEL_TYPES | {Q.MXFP4}
+KERNEL_TYPES: frozenset[Q] = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 # Types a float checkpoint can be quantized to on load (quantization="q8_0" | "q4_0").
 ON_LOAD_TYPES = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 QUANTIZATION_CHOICES = ("auto", "none", *ON_LOAD_TYPES)
@@ -176,7 +173,7 @@ class QuantizedWeight:
         return self.unpacked().rows(start, stop).packed()
 
     def packed(self, arena: hugepages.Arena | None = None) -> QuantizedWeight:
-        """The same weight in the x8 layout where the kernels multiply it faster (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+        """The same weight in the x8 layout where the kernels multiply it faster (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the
         K-quants on the SIMD builds, all but Q8_0 on plain C; KVSERVE_X8=0 keeps the stored layout), else itself. The new blocks are cut from
         `arena` where one is given (a model's weights on huge pages)."""
         if self.x8 or not quant_matmul.x8_available(int(self.qtype)) or not x8_enabled():
@@ -201,12 +198,8 @@ def x8_enabled() -> bool:
 
 
 def from_gguf(raw: torch.Tensor, qtype: Q, shape: tuple[int, int]) -> QuantizedWeight:
-    """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight
-    (MXFP4's as Q5_0's: model/mxfp4.py)."""
+    """Blocks as GGUFReader exposes them (any uint8 view of the tensor's bytes) → QuantizedWeight."""
     per, size = GGML_QUANT_SIZES[qtype]
-    if qtype == Q.MXFP4:
-        q5 = mxfp4.gguf_as_q5_0(raw.reshape(-1, size))
-        return QuantizedWeight(q5.reshape(shape[0], -1), Q.Q5_0, shape)
     return QuantizedWeight(raw.reshape(shape[0], shape[1] // per * size), qtype, shape)
 
 
