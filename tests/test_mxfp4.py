@@ -49,11 +49,17 @@ def test_the_kernels_decode_every_scale_byte_exactly() -> None:
 
 def test_kv_size_counts_the_files_bytes(tmp_path) -> None:
     """`kvserve kv-size` counts an MXFP4 file's weights as the loader keeps them: MXFP4 experts as stored,
-    the float rest as float32."""
+    the float rest as float32. A token reads its chosen experts and, beside gpt-oss's own LM head, one row of
+    the embedding table."""
     hf, _ = make_gpt_oss(tmp_path / "hf", seed=1)
     path = write_gpt_oss_gguf(tmp_path / "m.gguf", hf)
     kept = load_checkpoint(path, quantization="auto").tensors
-    stored = stored_weights(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    stored = stored_weights(path, experts=4, chosen=2)
     assert stored.nbytes == sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * 4 for w in kept.values())
-    assert stored.nbytes == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    assert stored.nbytes == sum(int(t.n_bytes) for t in tensors.values())
     assert stored.types == "F32 + MXFP4"
+    experts = sum(int(t.n_bytes) for name, t in tensors.items() if "_exps." in name)
+    embedding = tensors["token_embd.weight"]
+    assert "output.weight" in tensors and stored.active_bytes == (
+        stored.nbytes - experts // 2 - int(embedding.n_bytes) + int(embedding.n_bytes) // int(embedding.shape[-1]))

@@ -43,13 +43,16 @@ class StoredWeights:
 
 
 def stored_weights(path: Path, experts: int = 0, chosen: int = 0) -> StoredWeights:
-    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model)."""
+    """The GGUF at `path`, `chosen` of `experts` experts read per token (0: a dense model). A token reads the
+    embedding table whole only where it is also the LM head (tied); beside an LM head of its own, one row."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(path).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
 
     def total(n: Callable[[Any], int]) -> tuple[int, int]:  # all, and what one token reads
         idle = sum(n(t) for t in tensors if experts and "_exps." in t.name) * (experts - chosen) // max(experts, 1)
+        idle += sum(n(t) - n(t) // int(t.shape[-1]) for t in tensors if untied and t.name == "token_embd.weight")
         return sum(n(t) for t in tensors), sum(n(t) for t in tensors) - idle
 
     nbytes, active_bytes = total(lambda t: int(t.n_bytes))
