@@ -71,11 +71,16 @@ static inline __attribute__((always_inline)) void scaled_queries(const void *q, 
 static __attribute__((noinline)) void softmax_rows(float *restrict scores, int G, int n, float cap,
                                                    const float *sinks) {
     for (int g = 0; g < G; g++) {
-        float *s = scores + (size_t)g * n, m = sinks ? sinks[g] : -INFINITY, part[8] = {0.f};
+        float *s = scores + (size_t)g * n, m = sinks ? sinks[g] : -INFINITY, part[8] = {0.f}, most[8];
         if (cap > 0.f)
             for (int t = 0; t < n; t++) s[t] = tanhf(s[t] / cap) * cap;
-        for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+        for (int j = 0; j < 8; j++) most[j] = m; /* the maximum in 8 lanes, as one chain of compares waits on each */
         int t = 0;
+        for (; t + 8 <= n; t += 8)
+            for (int j = 0; j < 8; j++) most[j] = s[t + j] > most[j] ? s[t + j] : most[j];
+        for (; t < n; t++) m = s[t] > m ? s[t] : m;
+        for (int j = 0; j < 8; j++) m = most[j] > m ? most[j] : m; /* (a maximum is exact in any order) */
+        t = 0;
         for (; t + 8 <= n; t += 8)
             for (int j = 0; j < 8; j++) {
                 s[t + j] = exp_approx(s[t + j] - m);
