@@ -2,14 +2,17 @@
 between global ones (Gemma 3's each kind with its RoPE base), norms around attention and MLP, GeGLU,
 the embedding scaled by sqrt(hidden), query_pre_attn_scalar, Gemma 3's q/k norms and Gemma 2's soft
 caps (small here, so that they bite). Exact greedy tokens in float32 from the Hugging Face
-directory, from Gemma 3's image-and-text layout, and from GGUFs (Gemma 3's written by llama.cpp's
-own converter); the Q8_0 file through the native decode step, bit for bit the per-op path, and its
+directory, from Gemma 3's image-and-text layout, and from GGUFs written by llama.cpp's own
+converter; the Q8_0 file through the native decode step, bit for bit the per-op path, and its
 greedy tokens as the quantized tests define agreement."""
 from __future__ import annotations
 
+import io
 import json
+from pathlib import Path
 
 import pytest
+import sentencepiece
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -18,9 +21,8 @@ from kvserve.config import CacheConfig
 from kvserve.kernels import decode_step
 from kvserve.model.loader import read_model_config
 from family_checks import agreement, float32_tokens, greedy, native_and_per_op, prompts, reference
-from gguf import GGMLQuantizationType as Q
 
-from tiny_models import convert_with_llama_cpp, make_tiny_hf_model, write_tiny_gguf
+from tiny_models import convert_with_llama_cpp, make_tiny_hf_model
 
 WINDOW = 8  # the prompts (4-40 tokens) and 24 generated pass it: the windowed layers drop keys
 FAMILIES = {
@@ -50,20 +52,30 @@ class _Files(dict):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def gemma(request, tmp_path_factory):
-    """(family, transformers' model, its directory, GGUF files {"f32", "q8_0"}): GQA 4:2, head_dim 32 (not
-    64 / 4, and the query_pre_attn_scalar), tied head, random norms. Gemma 3's files are llama.cpp's
-    converter's; its Gemma 2 path wants a SentencePiece tokenizer the tiny model lacks, so Gemma 2's
-    are written with gguf as that converter names and shifts them (tiny_models.write_tiny_gguf)."""
+    """(family, transformers' model, its directory, GGUF files {"f32", "q8_0"} from llama.cpp's converter):
+    GQA 4:2, head_dim 32 (not 64 / 4, and the query_pre_attn_scalar), tied head, random norms. The converter
+    reads Gemma 2's vocabulary from a SentencePiece model only, so Gemma 2's directory gets one trained here
+    (the tests compare token ids: its pieces need not be the model's)."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
     model, directory = make_tiny_hf_model(root / "hf", arch=family, head_dim=32, seed=3, sliding_window=WINDOW,
                                           query_pre_attn_scalar=32, **FAMILIES[family])
-    if family == "gemma3":
-        files = _Files(lambda kind: convert_with_llama_cpp(directory, root / f"{kind}.gguf", kind))
-    else:
-        qtypes = {"f32": Q.F32, "q8_0": Q.Q8_0}
-        files = _Files(lambda kind: write_tiny_gguf(root / f"{kind}.gguf", model, qtypes[kind], with_vocab=True))
+    if family == "gemma2":
+        _write_sentencepiece(Path(directory) / "tokenizer.model")
+    files = _Files(lambda kind: convert_with_llama_cpp(directory, root / f"{kind}.gguf", kind))
     return family, model, directory, files
+
+
+def _write_sentencepiece(path: Path) -> None:
+    """A small byte-fallback BPE SentencePiece model, trained on a few sentences (Gemma's ids: pad 0, eos 1,
+    bos 2, unk 3)."""
+    text = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France? Paris.",
+            "Numbers: 0 1 2 3 4 5 6 7 8 9", "kvserve serves language models on the CPU."] * 16
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=model, vocab_size=400,
+                                             model_type="bpe", byte_fallback=True, pad_id=0, eos_id=1, bos_id=2,
+                                             unk_id=3, minloglevel=2)
+    path.write_bytes(model.getvalue())
 
 
 def test_the_config_says_gemma_from_both_sources(gemma) -> None:

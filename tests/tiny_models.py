@@ -174,7 +174,7 @@ def write_tiny_gguf(
     with_vocab: bool = False,
     vocab_renames: dict[int, str] | None = None,
 ) -> Path:
-    """Write a tiny HF llama/qwen2/qwen3/phi3/gemma2 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
+    """Write a tiny HF llama/qwen2/qwen3/phi3 as a GGUF: 2-D weights as `qtype` (embedding as embed_qtype),
     norms and biases F32, like llama.cpp. Pass a model, or a state dict plus its HF config.
 
     Llama 3 RoPE scaling becomes a rope_freqs tensor computed by transformers' own rope code;
@@ -191,14 +191,13 @@ def write_tiny_gguf(
         state = hf_model_or_state
     else:
         state = hf_model_or_state.state_dict()
-    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-            "gemma2": "gemma2"}[config.model_type]
+    arch = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}[config.model_type]
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
     writer = gguf.GGUFWriter(str(path), arch)
     add_shape(writer, config)
-    if head_dim != config.hidden_size // config.num_attention_heads and arch != "gemma2":
+    if head_dim != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
@@ -207,11 +206,6 @@ def write_tiny_gguf(
         slides = [t == "sliding_attention" for t in getattr(config, "layer_types", None) or ()]
         if arch in ("qwen2", "qwen3") and not all(slides):  # which layers, as llama.cpp writes DFlash's (a Qwen3)
             writer.add_sliding_window_pattern(slides)
-    if arch == "gemma2":  # as llama.cpp's converter writes Gemma 2 (its q/k/v keys' length always)
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -243,8 +237,6 @@ def write_tiny_gguf(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         w = tensor.detach().float().numpy()
-        if arch == "gemma2" and name.endswith("norm.weight"):
-            w = w + 1  # as llama.cpp's converter stores Gemma's 1 + w
         if arch == "llama" and ".q_proj." in name:
             w = _ggml_permute(w, config.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
