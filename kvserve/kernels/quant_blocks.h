@@ -180,7 +180,7 @@ static inline float mx_half_scale(uint8_t e) {
 
 /* A stored 32-value block b of type t (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4): its scale, minimum (Q4_1 / Q5_1),
  * fifth bits (Q5_0 / Q5_1) and codes (Q8_0) or nibbles. t is a constant where the kernels call these. */
-static inline uint16_t block_d(const uint8_t *b) { return ((const block_q4_0 *)b)->d; } /* first in every type */
+static inline uint16_t block_d(const uint8_t *b) { return ((const block_q4_0 *)b)->d; } /* first in every type but MXFP4 */
 static inline uint16_t block_m(int t, const uint8_t *b) {
     return t == T_Q4_1 ? ((const block_q4_1 *)b)->m : ((const block_q5_1 *)b)->m;
 }

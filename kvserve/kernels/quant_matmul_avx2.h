@@ -118,7 +118,7 @@ static inline __m256i fifth_bits(const uint8_t *qh) {
  * multiply, MX_VALUES + MX_OFFSET (0..24: two maddubs' int16 pairs still add without overflow). */
 static inline __m256i mx_codes(__m256i nibbles) {
     const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_VALUES));
-    return _mm256_shuffle_epi8(_mm256_add_epi8(values, _mm256_set1_epi8(MX_OFFSET)), nibbles); /* (gcc folds the table) */
+    return _mm256_shuffle_epi8(_mm256_add_epi8(values, _mm256_set1_epi8(MX_OFFSET)), nibbles); /* (the table: made once, out of the loops) */
 }
 /* 8 e8m0 bytes (as int32 lanes) → their half scales 2^(e - 128), as mx_half_scale makes each. */
 static inline __m256 mx_scales(__m256i e) {

@@ -33,7 +33,8 @@ KV_DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp8", "i
 
 @dataclass(frozen=True)
 class StoredWeights:
-    """A GGUF's tensors as stored, which is how kvserve keeps them (their quantized types): all of them, and what one sequence's decode step reads (of a mixture of experts' tensors, the chosen experts' share)."""
+    """A GGUF's tensors as stored, which is how kvserve keeps them (their quantized types): all of them, and what
+    one sequence's decode step reads (of a mixture of experts' tensors, the chosen experts' share)."""
 
     nbytes: int
     active_bytes: int
