@@ -123,8 +123,9 @@ def serve_url(tmp_path_factory):
         wait_http(url + "/v1/models", 90)
         seen: set[str] = set()
         # Both replicas up: idle ones are picked at random, once Serve's router knows the second
-        # (on a loaded machine the second node's replica can come up a minute after the first).
-        deadline = time.monotonic() + 120
+        # (on a loaded machine the second node's replica can come up minutes after the first: past 2 in a
+        # full `make test` on 2 cores, where the same test alone takes 45 s).
+        deadline = time.monotonic() + 300
         with httpx.Client(base_url=url, timeout=30) as http:
             while len(seen) < 2 and time.monotonic() < deadline:
                 seen.add(http.get("/v1/models").headers[REPLICA_HEADER])
