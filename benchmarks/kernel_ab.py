@@ -32,11 +32,13 @@ from kvserve.model.quant import QuantizedWeight
 SHAPES = [("576→1536 Q4_1", 1536, 576, Q.Q4_1), ("1536→576 Q4_1", 576, 1536, Q.Q4_1),
           ("576→1536 Q5_0", 1536, 576, Q.Q5_0), ("LM head Q8_0", 49152, 576, Q.Q8_0)]
 # Llama-3.2-1B's layers (hidden 2048, 32 / 8 heads of 64, FFN 8192): every width a whole number of 8-block groups.
-# K-quants: the default model's Q4_K_M ffn_down (the one width there that is whole super-blocks), a 1B-shaped
+# K-quants (and MXFP4): the default model's Q4_K_M ffn_down (the one width there that is whole super-blocks), a 1B-shaped
 # one, and 38 MB of Q4_K rows, more than an L3 cache holds (read from memory, as a decode step reads its weights).
 SHAPES_K = [("1536→576 Q4_K", 576, 1536, Q.Q4_K), ("1536→576 Q5_K", 576, 1536, Q.Q5_K),
             ("1536→576 Q6_K", 576, 1536, Q.Q6_K), ("8192→2048 Q4_K", 2048, 8192, Q.Q4_K),
-            ("2048→32768 Q4_K, 38 MB", 32768, 2048, Q.Q4_K)]
+            ("2048→32768 Q4_K, 38 MB", 32768, 2048, Q.Q4_K),
+            # experts: OLMoE-1B-7B's gate_up (2 x 1024 of 2048) and gpt-oss-20b's (2 x 2880 of 2880: 11 groups and a tail pair)
+            ("2048→2048 Q4_K expert", 2048, 2048, Q.Q4_K), ("2880→5760 MXFP4 expert", 5760, 2880, Q.MXFP4)]
 SHAPES_1B = [("2048→3072 Q4_0", 3072, 2048, Q.Q4_0), ("2048→16384 Q4_0", 16384, 2048, Q.Q4_0),
              ("8192→2048 Q4_0", 2048, 8192, Q.Q4_0), ("2048→3072 Q4_1", 3072, 2048, Q.Q4_1)]
 # One decode step's matmuls on the shipped file: 30 layers of Q4_1 qkv, o, gate_up and down, each layer its own

@@ -40,7 +40,7 @@
 #endif
 #endif
 #if defined(WIDE_TILES) && defined(__AVX512BW__)
-#define PAIR_TILES 1 /* x8 Q4_0, Q4_1 and Q8_0 batches: 4 weight rows x pairs of activation rows (quant_matmul_avx512.h) */
+#define PAIR_TILES 1 /* x8 Q4_0, Q4_1, Q8_0, MXFP4, Q4_K and Q6_K batches: 4 weight rows x pairs of activation rows (quant_matmul_avx512.h) */
 #endif
 #if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define KV_AMX 1 /* quant_matmul_amx.h */
@@ -90,7 +90,7 @@ TILE(4, 1) TILE(2, 1) TILE(1, 1) TILE(2, 2) TILE(1, 2) TILE(2, 3) TILE(1, 3) TIL
 TILE(4, 2) TILE(4, 3) TILE(4, 4)
 #endif
 #undef TILE
-#ifdef PAIR_TILES /* x8 Q4_0, Q4_1 and Q8_0 rows against pairs of activation rows: PAIR_RW weight rows x 1..PAIR_RP pairs */
+#ifdef PAIR_TILES /* x8 rows but Q5's against pairs of activation rows: PAIR_RW weight rows x 1..PAIR_RP pairs */
 #define PAIR_RW 4 /* a slab's rows */
 #define PAIR_RP 3 /* 4 x 3 pairs: 24 accumulators of AVX-512's 32 registers */
 #define PAIRS(RP)                                                                                             \
@@ -98,6 +98,9 @@ TILE(4, 2) TILE(4, 3) TILE(4, 4)
         switch (t) {                                                                                          \
         case T_Q4_0 + X8: tile_x8_pairs(T_Q4_0, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
         case T_Q8_0 + X8: tile_x8_pairs(T_Q8_0, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
+        case T_Q4_K + X8: tile_x8_pairs(T_Q4_K, R, A, P0, PAIR_RW, RP, y, ldy); return;                      \
+        case T_MXFP4 + X8: tile_x8_pairs(T_MXFP4, R, A, P0, PAIR_RW, RP, y, ldy); return;                    \
+        case T_Q6_K + X8: tile_x8_q6k_pairs(R, A, P0, PAIR_RW, RP, y, ldy); return;                          \
         default: tile_x8_pairs(T_Q4_1, R, A, P0, PAIR_RW, RP, y, ldy); return;                               \
         }                                                                                                     \
     }
@@ -108,7 +111,7 @@ typedef void (*tile_fn)(int, const wrows *, const acts *, long, float *, long);
 
 /* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
  * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
- * AVX-512's 32 registers (WIDE_TILES), Q4_0 / Q4_1 / Q8_0 as 4 weight rows × 3 pairs of activation rows,
+ * AVX-512's 32 registers (WIDE_TILES), x8 rows but Q5's as 4 weight rows × 3 pairs of activation rows,
  * two rows per 512-bit vector (PAIR_TILES). y: output column r0 of activation row 0; row k's at y + k rows. */
 static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
@@ -123,13 +126,13 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
 #ifdef PAIR_TILES /* (Q5 rows, decoded at 256 bits, then doubled, gained nothing steady from pairs) */
     typedef void (*pair_fn)(int, const wrows *, const acts *, long, float *, long);
     static const pair_fn by_pairs[PAIR_RP + 1] = {NULL, pairs_1, pairs_2, pairs_3};
-    if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8 || t == T_Q8_0 + X8))
+    if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8 || t == T_Q8_0 + X8 || t == T_Q4_K + X8 || t == T_MXFP4 + X8 || t == T_Q6_K + X8))
         for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
             for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + (r - r0), rows);
         }
 #endif
-#ifdef WIDE_TILES /* x8 Q4 / Q5 / K rows (Q8_0 gained nothing from 4 x 4; x8 Q4_K in pairs was slower) */
+#ifdef WIDE_TILES /* x8 Q5 rows, and every x8 type but Q8_0 and Q6_K without pairs (Q8_0 gained nothing from 4 x 4) */
     static const tile_fn by4[5] = {NULL, tile_4x1, tile_4x2, tile_4x3, tile_4x4};
     if (t >= X8 && base_type(t) != T_Q8_0 && base_type(t) != T_Q6_K) /* (x8 Q6_K: its two dots per sum spill at 4 x 4) */
         for (; r + 4 <= r1; r += 4) {

@@ -1,7 +1,7 @@
-/* The quantized matmul's 512-bit pair tiles (AVX-512 BW + VNNI): x8 Q4_0, Q4_1 and Q8_0 rows against two
+/* The quantized matmul's 512-bit pair tiles (AVX-512 BW + VNNI): x8 Q4_0, Q4_1, Q8_0, MXFP4, Q4_K and Q6_K rows against two
  * activation rows per vector. Included by quant_matmul.c after quant_matmul_avx2.h, whose helpers they use,
  * where it is compiled for them (PAIR_TILES). */
-/* tile_x8 for RW weight rows and RP pairs of activation rows of x8 Q4_0 / Q4_1 / Q8_0, two activation rows
+/* tile_x8 for RW weight rows and RP pairs of activation rows of x8 Q4_0 / Q4_1 / Q8_0 / MXFP4 / Q4_K, two activation rows
  * to a 512-bit vector: each weight vector is decoded into both halves and meets rows 2P and 2P + 1
  * at once, their words one load from the pair layout (qt_at), taken by vpdpbusd straight from
  * memory, so a weight word decoded once serves 2 RP rows and the dots and the per-group float work
@@ -15,8 +15,43 @@ static inline __m512i pair_loadi(const int8_t *a, const int8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
                               _mm256_loadu_si256((const __m256i *)b), 1);
 }
+/* mx_codes at 512 bits: nibbles to MXFP4's doubled values + MX_OFFSET, one vpshufb per 128-bit lane. */
+static inline __m512i mx_codes512(__m512i nibbles) {
+    const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_VALUES));
+    return _mm512_shuffle_epi8(_mm512_add_epi8(values, _mm512_set1_epi8(MX_OFFSET)), nibbles);
+}
 #define PWMAX 4 /* the accumulator arrays' room: quant_matmul.c's pair tiles are 4 weight rows x 1..3 pairs */
 #define PPMAX 6
+/* The pair tiles' sums into y: row 2P's RW outputs from the low halves, row 2P + 1's (where it is below T) from
+ * the high ones, each summed as tile_x8 sums its row (hsum4_rows, or hsum). */
+KV_INLINE void store_pairs(__m512 acc[][PPMAX], int RW, int RP, long P0, const acts *A, float *y, long ldy) {
+    if (RW == 4) { /* hsum4_rows on both halves at once: row 2P's four sums, then row 2P + 1's */
+        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) {
+            const long r = 2 * (P0 + p);
+            /* 128-bit lanes of acc[i][p]: v0..3, v4..7 of row 2P, then of row 2P + 1 */
+            const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(2, 0, 2, 0)),
+                                             _mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+            const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m256 both = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, z));
+            _mm_storeu_ps(y + r * ldy, _mm256_castps256_ps128(both));
+            if (r + 1 < A->T) _mm_storeu_ps(y + (r + 1) * ldy, _mm256_extractf128_ps(both, 1));
+        }
+        return;
+    }
+    KV_UNROLL
+    for (int i = 0; i < RW; i++)
+        KV_UNROLL
+        for (int p = 0; p < RP; p++) {
+            const long r = 2 * (P0 + p);
+            y[r * ldy + i] = hsum(_mm512_castps512_ps256(acc[i][p]));
+            if (r + 1 < A->T) y[(r + 1) * ldy + i] = hsum(_mm512_extractf32x8_ps(acc[i][p], 1));
+        }
+}
 /* Pairs P0 .. P0 + RP - 1 (rows 2 P0 .. 2 P0 + 2 RP - 1, those below T stored) against weight rows 0..RW-1 of w. */
 KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int RW, int RP, float *y, long ldy) {
     const int bs = block_bytes(t), codes = x8_qs_at(t);
@@ -35,7 +70,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
         const uint8_t *w = R->w + g * R->gs; /* row i's group g at w + i rs */
         const size_t rs = R->rs;
-        if (t != T_Q8_0) prefetch_group(R, g, RW, RP, 8 * bs); /* (Q8_0's slabs stream faster unaided) */
+        if (t != T_Q8_0) prefetch_group(R, g, RW, RP, (int)x8_group_bytes(t)); /* (Q8_0's slabs stream faster unaided) */
         if (t == T_Q8_0) { /* 8 words of codes, each q + 128 as unsigned bytes (as Q8_OFFSET has the one-token tiles take them) */
             KV_UNROLL
             for (int s = 0; s < 8; s++)
@@ -54,7 +89,8 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
                 for (int i = 0; i < RW; i++) {
                     const __m256i *src = (const __m256i *)(w + i * rs + codes + 32 * s);
                     const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(src));
-                    const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    if (t == T_MXFP4) lo = mx_codes512(lo), hi = mx_codes512(hi);
                     KV_UNROLL
                     for (int p = 0; p < RP; p++) {
                         const __m512i *a = (const __m512i *)qt_at(A, 2 * (P0 + p), 8 * g + s);
@@ -82,7 +118,7 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
     for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
     for (long q = 0; q < R->np; q++) { /* tail pairs, as tile_x8 sums them: row i's lanes in both halves */
         const long blk = 8 * groups + 2 * q;
-        const uint8_t *G = R->tp + q * 8 * bs;
+        const uint8_t *G = R->tp + q * x8_group_bytes(t);
         __m512i dot[PPMAX];
         KV_UNROLL
         for (int p = 0; p < RP; p++) dot[p] = _mm512_setzero_si512();
@@ -91,8 +127,9 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
         KV_UNROLL
         for (int s = 0; s < words; s++) {
             const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(G + codes + 32 * s)));
-            const __m512i lo = t == T_Q8_0 ? _mm512_xor_si512(v, bias) : _mm512_and_si512(v, m4);
-            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            __m512i lo = t == T_Q8_0 ? _mm512_xor_si512(v, bias) : _mm512_and_si512(v, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (t == T_MXFP4) lo = mx_codes512(lo), hi = mx_codes512(hi);
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
                 const int8_t *a = tail_word(A, 2 * (P0 + p), blk, s);
@@ -147,8 +184,9 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
                 const uint8_t *b = R->tail + i * R->trs + j * bs;
-                u[i] = t == T_Q8_0 ? _mm512_xor_si512(both_halves(_mm256_loadu_si256((const __m256i *)block_qs(t, b))), bias)
-                                   : both_halves(nibbles16(block_qs(t, b)));
+                u[i] = t == T_Q8_0    ? _mm512_xor_si512(both_halves(_mm256_loadu_si256((const __m256i *)block_qs(t, b))), bias)
+                       : t == T_MXFP4 ? both_halves(mx_codes(nibbles16(block_qs(t, b))))
+                                      : both_halves(nibbles16(block_qs(t, b)));
             }
             KV_UNROLL
             for (int p = 0; p < RP; p++) {
@@ -161,30 +199,73 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             }
         }
     }
-    if (RW == 4) { /* hsum4_rows on both halves at once: row 2P's four sums, then row 2P + 1's */
-        const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-        KV_UNROLL
-        for (int p = 0; p < RP; p++) {
-            const long r = 2 * (P0 + p);
-            /* 128-bit lanes of acc[i][p]: v0..3, v4..7 of row 2P, then of row 2P + 1 */
-            const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_f32x4(acc[0][p], acc[1][p], _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(2, 0, 2, 0)),
-                                             _mm512_shuffle_f32x4(acc[2][p], acc[3][p], _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-            const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
-            const __m256 both = _mm512_castps512_ps256(_mm512_permutexvar_ps(order, z));
-            _mm_storeu_ps(y + r * ldy, _mm256_castps256_ps128(both));
-            if (r + 1 < A->T) _mm_storeu_ps(y + (r + 1) * ldy, _mm256_extractf128_ps(both, 1));
-        }
-        return;
-    }
+    store_pairs(acc, RW, RP, P0, A, y, ldy);
+}
+/* tile_x8_q6k on pairs of activation rows, as tile_x8_pairs runs tile_x8: every lane tile_x8_q6k's operations
+ * in its order (each half's dots scaled apart, the -32 through the half sums h), so the same bits. */
+KV_INLINE void tile_x8_q6k_pairs(const wrows *R, const acts *A, long P0, int RW, int RP, float *y, long ldy) {
+    const long nb = A->nb, groups = nb / 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
+    KV_UNROLL
+    for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
+    __m512 acc[PWMAX][PPMAX];
     KV_UNROLL
     for (int i = 0; i < RW; i++)
         KV_UNROLL
-        for (int p = 0; p < RP; p++) {
-            const long r = 2 * (P0 + p);
-            y[r * ldy + i] = hsum(_mm512_castps512_ps256(acc[i][p]));
-            if (r + 1 < A->T) y[(r + 1) * ldy + i] = hsum(_mm512_extractf32x8_ps(acc[i][p], 1));
+        for (int p = 0; p < RP; p++) acc[i][p] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = R->w + g * R->gs;
+        const size_t rs = R->rs;
+        prefetch_group(R, g, RW, RP, sizeof(x8_q6_K));
+        KV_UNROLL
+        for (int half = 0; half < 2; half++) { /* values 0-15 of each sub-block, then 16-31 */
+            __m512i dot[PWMAX][PPMAX];
+            KV_UNROLL
+            for (int i = 0; i < RW; i++)
+                KV_UNROLL
+                for (int p = 0; p < RP; p++) dot[i][p] = _mm512_setzero_si512();
+            KV_UNROLL
+            for (int s = 0; s < 4; s++) {
+                __m512i u[PWMAX];
+                KV_UNROLL
+                for (int i = 0; i < RW; i++) {
+                    const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
+                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->ql[s]));
+                    const __m512i hb = _mm512_srli_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->qh[s / 2])), 4 * (s & 1));
+                    u[i] = half ? _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30))
+                                : _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
+                }
+                KV_UNROLL
+                for (int p = 0; p < RP; p++) {
+                    const __m512i a = _mm512_loadu_si512(qt_at(A, 2 * (P0 + p), 8 * g + s + 4 * half));
+                    KV_UNROLL
+                    for (int i = 0; i < RW; i++) dot[i][p] = _mm512_dpbusd_epi32(dot[i][p], u[i], a);
+                }
+            }
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
+                const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales), halves = _mm_shuffle_epi8(sc, evens_odds);
+                const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d));
+                const __m512 d2 = _mm512_broadcast_f32x8(
+                    _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(halves, 8) : halves))));
+                KV_UNROLL
+                for (int p = 0; p < RP; p++) {
+                    const __m512 da = _mm512_loadu_ps(A->dp + pair_at(A, P0 + p, 8 * g));
+                    acc[i][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][p]), _mm512_mul_ps(d2, da), acc[i][p]);
+                    if (half) { /* -32 d d_a (sc_2j h0_j + sc_2j+1 h1_j), once per sub-block */
+                        const __m512i h = _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(A->h + 2 * (2 * (P0 + p) * nb + 8 * g)))),
+                            _mm256_loadu_si256((const __m256i *)(A->h + 2 * (second[p] * nb + 8 * g))), 1);
+                        const __m512 hs = _mm512_cvtepi32_ps(_mm512_madd_epi16(h, both_halves(_mm256_cvtepi8_epi16(sc))));
+                        const __m512 dd = _mm512_mul_ps(_mm512_broadcast_f32x8(d0), da);
+                        acc[i][p] = _mm512_fnmadd_ps(_mm512_mul_ps(dd, _mm512_set1_ps(32.f)), hs, acc[i][p]);
+                    }
+                }
+            }
         }
+    }
+    store_pairs(acc, RW, RP, P0, A, y, ldy);
 }
