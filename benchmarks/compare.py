@@ -176,23 +176,47 @@ class Server:
         self._out.close()
 
 
-def resident_mib(pid: int) -> tuple[float, float]:
-    """(resident now, peak resident) in MiB of a server and every process under it (vLLM forks
-    its engine): VmRSS and VmHWM from /proc, summed over the tree. (0, 0) where /proc is absent."""
-    now = peak = 0
-    todo = [pid]
+def process_tree(pid: int) -> list[int]:
+    """pid and every process under it (vLLM forks its engine; kvserve runs a grammar compile fork server)."""
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
-            status = Path(f"/proc/{p}/status").read_text()
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        tree.append(p)
+    return tree
+
+
+def resident_mib(pid: int) -> tuple[float, float]:
+    """(resident now, peak resident) in MiB of a server and every process under it: VmRSS and VmHWM
+    from /proc, summed over the tree. (0, 0) where /proc is absent."""
+    now = peak = 0
+    for p in process_tree(pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         now += int(fields.get("VmRSS", "0 kB").split()[0])
         peak += int(fields.get("VmHWM", "0 kB").split()[0])
     return now / 1024, peak / 1024
+
+
+def proportional_mib(pid: int) -> float:
+    """The tree's proportional set size in MiB (Pss of /proc/*/smaps_rollup): resident pages, each shared
+    one counted once over the processes sharing it (a summed RSS counts libtorch's pages once per process
+    that maps them). 0 where /proc is absent."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+    return total / 1024
 
 
 def results_dir(fresh: bool, plan: Plan) -> Path:

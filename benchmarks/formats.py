@@ -9,8 +9,9 @@ tokenizer, padded to the vocabulary), written with the `gguf` library and quanti
 and their best settings (llama-server: one server per concurrency, `-np` = clients), the same
 streamed closed-loop load from `kvserve bench serve`, one after the other on a quiet machine.
 
-Each cell: output tok/s, ITL p50, TTFT p50, resident MiB, and the fraction of the bytes roofline
-(weights read per decode step against this machine's measured read bandwidth, times the clients).
+Each cell: output tok/s, ITL p50, TTFT p50, resident MiB (the server's process tree's PSS; kvserve's
+also once loaded, before any request), and decode's fraction of the bytes roofline (1 / ITL p50
+against the weights one sequence's decode step reads over this machine's measured read bandwidth).
 A shared VM's speed drifts by a fifth over minutes, so `--rounds N` measures each cell N times,
 the two servers alternated (kvserve first in even rounds, llama-server first in odd ones): the
 table gives each figure's median over the rounds, and the ratio as the median of the rounds'
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 
 from benchmarks import peers
-from benchmarks.compare import CTX_PER_SLOT, REPO, THREADS, Plan, Server, bench_tokenizer, resident_mib, results_dir
+from benchmarks.compare import (CTX_PER_SLOT, REPO, THREADS, Plan, Server, bench_tokenizer, proportional_mib, resident_mib,
+                                results_dir)
 from kvserve.bench.datasets import DatasetConfig, load_samples
 from kvserve.bench.serve import BenchConfig, run
 
@@ -220,11 +222,13 @@ def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, 
     server = Server(argv_for(who, model, concurrency, ctx), env, out / f"{path.stem}.log")
     try:
         name = server.wait_ready()
+        loaded = proportional_mib(server.proc.pid)  # weights and runtime, before any request's KV blocks
         dataset = DatasetConfig("random", prompts or max(2 * concurrency, 8), input_len, output_len, seed=concurrency)
         cfg = BenchConfig(base_url=server.url, model=name, dataset=dataset, max_concurrency=concurrency,
                           max_duration=300, timeout=360, num_warmups=1)
         point = run(cfg, load_samples(dataset, bench_tokenizer())).to_dict()
         point["rss_mib"], point["peak_rss_mib"] = resident_mib(server.proc.pid)
+        point["pss_mib"], point["pss_loaded_mib"] = proportional_mib(server.proc.pid), loaded
         point["loadavg_1min"] = os.getloadavg()[0]
     finally:
         server.stop()
@@ -251,24 +255,33 @@ def ratio_cell(kv: list[dict], ll: list[dict]) -> str:
     return cell + (f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else "")
 
 
-def table(points: dict[tuple[str, str, int], list[dict]], limits: dict, bytes_per_step: dict[str, int]) -> list[str]:
+def table(points: dict[tuple[str, str, int], list[dict]], limits: dict, bytes_per_step: dict[str, int],
+          file_mib: dict[str, float]) -> list[str]:
+    """One row a cell. Resident memory is the server tree's PSS at the end (summed RSS for points saved
+    before PSS was), and kvserve's once loaded, before any request, against the file's size. The
+    roofline is decode's: each client's tokens at 1 / ITL p50 against one sequence's bytes a token over the
+    measured bandwidth, times the clients (a mixture of experts' batch reads more than one sequence's
+    experts, so past one client that roofline is out of reach)."""
     bw = limits["bandwidth_gbs"] * 1e9
     rows = ["| weights | clients | kvserve tok/s | llama-server tok/s | ratio | ITL p50 ms kvserve / llama | "
-            "ITL ratio | TTFT p50 ms kvserve / llama | RSS MiB kvserve / llama | of bytes roofline kvserve / llama |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "ITL ratio | TTFT p50 ms kvserve / llama | resident MiB kvserve / llama | kvserve loaded / file | "
+            "decode of bytes roofline kvserve / llama |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for who, fmt, c in points:
         if who != "kvserve":
             continue
         k, ll = points[(who, fmt, c)], points.get(("llama", fmt, c))
         if not ll:
             continue
-        roof = bw / bytes_per_step[fmt] * c
+        seconds_a_token = bytes_per_step[fmt] / bw  # one sequence's, at the bytes roofline
         tk, tl = _m(k, "output_throughput"), _m(ll, "output_throughput")
         ik, il = _m(k, "itl"), _m(ll, "itl")
-        rss = [statistics.median(p.get("rss_mib", 0) for p in r) for r in (k, ll)]
+        res = [statistics.median(p.get("pss_mib", p.get("rss_mib", 0)) for p in r) for r in (k, ll)]
+        loaded = [p["pss_loaded_mib"] for p in k if "pss_loaded_mib" in p]
         rows.append(f"| {fmt} | {c} | {tk:.1f} | {tl:.1f} | {ratio_cell(k, ll)} | {ik:.2f} / {il:.2f} | {ik / il:.2f} | "
-                    f"{_m(k, 'ttft'):.0f} / {_m(ll, 'ttft'):.0f} | "
-                    f"{rss[0]:.0f} / {rss[1]:.0f} | {tk / roof:.0%} / {tl / roof:.0%} |")
+                    f"{_m(k, 'ttft'):.0f} / {_m(ll, 'ttft'):.0f} | {res[0]:.0f} / {res[1]:.0f} | "
+                    f"{f'{statistics.median(loaded) / file_mib[fmt]:.2f}x' if loaded else 'n/a'} | "
+                    f"{seconds_a_token * 1e3 / ik:.0%} / {seconds_a_token * 1e3 / il:.0%} |")
     return rows
 
 
@@ -340,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
     lim = json.loads(lim_path.read_text())
     points: dict[tuple[str, str, int], list[dict]] = {}
     bytes_per_step: dict[str, int] = {}
+    file_mib: dict[str, float] = {}
     stamps = []  # when each point was saved: a table redrawn from saved points keeps their date and span
     for fmt in args.formats.split(","):
         model = model_file(fmt)
         bytes_per_step[fmt] = limits_mod.gguf_format(model).bytes_per_step
+        file_mib[fmt] = model.stat().st_size / 2**20
         levels = [int(c) for c in args.concurrency.split(",")]
         for c in (levels[:2] if fmt == ONE_B else levels):  # the 1B model: 1 and 4 clients (minutes per point)
             for r in range(args.rounds):
@@ -356,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                f"measured read bandwidth {lim['bandwidth_gbs']:.1f} GB/s; `make bench-formats` "
                f"({(max(stamps) - min(stamps)) / 60 + 1:.0f} min)"
                + (f"; {args.rounds} alternated rounds a cell: medians, the ratio's range in brackets."
-                  if args.rounds > 1 else "."), "", *table(points, lim, bytes_per_step), "",
+                  if args.rounds > 1 else "."), "", *table(points, lim, bytes_per_step, file_mib), "",
                "![formats.png](benchmarks/formats.png)", "", END]
     plot(points, args.write.parent / "benchmarks" / "formats.png")
     doc = args.write.read_text() if args.write.exists() else ""
