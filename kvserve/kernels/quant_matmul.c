@@ -2,7 +2,7 @@
  *
  * Decoding one token reads every weight once, so bytes per weight set the speed. These kernels never
  * expand a weight to float in memory: y[t, r] = x[t, :] . W[r, :] walks the blocks of row r (Q8_0,
- * Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). The activations are quantized first, per 32 values, to int8
+ * Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K). The activations are quantized first, per 32 values, to int8
  * blocks, and every weight type meets them in integer dot products (quant_acts.h). Q4_0 .. Q6_K rows are
  * repacked at load into the x8 layout (kvserve_pack_x8, as llama.cpp's and ik_llama.cpp's repacked types
  * are, here 8 blocks of one row), in which one integer dot instruction advances 8 blocks at once.
