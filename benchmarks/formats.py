@@ -10,7 +10,7 @@ and their best settings (llama-server: one server per concurrency, `-np` = clien
 streamed closed-loop load from `kvserve bench serve`, one after the other on a quiet machine.
 
 Each cell: output tok/s, ITL p50, TTFT p50, resident MiB (the server's process tree's PSS; kvserve's
-also once loaded, before any request), and decode's fraction of the bytes roofline (1 / ITL p50
+also once loaded, before any request), and decode's fraction of the bytes roofline (1 / TPOT p50
 against the weights one sequence's decode step reads over this machine's measured read bandwidth).
 A shared VM's speed drifts by a fifth over minutes, so `--rounds N` measures each cell N times,
 the two servers alternated (kvserve first in even rounds, llama-server first in odd ones): the
@@ -237,7 +237,7 @@ def measure(who: str, model: Path, concurrency: int, out: Path, input_len: int, 
 
 
 def _m1(point: dict, key: str) -> float:
-    """A metric of a saved point: "output_throughput", or "itl" / "ttft" for their medians (ms)."""
+    """A metric of a saved point: "output_throughput", or "itl" / "ttft" / "tpot" for their medians (ms)."""
     value = point["metrics"][key]
     return float(value["median_ms"] if isinstance(value, dict) else value)
 
@@ -259,13 +259,15 @@ def table(points: dict[tuple[str, str, int], list[dict]], limits: dict, bytes_pe
           file_mib: dict[str, float]) -> list[str]:
     """One row a cell. Resident memory is the server tree's PSS at the end (summed RSS for points saved
     before PSS was), and kvserve's once loaded, before any request, against the file's size. The
-    roofline is decode's: each client's tokens at 1 / ITL p50 against one sequence's bytes a token over the
-    measured bandwidth, times the clients (a mixture of experts' batch reads more than one sequence's
-    experts, so past one client that roofline is out of reach)."""
+    roofline is decode's: each client's tokens at 1 / TPOT p50 (a request's time past its first token over
+    its later tokens; ITL is no measure of it where a server streams some tokens together, as llama-server
+    does tokens that decode to no text) against one sequence's bytes a token over the measured bandwidth,
+    times the clients (a mixture of experts' batch reads more than one sequence's experts, so past one
+    client that roofline is out of reach)."""
     bw = limits["bandwidth_gbs"] * 1e9
     rows = ["| weights | clients | kvserve tok/s | llama-server tok/s | ratio | ITL p50 ms kvserve / llama | "
             "ITL ratio | TTFT p50 ms kvserve / llama | resident MiB kvserve / llama | kvserve loaded / file | "
-            "decode of bytes roofline kvserve / llama |",
+            "decode (1 / TPOT) of bytes roofline kvserve / llama |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for who, fmt, c in points:
         if who != "kvserve":
@@ -281,7 +283,7 @@ def table(points: dict[tuple[str, str, int], list[dict]], limits: dict, bytes_pe
         rows.append(f"| {fmt} | {c} | {tk:.1f} | {tl:.1f} | {ratio_cell(k, ll)} | {ik:.2f} / {il:.2f} | {ik / il:.2f} | "
                     f"{_m(k, 'ttft'):.0f} / {_m(ll, 'ttft'):.0f} | {res[0]:.0f} / {res[1]:.0f} | "
                     f"{f'{statistics.median(loaded) / file_mib[fmt]:.2f}x' if loaded else 'n/a'} | "
-                    f"{seconds_a_token * 1e3 / ik:.0%} / {seconds_a_token * 1e3 / il:.0%} |")
+                    f"{seconds_a_token * 1e3 / _m(k, 'tpot'):.0%} / {seconds_a_token * 1e3 / _m(ll, 'tpot'):.0%} |")
     return rows
 
 
