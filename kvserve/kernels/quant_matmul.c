@@ -118,6 +118,13 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
     const long nb = A->nb * 32 / block_values(t);
     long r = r0;
+#ifdef PAIR_TILES
+    if (T == 1 && t == T_Q6_K + X8) /* both halves of its sub-blocks in one 512-bit vector */
+        for (; r + 4 <= r1; r += 4) {
+            const wrows R = rows_at(t, w, rb, nb, r, r1);
+            tile_x8_q6k_one(&R, A, 0, 4, y + (r - r0));
+        }
+#endif
     if (T == 1)
         for (; r + 4 <= r1; r += 4) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);

@@ -269,3 +269,52 @@ KV_INLINE void tile_x8_q6k_pairs(const wrows *R, const acts *A, long P0, int RW,
     }
     store_pairs(acc, RW, RP, P0, A, y, ldy);
 }
+/* One activation row (a decode step's) against RW x8 Q6_K rows: both halves of the 8 sub-blocks in one 512-bit
+ * vector (values 0-15 in the low half, 16-31 in the high one, each shifted into place by its half's count), so
+ * the codes are made and dotted once for both, where tile_x8_q6k makes them twice at 256 bits. The float work is
+ * tile_x8_q6k's, in its order (half 0's product, half 1's, then the -32 term), so the same bits. */
+KV_INLINE void tile_x8_q6k_one(const wrows *R, const acts *A, long t0, int RW, float *y) {
+    const long nb = A->nb, groups = nb / 8;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i code_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* >> 0, >> 4 */
+    const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* << 4, << 2 */
+    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m256 acc[RWMAX][RTMAX];
+    zero_sums(acc, RW, 1);
+    for (long g = 0; g < groups; g++) {
+        const uint8_t *w = R->w + g * R->gs;
+        const size_t rs = R->rs;
+        prefetch_group(R, g, RW, 1, sizeof(x8_q6_K));
+        __m512i dot[PWMAX];
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) dot[i] = _mm512_setzero_si512();
+        KV_UNROLL
+        for (int s = 0; s < 4; s++) {
+            const __m512i a = pair_loadi(qt_at(A, t0, 8 * g + s), qt_at(A, t0, 8 * g + s + 4)); /* half 0's word, half 1's */
+            KV_UNROLL
+            for (int i = 0; i < RW; i++) {
+                const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
+                const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->ql[s]));
+                const __m512i hb = _mm512_srli_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->qh[s / 2])), 4 * (s & 1));
+                const __m512i u = _mm512_or_si512(_mm512_and_si512(_mm512_srlv_epi16(v, code_shift), m4),
+                                                  _mm512_and_si512(_mm512_sllv_epi16(hb, high_shift), m30));
+                dot[i] = _mm512_dpbusd_epi32(dot[i], u, a);
+            }
+        }
+        const long off = t0 * nb + 8 * g;
+        const __m256 da = _mm256_loadu_ps(A->d + off);
+        KV_UNROLL
+        for (int i = 0; i < RW; i++) {
+            const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
+            const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales), halves = _mm_shuffle_epi8(sc, evens_odds);
+            const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d));
+            const __m256 d_lo = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves)));
+            const __m256 d_hi = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(halves, 8))));
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(dot[i])), _mm256_mul_ps(d_lo, da), acc[i][0]);
+            acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(dot[i], 1)), _mm256_mul_ps(d_hi, da), acc[i][0]);
+            const __m256 hs = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * off)), _mm256_cvtepi8_epi16(sc)));
+            acc[i][0] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_mul_ps(d0, da), _mm256_set1_ps(32.f)), hs, acc[i][0]);
+        }
+    }
+    store_sums(acc, RW, 1, y, 0);
+}
