@@ -448,13 +448,25 @@ KV_INLINE void tile_x8(int t, const wrows *R, const acts *A, long t0, int RW, in
     if (g0 < nb) acc32(t, R->tail, R->trs, A, t0, RW, RT, acc, g0);
     store_sums(acc, RW, RT, y, ldy);
 }
+/* x8 Q6_K: word s of one half's 6-bit codes as unsigned bytes (half 0: values 0-15 of each sub-block, 1: 16-31). */
+static inline __m256i q6k_codes(const x8_q6_K *G, int s, int half) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)G->ql[s]);
+    const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)G->qh[s / 2]), 4 * (s & 1));
+    return half ? _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30))
+                : _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+}
+/* x8 Q6_K: one half's 8 scales d·sc (lane j: sub-block j's scale of that half). */
+static inline __m256 q6k_scales(const x8_q6_K *G, int half) {
+    const __m128i halves = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)G->scales),
+                                            _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return _mm256_mul_ps(_mm256_set1_ps(fp16_to_f32(G->d)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(halves, 8) : halves)));
+}
 /* x8 Q6_K super-blocks (x8_q6_K): sub-block j in lane j. The two halves of a sub-block have their own scales, so their
  * integer dots are kept apart (one pass each) and scaled by d·sc_2j·d_a and d·sc_2j+1·d_a; the -32
  * comes off through the activations' half sums, as tile_q6_k takes it. */
 KV_INLINE void tile_x8_q6k(const wrows *R, const acts *A, long t0, int RW, int RT, float *y, long ldy) {
     const long nb = A->nb, groups = nb / 8;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[RWMAX][RTMAX];
     zero_sums(acc, RW, RT);
     for (long g = 0; g < groups; g++) {
@@ -472,13 +484,7 @@ KV_INLINE void tile_x8_q6k(const wrows *R, const acts *A, long t0, int RW, int R
             for (int s = 0; s < 4; s++) {
                 __m256i u[RWMAX];
                 KV_UNROLL
-                for (int i = 0; i < RW; i++) {
-                    const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)G->ql[s]);
-                    const __m256i hb = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)G->qh[s / 2]), 4 * (s & 1));
-                    u[i] = half ? _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30))
-                                : _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
-                }
+                for (int i = 0; i < RW; i++) u[i] = q6k_codes((const x8_q6_K *)(w + i * rs), s, half);
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
                     const __m256i a = _mm256_loadu_si256((const __m256i *)qt_at(A, t0 + k, 8 * g + s + 4 * half));
@@ -489,9 +495,8 @@ KV_INLINE void tile_x8_q6k(const wrows *R, const acts *A, long t0, int RW, int R
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
                 const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
-                const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales), halves = _mm_shuffle_epi8(sc, evens_odds);
-                const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d));
-                const __m256 d = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(halves, 8) : halves)));
+                const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales);
+                const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d)), d = q6k_scales(G, half);
                 KV_UNROLL
                 for (int k = 0; k < RT; k++) {
                     const long off = (t0 + k) * nb + 8 * g;

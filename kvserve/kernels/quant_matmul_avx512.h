@@ -20,6 +20,8 @@ static inline __m512i mx_codes512(__m512i nibbles) {
     const __m512i values = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_VALUES));
     return _mm512_shuffle_epi8(_mm512_add_epi8(values, _mm512_set1_epi8(MX_OFFSET)), nibbles);
 }
+/* The second row of pair P: 2P + 1, or 2P again for an odd T's last row. */
+static inline long pair_second(const acts *A, long P) { return 2 * P + 1 < A->T ? 2 * P + 1 : 2 * P; }
 #define PWMAX 4 /* the accumulator arrays' room: quant_matmul.c's pair tiles are 4 weight rows x 1..3 pairs */
 #define PPMAX 6
 /* The pair tiles' sums into y: row 2P's RW outputs from the low halves, row 2P + 1's (where it is below T) from
@@ -113,9 +115,9 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
             }
         }
     }
-    long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
+    long second[PPMAX];
     KV_UNROLL
-    for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
+    for (int p = 0; p < RP; p++) second[p] = pair_second(A, P0 + p);
     for (long q = 0; q < R->np; q++) { /* tail pairs, as tile_x8 sums them: row i's lanes in both halves */
         const long blk = 8 * groups + 2 * q;
         const uint8_t *G = R->tp + q * x8_group_bytes(t);
@@ -205,11 +207,9 @@ KV_INLINE void tile_x8_pairs(int t, const wrows *R, const acts *A, long P0, int 
  * in its order (each half's dots scaled apart, the -32 through the half sums h), so the same bits. */
 KV_INLINE void tile_x8_q6k_pairs(const wrows *R, const acts *A, long P0, int RW, int RP, float *y, long ldy) {
     const long nb = A->nb, groups = nb / 8;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    long second[PPMAX]; /* row 2P + 1, or 2P again for an odd T's last row */
+    long second[PPMAX];
     KV_UNROLL
-    for (int p = 0; p < RP; p++) second[p] = 2 * (P0 + p) + 1 < A->T ? 2 * (P0 + p) + 1 : 2 * (P0 + p);
+    for (int p = 0; p < RP; p++) second[p] = pair_second(A, P0 + p);
     __m512 acc[PWMAX][PPMAX];
     KV_UNROLL
     for (int i = 0; i < RW; i++)
@@ -230,13 +230,7 @@ KV_INLINE void tile_x8_q6k_pairs(const wrows *R, const acts *A, long P0, int RW,
             for (int s = 0; s < 4; s++) {
                 __m512i u[PWMAX];
                 KV_UNROLL
-                for (int i = 0; i < RW; i++) {
-                    const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
-                    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->ql[s]));
-                    const __m512i hb = _mm512_srli_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)G->qh[s / 2])), 4 * (s & 1));
-                    u[i] = half ? _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30))
-                                : _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
-                }
+                for (int i = 0; i < RW; i++) u[i] = both_halves(q6k_codes((const x8_q6_K *)(w + i * rs), s, half));
                 KV_UNROLL
                 for (int p = 0; p < RP; p++) {
                     const __m512i a = _mm512_loadu_si512(qt_at(A, 2 * (P0 + p), 8 * g + s + 4 * half));
@@ -247,10 +241,9 @@ KV_INLINE void tile_x8_q6k_pairs(const wrows *R, const acts *A, long P0, int RW,
             KV_UNROLL
             for (int i = 0; i < RW; i++) {
                 const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
-                const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales), halves = _mm_shuffle_epi8(sc, evens_odds);
+                const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales);
                 const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d));
-                const __m512 d2 = _mm512_broadcast_f32x8(
-                    _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(half ? _mm_srli_si128(halves, 8) : halves))));
+                const __m512 d2 = _mm512_broadcast_f32x8(q6k_scales(G, half));
                 KV_UNROLL
                 for (int p = 0; p < RP; p++) {
                     const __m512 da = _mm512_loadu_ps(A->dp + pair_at(A, P0 + p, 8 * g));
@@ -278,7 +271,6 @@ KV_INLINE void tile_x8_q6k_one(const wrows *R, const acts *A, long t0, int RW, f
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i code_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1); /* >> 0, >> 4 */
     const __m512i high_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  /* << 4, << 2 */
-    const __m128i evens_odds = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     __m256 acc[RWMAX][RTMAX];
     zero_sums(acc, RW, 1);
     for (long g = 0; g < groups; g++) {
@@ -306,10 +298,8 @@ KV_INLINE void tile_x8_q6k_one(const wrows *R, const acts *A, long t0, int RW, f
         KV_UNROLL
         for (int i = 0; i < RW; i++) {
             const x8_q6_K *G = (const x8_q6_K *)(w + i * rs);
-            const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales), halves = _mm_shuffle_epi8(sc, evens_odds);
-            const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d));
-            const __m256 d_lo = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves)));
-            const __m256 d_hi = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(halves, 8))));
+            const __m128i sc = _mm_loadu_si128((const __m128i *)G->scales);
+            const __m256 d0 = _mm256_set1_ps(fp16_to_f32(G->d)), d_lo = q6k_scales(G, 0), d_hi = q6k_scales(G, 1);
             acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_castsi512_si256(dot[i])), _mm256_mul_ps(d_lo, da), acc[i][0]);
             acc[i][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(dot[i], 1)), _mm256_mul_ps(d_hi, da), acc[i][0]);
             const __m256 hs = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(A->h + 2 * off)), _mm256_cvtepi8_epi16(sc)));
