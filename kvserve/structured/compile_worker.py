@@ -167,7 +167,8 @@ class CompileProcesses:
         """This thread's worker, forked if it has none alive (WorkerGone: the fork server ended
         and could not be started again, or `kill` was called)."""
         worker: CompileWorker | None = getattr(self._local, "worker", None)
-        if worker is not None and worker.alive:
+        # (an idle worker whose fork server has ended is dying with it, though its end may not show it yet)
+        if worker is not None and worker.alive and self._forks is not None and self._forks.alive:
             return worker
         self.discard()
         forks = self._fork_server(vocabulary)
