@@ -1,6 +1,7 @@
 """kvserve's native CPU kernels and packed linear layers against plain torch."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve import cpu, kernels
 from kvserve.kernels import layer_ops, paged_attention
 from kvserve.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention, default_backend, store_kv
 from kvserve.model.linear import Linear, bf16_packing_available
@@ -189,6 +191,39 @@ def test_paged_decode_is_batch_invariant() -> None:
     for b in range(5):
         alone = paged_attention.paged_decode(q[b : b + 1], kv, *as_tensors([tables[b]], [lens[b]]), 0.125)
         assert torch.equal(alone[0], together[b])
+
+
+@pytest.mark.skipif(cpu.isa() != "avx512", reason="the 512-bit attention passes are built at the avx512 level only")
+def test_the_512_bit_attention_passes_give_the_256_bit_passes_bits(monkeypatch) -> None:
+    """paged_attention.c's AVX-512 passes run its AVX2 passes' operations lane for lane (two keys' partial sums to a
+    vector, added up in the same pairs): the same bits at either level, for every pool format the vector passes
+    take, head sizes of 32 to 256 (96: a 64-value and a 32-value pass) and GQA groups of 1 to 8 heads, every
+    tail of keys past a multiple of 4, under a window, sinks and a soft cap."""
+    wide = paged_attention._lib()
+    monkeypatch.setenv("KVSERVE_ISA", "avx2")
+    narrow = ctypes.CDLL(str(kernels._compile("paged_attention")))
+    narrow.kvserve_paged_decode.argtypes = paged_attention._SIGNATURES["kvserve_paged_decode"]
+    g = torch.Generator().manual_seed(3)
+    lens = [1, 2, 3, 4, 5, 7, 16, 33, 130, 301]
+    for H, Hkv, D in [(32, 8, 64), (9, 3, 64), (8, 4, 256), (24, 8, 96), (16, 8, 128), (8, 8, 32), (16, 2, 64)]:
+        for dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.float16),
+                                (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8)]:
+            q, kv, tables = random_case(len(lens), H, Hkv, D, 16, lens, torch.float32, seed=H + D)
+            scales = None
+            if kv_dtype == torch.int8:
+                kv = torch.randint(-127, 128, kv.shape, dtype=torch.int8, generator=g)
+                scales = (torch.rand(kv.shape[:-1], generator=g) * 0.05).half()
+            kv, q = kv.to(kv_dtype), q.to(dtype)
+            variants = [{}] if (H, D) != (32, 64) else [{}, {"window": 20}, {"sinks": torch.randn(H, generator=g)},
+                                                        {"softcap": 5.0}]
+            for extra in variants:
+                outs = []
+                for lib in (wide, narrow):
+                    monkeypatch.setattr(paged_attention, "_bound", [lib])
+                    outs.append(paged_attention.paged_decode(q, kv, *as_tensors(tables, lens), D**-0.5, kv_scale=scales,
+                                                             **extra))
+                assert torch.equal(outs[0], outs[1]), (H, Hkv, D, dtype, kv_dtype, extra)
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

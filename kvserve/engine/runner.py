@@ -16,10 +16,12 @@ per-step tensors once, not per layer.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from kvserve import cpu
 from kvserve.engine.request import Sequence
 from kvserve.engine.sampler import Sampler, SamplingRow
 from kvserve.engine.scheduler import SchedulerOutput
@@ -62,10 +64,13 @@ class RunnerOutput:
     verified: list[Verified] = field(default_factory=list)
 
 
-# Prompt rows at positions below this run in the native step (ModelRunner._native_prompt_rows); measured
-# on the default model's Q4_0 file, 2 threads (Zen 4): prefill of 110 / 300 / 700 / 1000 / 2000 tokens took
-# 0.88 / 0.92 / 0.87 / 0.85 / 0.98x the per-op forward's time.
-NATIVE_PROMPT_CONTEXT = 2048
+# Prompt rows at positions below this run in the native step (ModelRunner._native_prompt_rows), the rest in the
+# per-op forward. With the attention kernel's 512-bit passes every position (2 threads, Zen 5, 2026-12-08:
+# 4,096- and 8,000-token prompts took 0.87 and 0.82-0.89x the time of a 2,048 cutoff on the 1B shape, 0.90-0.94
+# and 0.70-0.78x on the default model); on lower builds from 2,048 on the per-op forward is as fast or faster
+# (the default model's 4,096 tokens: ~1.0x at avx2, 0.85x on the portable build; below 2,000 tokens the native
+# step took 0.85-0.98x its time).
+NATIVE_PROMPT_CONTEXT = sys.maxsize if cpu.isa() == "avx512" else 2048
 # Prompt logprobs take the LM head over every prompt position: this many rows at a time bounds
 # the float32 logits held at once (256 x 49152 x 4 bytes = 48 MiB for the default model).
 PROMPT_LOGITS_ROWS = 256
@@ -269,9 +274,8 @@ class ModelRunner:
                             slots: list[int]) -> torch.Tensor:
         """Prompt chunks through the native step as well: each row a query of its own, attending to its
         sequence's keys up to itself (the decode step's attention, one row at a time). Below
-        NATIVE_PROMPT_CONTEXT that beats the per-op forward (no Python between operations; at the
-        default model's 110-token prompts ~0.88x the time, even at 2000 tokens); positions from it on
-        take the per-op forward's attention, whose work grows less with the context, in a second pass.
+        NATIVE_PROMPT_CONTEXT that beats the per-op forward (no Python between operations); positions
+        from it on take the per-op forward, in a second pass.
         Which path a row takes depends on its position alone, so its bits do not depend on its batch or
         its chunking, and a prompt row's K/V and logits are the ones decoding it would give."""
         if (native := self.native) is None:

@@ -261,8 +261,122 @@ static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D
             for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc_out[g] + c + 8 * j, acc[g][j]);
     }
 }
+#if defined(__AVX512F__)
+/* The same passes on 512-bit vectors, the same bits: each lane runs qk_pass's and pv_pass's operations in
+ * their order. A score's 8 partial sums sit in one half of a vector, two keys to a vector (as the
+ * matmul's pair tiles hold two activation rows), and are added up as hsum4 adds them; pv_pass's sums are
+ * per output value already, so 16 of them to a vector change nothing. Where the FMA units are 512 bits
+ * wide (Zen 5, Xeon) that is twice the work per instruction of the 256-bit passes: a long prompt's
+ * attention is bound by these multiply-adds. */
+/* Keys r0 and r1's values i .. i + 7, as float32 in the low and high halves. */
+static inline __attribute__((always_inline)) __m512 load2x8(const void *base, size_t r0, size_t r1, int D, int i, int fmt) {
+    if (fmt == FMT_F32)
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)base + r0 * D + i)),
+                                  _mm256_loadu_ps((const float *)base + r1 * D + i), 1);
+    if (fmt == FMT_I8) {
+        const __m128i b = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + r0 * D + i)),
+                                             _mm_loadl_epi64((const __m128i *)((const int8_t *)base + r1 * D + i)));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + r0 * D + i))),
+                                              _mm_loadu_si128((const __m128i *)((const uint16_t *)base + r1 * D + i)), 1);
+    if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* 16 values from element i of an array in format fmt, as float32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, size_t i, int fmt) {
+    if (fmt == FMT_F32) return _mm512_loadu_ps((const float *)base + i);
+    if (fmt == FMT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    if (fmt == FMT_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* hsum4 of keys j .. j + 3's sums, held as a = [j | j + 1], b = [j + 2 | j + 3]: the same pairs added in the same order. */
+static inline __attribute__((always_inline)) __m128 hsum4_512(__m512 a, __m512 b) {
+    /* per 128-bit lane: hadd(hadd(k, k + 1), hadd(k + 2, k + 3))'s two steps (lanes: j lo, j hi, j + 1 lo, j + 1 hi) */
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_ps(p, p, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(p, p, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* q's lanes: [j, j + 2, .. ] of the low halves' sums, then of the high halves', then j + 1's and j + 3's */
+    const __m512 s = _mm512_add_ps(q, _mm512_shuffle_f32x4(q, q, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s));
+}
+static inline __attribute__((always_inline)) void qk_pass512(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
+                                                             size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs,
+                                                             int D, int kv_fmt, float *restrict scores, int n) {
+    int t = t0;
+    key_rows it = rows_from(table, bs, t0);
+    int ta = t0 + KEYS_AHEAD < L ? t0 + KEYS_AHEAD : L;
+    key_rows ahead = rows_from(table, bs, ta);
+    for (; t + 4 <= L; t += 4) {
+        size_t r[4];
+        for (int j = 0; j < 4; j++) {
+            const size_t slot = next_row(&it);
+            r[j] = k_head + slot;
+            prefetch_row(kv, v_head + slot, D, kv_fmt);
+            if (ta < L) prefetch_row(kv, k_head + next_row(&ahead), D, kv_fmt), ta++;
+        }
+        __m512 acc[QPASS][2];
+        for (int g = 0; g < NG; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            const __m512 k01 = load2x8(kv, r[0], r[1], D, i, kv_fmt), k23 = load2x8(kv, r[2], r[3], D, i, kv_fmt);
+            for (int g = 0; g < NG; g++) {
+                const __m512 q = _mm512_broadcast_f32x8(_mm256_loadu_ps(qf[g] + i));
+                acc[g][0] = _mm512_fmadd_ps(k01, q, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(k23, q, acc[g][1]);
+            }
+        }
+        __m128 ks = _mm_set1_ps(1.f);
+        if (kv_fmt == FMT_I8)
+            ks = _mm_setr_ps(fp16_to_f32(kv_scale[r[0]]), fp16_to_f32(kv_scale[r[1]]), fp16_to_f32(kv_scale[r[2]]),
+                             fp16_to_f32(kv_scale[r[3]]));
+        for (int g = 0; g < NG; g++) _mm_storeu_ps(scores + (size_t)g * n + t - t0, _mm_mul_ps(hsum4_512(acc[g][0], acc[g][1]), ks));
+    }
+    for (; t < L; t++) { /* the last keys as qk_pass takes them, one at a time */
+        const size_t r = k_head + next_row(&it);
+        __m256 acc[QPASS];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            const __m256 k = load8(kv, r * D + i, kv_fmt);
+            for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qf[g] + i), acc[g]);
+        }
+        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
+        for (int g = 0; g < NG; g++) scores[(size_t)g * n + t - t0] = hsum1(acc[g]) * ks;
+    }
+}
+/* pv_pass over NV x 16 values of D from c (NV <= 4): a head's sums stay in registers over the whole context. */
+static inline __attribute__((always_inline)) void pv_pass512(float (*acc_out)[MAX_D], int NG, int NV, int c, const void *kv,
+                                                             const uint16_t *kv_scale, size_t v_head, const int32_t *table, int t0,
+                                                             int L, int bs, int D, int kv_fmt, const float *restrict scores, int n) {
+    __m512 acc[QPASS][4];
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
+    key_rows it = rows_from(table, bs, t0);
+    for (int t = t0; t < L; t++) {
+        const size_t r = v_head + next_row(&it);
+        const float vs = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
+        __m512 v[4];
+        for (int j = 0; j < NV; j++) v[j] = load16(kv, r * D + c + 16 * j, kv_fmt);
+        for (int g = 0; g < NG; g++) {
+            const __m512 p = _mm512_set1_ps(kv_fmt == FMT_I8 ? scores[(size_t)g * n + t - t0] * vs : scores[(size_t)g * n + t - t0]);
+            for (int j = 0; j < NV; j++) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc_out[g] + c + 16 * j, acc[g][j]);
+}
+static inline __attribute__((always_inline)) void pv_all512(float (*acc_out)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
+                                                            size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
+                                                            int kv_fmt, const float *restrict scores, int n) {
+    int c = 0;
+    for (; c + 64 <= D; c += 64) pv_pass512(acc_out, NG, 4, c, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores, n);
+    if (D - c == 32) pv_pass512(acc_out, NG, 2, c, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores, n);
+}
+#define QK_PASS(NG) qk_pass512(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#define PV_PASS(NG) pv_all512(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#else
 #define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 #define PV_PASS(NG) pv_pass(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#endif
 static inline __attribute__((always_inline)) void attend_simd(const void *q, const void *kv, const uint16_t *kv_scale, void *out,
                                                               const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
                                                               size_t head_rows, int bs, int D, float scale, float cap, const float *sinks,
