@@ -124,10 +124,11 @@ def check_kernels() -> str:
                         worst = (np.abs(y - ref) / bound).max()
                         assert worst <= 1.0, f"{name} {rows}x{cols} T={T} levels {levels}: error {worst:.2f} x the bound"
                     # A row's result does not depend on the batch it came in: the same bits alone, in a
-                    # tile's remainder and inside full tiles.
-                    x = torch.randn(11, cols, generator=g)
+                    # tile's remainder, inside full tiles and in any of the passes a prompt's rows take
+                    # (rows_per_pass: 48 / levels rows each, the last up to 1.5 passes).
+                    x = torch.randn(130, cols, generator=g)
                     together = quant_matmul.matmul(flat, kind, rows, cols, x, levels)
-                    for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11)):
+                    for lo, hi in ((0, 1), (10, 11), (3, 5), (2, 9), (1, 11), (23, 26), (47, 50), (95, 130)):
                         part = quant_matmul.matmul(flat, kind, rows, cols, x[lo:hi], levels)
                         assert torch.equal(part, together[lo:hi]), f"{name} {rows}x{cols} rows {lo}:{hi} levels {levels}"
     # What the loader repacks: every x8 type on the SIMD builds; on plain C all but Q8_0 (its stored rows

@@ -164,7 +164,7 @@ static long chunks_of(const kv_linear *L) {
 
 /* Chunk c of L's outputs for the T rows of A into y [T, total_rows] (quant_matmul.c's rows_out), unless
  * its part's whole tiles were AMX's (skip[part]). */
-static void chunk_out(const kv_linear *L, const acts *A, long T, int levels, long c, float *y, float *part,
+static void chunk_out(const kv_linear *L, const acts *A, long T, int levels, long ta, long tb, long c, float *y, float *part,
                       const int *skip) {
     long first = 0, off = 0;
     int p = 0;
@@ -178,7 +178,7 @@ static void chunk_out(const kv_linear *L, const acts *A, long T, int levels, lon
     const size_t rb = (size_t)(L->cols / block_values(qt)) * block_bytes(qt);
     const long r0 = 16 * (c - first), r1 = r0 + 16 < L->rows[p] ? r0 + 16 : L->rows[p];
     if (skip && skip[p] && r1 - r0 == 16) return;
-    rows_out(qt, L->w[p], rb, A, T, levels, r0, r1, y + off + r0, L->total_rows, part);
+    rows_out(qt, L->w[p], rb, A, T, levels, ta, tb, r0, r1, y + off + r0, L->total_rows, part);
 }
 
 /* Inside the parallel region, every thread calls it, once A holds the rows' quantized activations: the parts
@@ -206,8 +206,14 @@ static void matmul_in_region(const kv_linear *L, const acts *A, long T, int leve
         }
     }
 #endif
+    const long n = rows_per_pass(levels), chunks = chunks_of(L);
+    long ta = 0;
+    for (; !last_pass(ta, n, T); ta += n) { /* each thread's chunks, pass after pass (quant_matmul.c's rows_per_pass) */
+#pragma omp for schedule(static) nowait
+        for (long c = 0; c < chunks; c++) chunk_out(L, A, T, levels, ta, ta + n, c, y, part, on_tiles);
+    }
     FOR_STATIC
-    for (long c = 0; c < chunks_of(L); c++) chunk_out(L, A, T, levels, c, y, part, on_tiles);
+    for (long c = 0; c < chunks; c++) chunk_out(L, A, T, levels, ta, T, c, y, part, on_tiles);
     PHASE(phase);
     if (L->bias) {
         FOR_STATIC
@@ -256,7 +262,7 @@ static void experts_matmul(const kv_linear *Ls, const long *chunk_at, const long
         const int e = span_of(chunk_at, E, c);
         const long n = first[e + 1] - first[e];
         const acts A = acts_for(ws->acts + acts_at[e], n, lv, &Ls[e]);
-        chunk_out(&Ls[e], &A, n, lv, c - chunk_at[e], y + (size_t)first[e] * ldy, part, NULL);
+        chunk_out(&Ls[e], &A, n, lv, 0, n, c - chunk_at[e], y + (size_t)first[e] * ldy, part, NULL);
     }
 }
 

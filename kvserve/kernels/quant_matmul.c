@@ -109,11 +109,12 @@ PAIRS(1) PAIRS(2) PAIRS(3)
 #endif
 typedef void (*tile_fn)(int, const wrows *, const acts *, long, float *, long);
 
-/* Weight rows r0..r1 against all T activation rows: one token as 4-row tiles, a batch as
- * 2 weight rows × 4 activation rows (the last T % 4 rows as one narrower tile), or 4 × 4 with
+/* Weight rows r0..r1 against activation rows ta..tb - 1 of T (ta even): one token as 4-row tiles, a batch as
+ * 2 weight rows × 4 activation rows (the last rows as one narrower tile), or 4 × 4 with
  * AVX-512's 32 registers (WIDE_TILES), x8 rows but Q5's as 4 weight rows × 3 pairs of activation rows,
  * two rows per 512-bit vector (PAIR_TILES). y: output column r0 of activation row 0; row k's at y + k rows. */
-static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long r0, long r1, float *y, long rows) {
+static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T, long ta, long tb, long r0, long r1, float *y,
+                      long rows) {
     static const tile_fn by2[5] = {NULL, tile_2x1, tile_2x2, tile_2x3, tile_2x4};
     static const tile_fn by1[5] = {NULL, tile_1x1, tile_1x2, tile_1x3, tile_1x4};
     const long nb = A->nb * 32 / block_values(t);
@@ -134,9 +135,9 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     typedef void (*pair_fn)(int, const wrows *, const acts *, long, float *, long);
     static const pair_fn by_pairs[PAIR_RP + 1] = {NULL, pairs_1, pairs_2, pairs_3};
     if (T > 1 && (t == T_Q4_0 + X8 || t == T_Q4_1 + X8 || t == T_Q8_0 + X8 || t == T_Q4_K + X8 || t == T_MXFP4 + X8 || t == T_Q6_K + X8))
-        for (const long np = (T + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
+        for (const long np = (tb + 1) / 2; r + PAIR_RW <= r1; r += PAIR_RW) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
-            for (long P0 = 0; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + (r - r0), rows);
+            for (long P0 = ta / 2; P0 < np; P0 += PAIR_RP) by_pairs[np - P0 < PAIR_RP ? np - P0 : PAIR_RP](t, &R, A, P0, y + (r - r0), rows);
         }
 #endif
 #ifdef WIDE_TILES /* x8 Q5 rows, and every x8 type but Q8_0 and Q6_K without pairs (Q8_0 gained nothing from 4 x 4) */
@@ -144,29 +145,40 @@ static void row_range(int t, const uint8_t *w, size_t rb, const acts *A, long T,
     if (t >= X8 && base_type(t) != T_Q8_0 && base_type(t) != T_Q6_K) /* (x8 Q6_K: its two dots per sum spill at 4 x 4) */
         for (; r + 4 <= r1; r += 4) {
             const wrows R = rows_at(t, w, rb, nb, r, r1);
-            for (long t0 = 0; t0 < T; t0 += 4) by4[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
+            for (long t0 = ta; t0 < tb; t0 += 4) by4[tb - t0 < 4 ? tb - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
         }
 #endif
     for (; r < r1; r += 2) {
         const tile_fn *f = r + 2 <= r1 ? by2 : by1;
         const wrows R = rows_at(t, w, rb, nb, r, r1);
-        for (long t0 = 0; t0 < T; t0 += 4) f[T - t0 < 4 ? T - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
+        for (long t0 = ta; t0 < tb; t0 += 4) f[tb - t0 < 4 ? tb - t0 : 4](t, &R, A, t0, y + t0 * rows + (r - r0), rows);
     }
 }
 
-/* Outputs r0..r1 (at most 16) of T input rows whose activations are `levels` rows each in A (quantize_input),
- * into y (column r0 of row 0, rows ldy apart): with two levels each row's two products, made into `part`
- * (2 T x 16 floats), then added in one fixed order, so a row's result still does not depend on its batch. */
-static void rows_out(int t, const uint8_t *w, size_t rb, const acts *A, long T, int levels, long r0, long r1, float *y,
-                     long ldy, float *part) {
+/* Outputs r0..r1 (at most 16) of input rows ta..tb - 1 of T, whose activations are `levels` rows each in A
+ * (quantize_input), into y (column r0 of row 0, rows ldy apart): with two levels each row's two products, made
+ * into `part` (2 T x 16 floats), then added in one fixed order, so a row's result still does not depend on its
+ * batch. */
+static void rows_out(int t, const uint8_t *w, size_t rb, const acts *A, long T, int levels, long ta, long tb, long r0,
+                     long r1, float *y, long ldy, float *part) {
     if (levels != 2) {
-        row_range(t, w, rb, A, T, r0, r1, y, ldy);
+        row_range(t, w, rb, A, T, ta, tb, r0, r1, y, ldy);
         return;
     }
-    row_range(t, w, rb, A, 2 * T, r0, r1, part, 16);
-    for (long k = 0; k < T; k++)
+    row_range(t, w, rb, A, 2 * T, 2 * ta, 2 * tb, r0, r1, part, 16);
+    for (long k = ta; k < tb; k++)
         for (long i = 0; i < r1 - r0; i++) y[k * ldy + i] = part[32 * k + i] + part[32 * k + 16 + i];
 }
+
+/* Input rows a thread takes through all its 16-row chunks before the next ones: 48 activation rows (8 pair
+ * tiles' 3 pairs; 24 input rows at two levels). A prompt chunk's activations, 40 bytes per 32 values and row as
+ * the tiles read them, are 1.3 MB for 512 rows of 2048, more than an L2 holds: taken whole, every 4-row slab read
+ * them again from L3. 48 rows at a time stay in L2 through the thread's chunks (16 weight rows are a few KiB);
+ * 18 rows of 8192 values were 1.06x slower and 96 rows 1.07x (Zen 5, 2026-12-08). The order of a sum's
+ * operations does not change: the same bits. */
+static inline long rows_per_pass(int levels) { return 48 / levels; }
+/* Whether the pass from input row ta takes the rest: the last, at most 1.5 passes' rows (no short pass after). */
+static inline int last_pass(long ta, long n, long T) { return T - ta <= n + n / 2; }
 
 /* Whether calls large enough run on AMX tiles: on < 0 asks, 0 turns them off, 1 on (where they run here).
  * Returns 1 when they do. Both give the same bits (quant_matmul_amx.h). */
@@ -248,9 +260,16 @@ int kvserve_quant_matmul(int qtype, const uint8_t *w, long rows, long cols, cons
             c0 = rows / 16;
         }
 #endif
-#pragma omp for schedule(static)
-        for (long c = c0; c < chunks; c++)
-            rows_out(qtype, w, rb, &A, T, levels, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y + 16 * c, rows, mine);
+        const long n = rows_per_pass(levels);
+        long ta = 0;
+        for (;; ta += n) { /* the same chunks each thread's, pass after pass (one static schedule) */
+            const long tb = last_pass(ta, n, T) ? T : ta + n;
+#pragma omp for schedule(static) nowait
+            for (long c = c0; c < chunks; c++)
+                rows_out(qtype, w, rb, &A, T, levels, ta, tb, 16 * c, 16 * c + 16 < rows ? 16 * c + 16 : rows, y + 16 * c, rows,
+                         mine);
+            if (tb == T) break;
+        }
     }
     free(buf);
     return 0;
