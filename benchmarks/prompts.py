@@ -53,16 +53,18 @@ def prompt_rate(point: dict) -> float:
 
 def table(points: dict, peak: float, params: dict[str, int], amx_llama: bool) -> list[str]:
     without = any(formats.NO_AMX in cell for cell in points.values())
-    rows = ["| model | prompt | clients | kvserve TTFT p50 | llama-server TTFT p50 | kvserve prompt tok/s "
+    rows = ["| model | prompt | clients | kvserve TTFT p50 / p90 | llama-server TTFT p50 / p90 | kvserve prompt tok/s "
             "| llama-server prompt tok/s | kvserve / llama-server | kvserve of int8 peak | llama-server of int8 peak |"
             + (" kvserve without AMX tiles: prompt tok/s |" if without else ""),
             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if without else "")]
     for (model, n, c), cell in sorted(points.items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1], kv[0][2])):
         rate = {w: statistics.median(prompt_rate(p) for p in cell[w]) for w in cell}
         kv, ll = rate["kvserve"], rate["llama"]
-        ttft = {w: statistics.median(p["metrics"]["ttft"]["median_ms"] for p in cell[w]) / 1e3 for w in cell}
+        ttft = {w: " / ".join(f"{statistics.median(ms(p['metrics']['ttft']) for p in cell[w]) / 1e3:.2f}"
+                              for ms in (lambda t: t["median_ms"], lambda t: t["percentiles_ms"]["p90"])) + " s"
+                for w in cell}
         frac = {w: r * 2 * params[model] / (peak * 1e12) for w, r in (("kvserve", kv), ("llama", ll))}
-        rows.append(f"| {model} | {n} | {c} | {ttft['kvserve']:.2f} s | {ttft['llama']:.2f} s | {kv:.0f} | {ll:.0f} "
+        rows.append(f"| {model} | {n} | {c} | {ttft['kvserve']} | {ttft['llama']} | {kv:.0f} | {ll:.0f} "
                     f"| **{kv / ll:.2f}x** | {frac['kvserve']:.0%} | {frac['llama']:.0%} |"
                     + (f" {rate[formats.NO_AMX]:.0f} ({kv / rate[formats.NO_AMX]:.2f}x) |" if formats.NO_AMX in rate else ""))
     rows += ["", f"int8 matrix peak (oneDNN `torch._int_mm`, 512 x 2048 x 8192, {THREADS} threads): {peak:.2f} T ops/s; "
