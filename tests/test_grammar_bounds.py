@@ -393,6 +393,29 @@ def test_a_compile_process_that_dies_costs_its_request_a_400_and_the_processes_a
     assert again.compiled and pool.pending == 0 and len(grammar_processes(os.getpid())[0]) == 1
 
 
+def test_a_fork_server_that_ends_under_its_workers_compile_costs_the_request_nothing(compiler, make_pool, monkeypatch):
+    """The fork server killed as it hands a worker out (the kernel's OOM killer, or a kill, a moment before the
+    compile; its workers die with it): the worker's end is the fork server's, not the constraint's, so the
+    compile goes once more to a worker of a fork server started again and the request gets its grammar."""
+    pool = make_pool()
+    processes, killed = pool._processes, []
+    handed_out = processes.worker
+
+    def worker_of_a_dying_fork_server(vocabulary):
+        worker = handed_out(vocabulary)
+        if not killed:
+            killed.append(processes._forks.process.pid)
+            os.kill(killed[0], signal.SIGKILL)
+            wait_for(lambda: not worker.alive, timeout=2.0)  # it died with its fork server
+        return worker
+
+    monkeypatch.setattr(processes, "worker", worker_of_a_dying_fork_server)
+    c = Constraint("regex", "[0-9]+")
+    asyncio.run(pool.compile(compiler, c))
+    servers, _ = grammar_processes(os.getpid())
+    assert c.compiled and pool.pending == 0 and len(servers) == 1 and killed[0] not in servers
+
+
 def test_shutdown_with_compiles_running_waits_for_none_and_ends_their_processes(compiler, make_pool):
     pool = make_pool()
     async def scenario():

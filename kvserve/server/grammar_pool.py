@@ -175,26 +175,7 @@ class GrammarPool:
         """On a pool thread: c compiled in this thread's worker process, then here if it compiled
         there in time."""
         compiler.check(c)  # over the size limits: refused before any work
-        try:
-            worker = self._processes.worker(_vocabulary(compiler))
-        except WorkerGone:
-            if self._processes.closed:
-                raise _Abandoned from None
-            raise APIError(503, "the grammar compiler's processes failed to start: retry in a moment",
-                           code="grammar_compiler_unavailable", headers={"Retry-After": "1"}) from None
-        if not job.begin(worker):
-            raise _Abandoned
-        try:
-            took = worker.try_compile(c)
-        except WorkerGone:
-            self._processes.discard()
-            if job.abandoned or self._processes.closed:
-                raise _Abandoned from None
-            log.warning("a grammar compile process ended while it compiled %s", c.param)
-            raise InvalidParam(c.param, f"{c.param} could not be compiled: the grammar compiler's process ended on it "
-                               "(out of memory?): make it simpler") from None
-        finally:
-            job.end()
+        took = self._in_worker(compiler, c, job, retry=True)
         if job.abandoned:
             raise _Abandoned
         if time.monotonic() + took > job.deadline:  # compiled here too, it would end after every request left
@@ -205,6 +186,35 @@ class GrammarPool:
                      "its requests' %g s, so they get a 400", c.param, took, self.timeout)
             raise _too_slow(c, self.timeout)
         return compiler.build(c)
+
+    def _in_worker(self, compiler: GrammarCompiler, c: Constraint, job: _Job, retry: bool) -> float:
+        """c compiled in this thread's worker process: the seconds it took. A worker that ended on it costs
+        the request a 400, unless its fork server had ended (the workers die with it, whatever they
+        compile): then c goes once more to a worker of a fork server started again."""
+        try:
+            worker = self._processes.worker(_vocabulary(compiler))
+        except WorkerGone:
+            if self._processes.closed:
+                raise _Abandoned from None
+            raise APIError(503, "the grammar compiler's processes failed to start: retry in a moment",
+                           code="grammar_compiler_unavailable", headers={"Retry-After": "1"}) from None
+        if not job.begin(worker):
+            raise _Abandoned
+        try:
+            return worker.try_compile(c)
+        except WorkerGone:
+            self._processes.discard()
+            if job.abandoned or self._processes.closed:
+                raise _Abandoned from None
+            if retry and self._processes.fork_server_ended():
+                log.warning("the grammar compile fork server ended while a worker compiled %s: on a new one", c.param)
+            else:
+                log.warning("a grammar compile process ended while it compiled %s", c.param)
+                raise InvalidParam(c.param, f"{c.param} could not be compiled: the grammar compiler's process ended "
+                                   "on it (out of memory?): make it simpler") from None
+        finally:
+            job.end()
+        return self._in_worker(compiler, c, job, retry=False)
 
     def _ran(self, c: Constraint, seconds: float) -> None:
         """c's compile ran `seconds` in its worker (without ending, or to its end): remember it if

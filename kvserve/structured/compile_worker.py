@@ -179,6 +179,18 @@ class CompileProcesses:
         self._local.worker = worker
         return worker
 
+    def fork_server_ended(self, wait: float = 0.1) -> bool:
+        """Whether the fork server has ended, waiting up to `wait` s for it: a worker that ended with it
+        was killed by its end (PR_SET_PDEATHSIG), not by what it compiled."""
+        forks = self._forks
+        if forks is None:
+            return False
+        try:
+            forks.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def discard(self) -> None:
         """Forget this thread's worker (it ended): the next `worker` forks a new one."""
         worker = getattr(self._local, "worker", None)
