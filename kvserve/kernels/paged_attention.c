@@ -193,50 +193,22 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *kv, s
     for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 #define KEYS_AHEAD 16 /* keys whose K rows are asked for ahead of the one being read */
-/* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1. */
-static inline __attribute__((always_inline)) void qk_pass(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
-                                                          size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
-                                                          int kv_fmt, float *restrict scores, int n) {
-    int t = t0;
-    key_rows it = rows_from(table, bs, t0);
-    int ta = t0 + KEYS_AHEAD < L ? t0 + KEYS_AHEAD : L; /* the next key whose K row is asked for ahead */
-    key_rows ahead = rows_from(table, bs, ta);
-    for (; t + 4 <= L; t += 4) {
-        size_t r[4];
-        for (int j = 0; j < 4; j++) {
-            const size_t slot = next_row(&it);
-            r[j] = k_head + slot;
-            prefetch_row(kv, v_head + slot, D, kv_fmt); /* its V row, read by pv_pass after the softmax */
-            if (ta < L) prefetch_row(kv, k_head + next_row(&ahead), D, kv_fmt), ta++;
+/* Keys r[0..3]'s scores for NG heads (an int8 pool's row scales not yet applied): a key's 8 partial sums, added
+ * up by hsum4. */
+static inline __attribute__((always_inline)) void four_keys(float (*qf)[MAX_D], int NG, const void *kv, const size_t r[4], int D,
+                                                            int kv_fmt, __m128 out[QPASS]) {
+    __m256 acc[QPASS][4];
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        __m256 k[4];
+        for (int j = 0; j < 4; j++) k[j] = load8(kv, r[j] * D + i, kv_fmt);
+        for (int g = 0; g < NG; g++) {
+            const __m256 q = _mm256_loadu_ps(qf[g] + i);
+            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(k[j], q, acc[g][j]);
         }
-        __m256 acc[QPASS][4];
-        for (int g = 0; g < NG; g++)
-            for (int j = 0; j < 4; j++) acc[g][j] = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 8) {
-            __m256 k[4];
-            for (int j = 0; j < 4; j++) k[j] = load8(kv, r[j] * D + i, kv_fmt);
-            for (int g = 0; g < NG; g++) {
-                const __m256 q = _mm256_loadu_ps(qf[g] + i);
-                for (int j = 0; j < 4; j++) acc[g][j] = _mm256_fmadd_ps(k[j], q, acc[g][j]);
-            }
-        }
-        __m128 ks = _mm_set1_ps(1.f);
-        if (kv_fmt == FMT_I8)
-            ks = _mm_setr_ps(fp16_to_f32(kv_scale[r[0]]), fp16_to_f32(kv_scale[r[1]]), fp16_to_f32(kv_scale[r[2]]),
-                             fp16_to_f32(kv_scale[r[3]]));
-        for (int g = 0; g < NG; g++) _mm_storeu_ps(scores + (size_t)g * n + t - t0, _mm_mul_ps(hsum4(acc[g]), ks));
     }
-    for (; t < L; t++) {
-        const size_t r = k_head + next_row(&it);
-        __m256 acc[QPASS];
-        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 8) {
-            const __m256 k = load8(kv, r * D + i, kv_fmt);
-            for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qf[g] + i), acc[g]);
-        }
-        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
-        for (int g = 0; g < NG; g++) scores[(size_t)g * n + t - t0] = hsum1(acc[g]) * ks;
-    }
+    for (int g = 0; g < NG; g++) out[g] = hsum4(acc[g]);
 }
 /* out[g] = sum_t p[g][t] v_t for NG heads, 32 values of D at a time. */
 static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
@@ -262,7 +234,7 @@ static inline __attribute__((always_inline)) void pv_pass(float (*acc_out)[MAX_D
     }
 }
 #if defined(__AVX512F__)
-/* The same passes on 512-bit vectors, the same bits: each lane runs qk_pass's and pv_pass's operations in
+/* The same passes on 512-bit vectors, the same bits: each lane runs four_keys' and pv_pass's operations in
  * their order. A score's 8 partial sums sit in one half of a vector, two keys to a vector (as the
  * matmul's pair tiles hold two activation rows), and are added up as hsum4 adds them; pv_pass's sums are
  * per output value already, so 16 of them to a vector change nothing. Where the FMA units are 512 bits
@@ -300,48 +272,19 @@ static inline __attribute__((always_inline)) __m128 hsum4_512(__m512 a, __m512 b
     const __m512 s = _mm512_add_ps(q, _mm512_shuffle_f32x4(q, q, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s));
 }
-static inline __attribute__((always_inline)) void qk_pass512(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
-                                                             size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs,
-                                                             int D, int kv_fmt, float *restrict scores, int n) {
-    int t = t0;
-    key_rows it = rows_from(table, bs, t0);
-    int ta = t0 + KEYS_AHEAD < L ? t0 + KEYS_AHEAD : L;
-    key_rows ahead = rows_from(table, bs, ta);
-    for (; t + 4 <= L; t += 4) {
-        size_t r[4];
-        for (int j = 0; j < 4; j++) {
-            const size_t slot = next_row(&it);
-            r[j] = k_head + slot;
-            prefetch_row(kv, v_head + slot, D, kv_fmt);
-            if (ta < L) prefetch_row(kv, k_head + next_row(&ahead), D, kv_fmt), ta++;
+static inline __attribute__((always_inline)) void four_keys512(float (*qf)[MAX_D], int NG, const void *kv, const size_t r[4], int D,
+                                                               int kv_fmt, __m128 out[QPASS]) {
+    __m512 acc[QPASS][2];
+    for (int g = 0; g < NG; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int i = 0; i < D; i += 8) {
+        const __m512 k01 = load2x8(kv, r[0], r[1], D, i, kv_fmt), k23 = load2x8(kv, r[2], r[3], D, i, kv_fmt);
+        for (int g = 0; g < NG; g++) {
+            const __m512 q = _mm512_broadcast_f32x8(_mm256_loadu_ps(qf[g] + i));
+            acc[g][0] = _mm512_fmadd_ps(k01, q, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(k23, q, acc[g][1]);
         }
-        __m512 acc[QPASS][2];
-        for (int g = 0; g < NG; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-        for (int i = 0; i < D; i += 8) {
-            const __m512 k01 = load2x8(kv, r[0], r[1], D, i, kv_fmt), k23 = load2x8(kv, r[2], r[3], D, i, kv_fmt);
-            for (int g = 0; g < NG; g++) {
-                const __m512 q = _mm512_broadcast_f32x8(_mm256_loadu_ps(qf[g] + i));
-                acc[g][0] = _mm512_fmadd_ps(k01, q, acc[g][0]);
-                acc[g][1] = _mm512_fmadd_ps(k23, q, acc[g][1]);
-            }
-        }
-        __m128 ks = _mm_set1_ps(1.f);
-        if (kv_fmt == FMT_I8)
-            ks = _mm_setr_ps(fp16_to_f32(kv_scale[r[0]]), fp16_to_f32(kv_scale[r[1]]), fp16_to_f32(kv_scale[r[2]]),
-                             fp16_to_f32(kv_scale[r[3]]));
-        for (int g = 0; g < NG; g++) _mm_storeu_ps(scores + (size_t)g * n + t - t0, _mm_mul_ps(hsum4_512(acc[g][0], acc[g][1]), ks));
     }
-    for (; t < L; t++) { /* the last keys as qk_pass takes them, one at a time */
-        const size_t r = k_head + next_row(&it);
-        __m256 acc[QPASS];
-        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
-        for (int i = 0; i < D; i += 8) {
-            const __m256 k = load8(kv, r * D + i, kv_fmt);
-            for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qf[g] + i), acc[g]);
-        }
-        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
-        for (int g = 0; g < NG; g++) scores[(size_t)g * n + t - t0] = hsum1(acc[g]) * ks;
-    }
+    for (int g = 0; g < NG; g++) out[g] = hsum4_512(acc[g][0], acc[g][1]);
 }
 /* pv_pass over NV x 16 values of D from c (NV <= 4): a head's sums stay in registers over the whole context. */
 static inline __attribute__((always_inline)) void pv_pass512(float (*acc_out)[MAX_D], int NG, int NV, int c, const void *kv,
@@ -371,12 +314,50 @@ static inline __attribute__((always_inline)) void pv_all512(float (*acc_out)[MAX
     for (; c + 64 <= D; c += 64) pv_pass512(acc_out, NG, 4, c, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores, n);
     if (D - c == 32) pv_pass512(acc_out, NG, 2, c, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores, n);
 }
-#define QK_PASS(NG) qk_pass512(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#define FOUR_KEYS four_keys512
 #define PV_PASS(NG) pv_all512(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 #else
-#define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
+#define FOUR_KEYS four_keys
 #define PV_PASS(NG) pv_pass(acc + g0, NG, kv, kv_scale, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 #endif
+/* scores[g][t - t0] = qf[g] . k_t for NG heads (g < NG), keys t0 .. L - 1: 4 keys at a time (FOUR_KEYS), the last
+ * ones one at a time. */
+static inline __attribute__((always_inline)) void qk_pass(float (*qf)[MAX_D], int NG, const void *kv, const uint16_t *kv_scale,
+                                                          size_t k_head, size_t v_head, const int32_t *table, int t0, int L, int bs, int D,
+                                                          int kv_fmt, float *restrict scores, int n) {
+    int t = t0;
+    key_rows it = rows_from(table, bs, t0);
+    int ta = t0 + KEYS_AHEAD < L ? t0 + KEYS_AHEAD : L; /* the next key whose K row is asked for ahead */
+    key_rows ahead = rows_from(table, bs, ta);
+    for (; t + 4 <= L; t += 4) {
+        size_t r[4];
+        for (int j = 0; j < 4; j++) {
+            const size_t slot = next_row(&it);
+            r[j] = k_head + slot;
+            prefetch_row(kv, v_head + slot, D, kv_fmt); /* its V row, read by pv_pass after the softmax */
+            if (ta < L) prefetch_row(kv, k_head + next_row(&ahead), D, kv_fmt), ta++;
+        }
+        __m128 sums[QPASS];
+        FOUR_KEYS(qf, NG, kv, r, D, kv_fmt, sums);
+        __m128 ks = _mm_set1_ps(1.f);
+        if (kv_fmt == FMT_I8)
+            ks = _mm_setr_ps(fp16_to_f32(kv_scale[r[0]]), fp16_to_f32(kv_scale[r[1]]), fp16_to_f32(kv_scale[r[2]]),
+                             fp16_to_f32(kv_scale[r[3]]));
+        for (int g = 0; g < NG; g++) _mm_storeu_ps(scores + (size_t)g * n + t - t0, _mm_mul_ps(sums[g], ks));
+    }
+    for (; t < L; t++) {
+        const size_t r = k_head + next_row(&it);
+        __m256 acc[QPASS];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int i = 0; i < D; i += 8) {
+            const __m256 k = load8(kv, r * D + i, kv_fmt);
+            for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(k, _mm256_loadu_ps(qf[g] + i), acc[g]);
+        }
+        const float ks = kv_fmt == FMT_I8 ? fp16_to_f32(kv_scale[r]) : 1.f;
+        for (int g = 0; g < NG; g++) scores[(size_t)g * n + t - t0] = hsum1(acc[g]) * ks;
+    }
+}
+#define QK_PASS(NG) qk_pass(qf + g0, NG, kv, kv_scale, k_head, v_head, table, t0, L, bs, D, kv_fmt, scores + (size_t)g0 * n, n)
 static inline __attribute__((always_inline)) void attend_simd(const void *q, const void *kv, const uint16_t *kv_scale, void *out,
                                                               const int32_t *table, int t0, int L, int b, int h, int H, int Hkv,
                                                               size_t head_rows, int bs, int D, float scale, float cap, const float *sinks,
@@ -406,6 +387,7 @@ static inline __attribute__((always_inline)) void attend_simd(const void *q, con
 }
 #undef QK_PASS
 #undef PV_PASS
+#undef FOUR_KEYS
 #endif
 
 /* One work item: sequence b's query heads of KV head h. Literal formats and head sizes: each
