@@ -206,7 +206,7 @@ class GrammarPool:
             self._processes.discard()
             if job.abandoned or self._processes.closed:
                 raise _Abandoned from None
-            if retry and self._processes.fork_server_ended():
+            if retry and worker.fork_server.ended(wait=0.1):  # its own: another thread may have started the next
                 log.warning("the grammar compile fork server ended while a worker compiled %s: on a new one", c.param)
             else:
                 log.warning("a grammar compile process ended while it compiled %s", c.param)

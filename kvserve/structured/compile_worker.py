@@ -56,9 +56,10 @@ class WorkerGone(Exception):
 class CompileWorker:
     """One process that compiles one constraint at a time; `kill` ends it whatever it is doing."""
 
-    def __init__(self, pid: int, conn: Connection) -> None:
+    def __init__(self, pid: int, conn: Connection, fork_server: ForkServer) -> None:
         self.pid = pid
         self._conn = conn
+        self.fork_server = fork_server  # it dies with it (PR_SET_PDEATHSIG)
 
     @property
     def alive(self) -> bool:
@@ -108,6 +109,15 @@ class ForkServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def ended(self, wait: float) -> bool:
+        """Whether it has ended, waiting up to `wait` s for it: one killed a moment ago still polls alive,
+        and a worker of it that ended was killed by its end, not by what it compiled."""
+        try:
+            self.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def load(self, tokenizer_info: str) -> None:
         """Hand over the vocabulary (xgrammar's TokenizerInfo as JSON, ~1.6 MB for 49,152 tokens);
         returns once the fork server has read it (after its import)."""
@@ -134,7 +144,7 @@ class ForkServer:
         if len(answer) != _PID.size:
             ours.close()
             raise WorkerGone("the grammar compile fork server ended")
-        return CompileWorker(_PID.unpack(answer)[0], Connection(ours.detach()))
+        return CompileWorker(_PID.unpack(answer)[0], Connection(ours.detach()), self)
 
     def kill(self) -> None:
         """End it and, with it, every worker it forked; waits for nothing but the kernel."""
@@ -168,7 +178,7 @@ class CompileProcesses:
         and could not be started again, or `kill` was called)."""
         worker: CompileWorker | None = getattr(self._local, "worker", None)
         # (an idle worker whose fork server has ended is dying with it, though its end may not show it yet)
-        if worker is not None and worker.alive and self._forks is not None and self._forks.alive:
+        if worker is not None and worker.alive and worker.fork_server.alive:
             return worker
         self.discard()
         forks = self._fork_server(vocabulary)
@@ -178,18 +188,6 @@ class CompileProcesses:
             worker = self._fork_server(vocabulary, ended=forks).fork()
         self._local.worker = worker
         return worker
-
-    def fork_server_ended(self, wait: float = 0.1) -> bool:
-        """Whether the fork server has ended, waiting up to `wait` s for it: a worker that ended with it
-        was killed by its end (PR_SET_PDEATHSIG), not by what it compiled."""
-        forks = self._forks
-        if forks is None:
-            return False
-        try:
-            forks.process.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
 
     def discard(self) -> None:
         """Forget this thread's worker (it ended): the next `worker` forks a new one."""
