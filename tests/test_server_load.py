@@ -48,13 +48,16 @@ def wait_for(condition, timeout: float = 5.0) -> float:
 
 def test_32_concurrent_streams_match_their_solo_runs(server):
     prompts = [f"Request number {i} says" for i in range(32)]
+    # 48 tokens each: the 32 streams last long enough (~0.5 s here) for the loop below to see them share batches
+    # on a loaded machine, where one /health + /metrics round can take 100 ms (10 tokens gave it two looks).
+    n = 48
     with server.client() as c:
-        alone = [c.post("/v1/completions", json=body(p, 10, False)).json()["choices"][0]["text"] for p in prompts]
+        alone = [c.post("/v1/completions", json=body(p, n, False)).json()["choices"][0]["text"] for p in prompts]
 
     async def together() -> tuple[list[str], list[float]]:
         async with httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120,
                                      limits=httpx.Limits(max_connections=40)) as client:
-            streams = asyncio.gather(*(stream_text(client, p, 10) for p in prompts))
+            streams = asyncio.gather(*(stream_text(client, p, n) for p in prompts))
             # Meanwhile: how long does /health take while the engine is busy, and how big are its batches?
             latencies, running = [], []
             while not streams.done():
